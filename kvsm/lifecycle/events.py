@@ -1,0 +1,180 @@
+"""The inputs that move a request's lifecycle: one typed struct per trigger.
+
+Events are facts that happened (a scheduler hook call, a handshake reply, a
+NIXL completion, a timer firing), named in the past tense where English
+allows. They are msgspec structs tagged by their trigger name, so the event
+log records the exact input and replay decodes it back into the same type
+(Temporal's lesson: record inputs, not only outcomes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="trigger"):
+    """Base of every lifecycle input. ``req`` is the local request id."""
+
+    req: str
+
+    @property
+    def trigger(self) -> str:
+        return type(self).__struct_config__.tag  # type: ignore[return-value]
+
+    def inputs(self) -> dict[str, Any]:
+        """The event's own fields, without ``req`` (which every record has)."""
+        return {f: getattr(self, f) for f in self.__struct_fields__ if f != "req"}
+
+
+# --- receiving side (decode engine, do_remote_prefill) ----------------------
+
+
+class Matched(Event, frozen=True, tag="matched"):
+    """The scheduler found remote tokens to load for this request."""
+
+    num_tokens: int
+    remote_engine: str = ""
+    remote_req: str = ""
+    remote_host: str = ""
+    remote_port: int = 0
+    remote_blocks: int = 0
+    remote_expiry_ns: int = 0
+
+
+class Allocated(Event, frozen=True, tag="allocated"):
+    """vLLM allocated local blocks the remote KV will be written into."""
+
+    block_ids: tuple[int, ...] = ()
+    num_external_tokens: int = 0
+
+
+class HandshakeOk(Event, frozen=True, tag="handshake_ok"):
+    """The remote engine's agent metadata is known and compatible."""
+
+    remote_engine: str = ""
+
+
+class ReadsPosted(Event, frozen=True, tag="reads_posted"):
+    """NIXL READs for this request were posted; they may now write our blocks."""
+
+    num_blocks: int = 0
+    num_descs: int = 0
+
+
+class NothingToRead(Event, frozen=True, tag="nothing_to_read"):
+    """Every block was a local prefix hit: only the prefill side is notified."""
+
+
+class AllReadsDone(Event, frozen=True, tag="all_reads_done"):
+    """Every posted read completed successfully."""
+
+    num_bytes: int = 0
+
+
+class Error(Event, frozen=True, tag="error"):
+    """A failure that ends the request; ``kind`` is a stable name for metrics."""
+
+    kind: str
+    detail: str = ""
+
+
+class Timeout(Event, frozen=True, tag="timeout"):
+    """A timer for this request fired; ``what`` names the timer."""
+
+    what: str
+
+
+class PeerDead(Event, frozen=True, tag="peer_dead"):
+    """The remote engine this request depends on is known to be dead."""
+
+    peer: str
+
+
+class Abort(Event, frozen=True, tag="abort"):
+    """vLLM finished the request before the connector was done with it."""
+
+
+class ReadsQuiesced(Event, frozen=True, tag="reads_quiesced"):
+    """No posted read can write into this request's blocks any more."""
+
+
+# --- sending side (prefill engine, do_remote_decode) ------------------------
+
+
+class FinishedOk(Event, frozen=True, tag="finished_ok"):
+    """Prefill finished normally: the blocks are pinned for the decode side."""
+
+    block_ids: tuple[int, ...] = ()
+    expected_reads: int = 1
+    lease_ns: int = 30_000_000_000
+
+
+class FinishedAbnormally(Event, frozen=True, tag="finished_abnormally"):
+    """Prefill ended by length cap, error or stop before the KV was usable."""
+
+    reason: str = ""
+
+
+class Heartbeat(Event, frozen=True, tag="heartbeat"):
+    """The decode side is still coming: extend the lease."""
+
+    lease_ns: int = 30_000_000_000
+
+
+class ReadNotif(Event, frozen=True, tag="read_notif"):
+    """One decode reader says it has finished reading our blocks."""
+
+    reader: str = ""
+
+
+class LeaseExpired(Event, frozen=True, tag="lease_expired"):
+    """Nobody read the pinned blocks in time; they are freed."""
+
+
+class RemoteAbandoned(Event, frozen=True, tag="remote_abandoned"):
+    """The decode side says it will never read (it aborted or failed early)."""
+
+    reason: str = ""
+
+
+AnyEvent = Union[
+    Matched,
+    Allocated,
+    HandshakeOk,
+    ReadsPosted,
+    NothingToRead,
+    AllReadsDone,
+    Error,
+    Timeout,
+    PeerDead,
+    Abort,
+    ReadsQuiesced,
+    FinishedOk,
+    FinishedAbnormally,
+    Heartbeat,
+    ReadNotif,
+    LeaseExpired,
+    RemoteAbandoned,
+]
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    t.__struct_config__.tag: t for t in AnyEvent.__args__  # type: ignore[attr-defined]
+}
+
+
+
+def event_from_record(trigger: str, req: str, inputs: dict[str, Any]) -> Event:
+    """Rebuild a typed event from a log record's ``event``, ``req`` and ``input``.
+
+    Raises ``ValueError`` naming the trigger when it is unknown or its inputs
+    do not fit the event's fields.
+    """
+    cls = EVENT_TYPES.get(trigger)
+    if cls is None:
+        raise ValueError(f"unknown trigger {trigger!r}")
+    try:
+        return msgspec.convert({**inputs, "req": req}, cls)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad inputs for trigger {trigger!r}: {exc}") from exc

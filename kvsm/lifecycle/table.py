@@ -1,0 +1,373 @@
+"""The one declaration of every request lifecycle kvsm runs.
+
+Nothing else in kvsm may change a request's state. Each lifecycle is a list
+of states and a list of transitions written in the ``transitions`` library's
+vocabulary (``trigger``, ``source``, ``dest``, ``prepare``, ``conditions``,
+``after``), so the same declaration:
+
+* drives the runtime, compiled by ``LifecycleSpec`` into a dict lookup
+  (``transitions`` costs ~14 us a trigger and O(n) per added model, too
+  much for the hot path; see DESIGN.md),
+* builds a real ``transitions.Machine`` (``LifecycleSpec.machine``) that the
+  tests run side by side with the compiled table and that
+  ``tools/statecharts.py`` renders with its mermaid engine,
+* and is what replay re-applies recorded inputs to.
+
+Callback names have fixed meanings:
+
+``prepare``
+    folds the event's inputs into the request's data before conditions are
+    checked (functions in ``PREPARE``).
+``conditions``
+    pure predicates over the request's data (functions in ``CONDITIONS``).
+``after``
+    *effects*: what the I/O layer must now do (free blocks, arm a timer...).
+    The core never performs them; it returns their names (``EFFECTS``).
+
+Rules for a (state, trigger) pair are tried in order, like ``transitions``
+does; the last one must be unconditional, so a legal event always moves
+the machine somewhere (possibly to the same state) and never silently does
+nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvsm.lifecycle.events import Event
+    from kvsm.lifecycle.machine import RequestMachine
+
+# --- effects: what a transition asks the I/O layer to do --------------------
+
+EFFECTS: Mapping[str, str] = {
+    # receiving side
+    "take_blocks": "the allocated local blocks are ours to write until reported back",
+    "post_reads": "post NIXL READs of the remote blocks into the local blocks",
+    "send_notif": "tell the prefill side its blocks were read (or are not needed)",
+    "deliver_blocks": "report finished_recving: the local blocks hold the remote KV",
+    "report_invalid": "report the local blocks through get_block_ids_with_load_errors",
+    "release_blocks": "report finished_recving for an aborted request: blocks go back",
+    "notify_abandon": "tell the prefill side we will never read, so it can unpin",
+    "release_reads": "release the request's NIXL transfer handles",
+    # sending side
+    "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
+    "free_blocks": "report finished_sending: the blocks may be reused",
+    "arm_lease": "start the lease timer for the pinned blocks",
+    "extend_lease": "move the lease deadline (a heartbeat came)",
+    "cancel_lease": "stop the lease timer",
+    "arm_handshake_timer": "start the handshake timeout",
+    "cancel_handshake_timer": "stop the handshake timeout (the handshake is over)",
+    "arm_transfer_timer": "start the transfer timeout",
+    "cancel_timers": "stop the request's timers",
+}
+
+# Effects that hand blocks back to their pool; the block ledger counts them.
+BLOCK_RELEASING_EFFECTS = frozenset({"deliver_blocks", "report_invalid", "release_blocks", "free_blocks"})
+# Effects that take blocks out of the pool for this request.
+BLOCK_HOLDING_EFFECTS = frozenset({"take_blocks", "pin_blocks"})
+
+
+# --- prepare: fold an event's inputs into the request's data ----------------
+
+
+def _take_remote(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    m.remote_engine = ev.remote_engine
+    m.remote_req = ev.remote_req
+    m.num_tokens = ev.num_tokens
+    m.lease_deadline_ns = ev.remote_expiry_ns
+
+
+def _hold_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    m.block_ids = tuple(ev.block_ids)
+
+
+def _pin_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    m.block_ids = tuple(ev.block_ids)
+    m.reads_expected = ev.expected_reads
+    m.reads_seen = 0
+    m.lease_deadline_ns = now_ns + ev.lease_ns
+
+
+def _extend_lease(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    m.lease_deadline_ns = max(m.lease_deadline_ns, now_ns + ev.lease_ns)
+
+
+def _count_read(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    m.reads_seen += 1
+
+
+def _note_failure(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    m.failure = ev.trigger if not hasattr(ev, "kind") else f"{ev.trigger}:{ev.kind}"
+
+
+PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
+    "take_remote": _take_remote,
+    "hold_blocks": _hold_blocks,
+    "pin_blocks_data": _pin_blocks,
+    "extend_lease_data": _extend_lease,
+    "count_read": _count_read,
+    "note_failure": _note_failure,
+}
+
+# --- conditions: pure predicates over the request's data --------------------
+
+
+def _all_reads_in(m: RequestMachine, ev: Any) -> bool:
+    return m.reads_seen >= m.reads_expected
+
+
+CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
+    "all_reads_in": _all_reads_in,
+}
+
+
+# --- the declarations -------------------------------------------------------
+
+
+def _each(triggers: Sequence[str], **rest: Any) -> list[dict[str, Any]]:
+    """One ``transitions`` dict per trigger (the library takes one trigger each)."""
+    return [{"trigger": t, **rest} for t in triggers]
+
+
+RECV_STATES = [
+    "new",
+    "awaiting_blocks",
+    "pending_handshake",
+    "remote_known",
+    "transferring",
+    "failing",
+    "aborting",
+    "done",
+    "failed",
+    "aborted",
+]
+
+_FAILURES = ["error", "timeout", "peer_dead"]
+# Triggers meaning "no posted read can write any more": a read that finished,
+# one that ended in error, or an explicit release of the handles.
+_QUIESCED = ["reads_quiesced", "all_reads_done", "error"]
+
+RECV_TRANSITIONS: list[dict[str, Any]] = [
+    {"trigger": "matched", "source": "new", "dest": "awaiting_blocks", "prepare": "take_remote"},
+    {"trigger": "allocated", "source": "awaiting_blocks", "dest": "pending_handshake",
+     "prepare": "hold_blocks", "after": ["take_blocks", "arm_handshake_timer"]},
+    {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "remote_known",
+     "after": ["cancel_handshake_timer", "post_reads"]},
+    {"trigger": "reads_posted", "source": "remote_known", "dest": "transferring", "after": "arm_transfer_timer"},
+    # Full local prefix hit: nothing to read, but the prefill side must unpin.
+    {"trigger": "nothing_to_read", "source": "remote_known", "dest": "done",
+     "after": ["send_notif", "deliver_blocks", "cancel_timers"]},
+    {"trigger": "all_reads_done", "source": "transferring", "dest": "done",
+     "after": ["send_notif", "release_reads", "deliver_blocks", "cancel_timers"]},
+    # Before any read is posted a failure ends the request at once.
+    *_each(_FAILURES, source=["new", "awaiting_blocks", "pending_handshake", "remote_known"],
+           dest="failed", prepare="note_failure", after=["notify_abandon", "report_invalid", "cancel_timers"]),
+    # A transfer that ended in error is over: nothing can write any more.
+    {"trigger": "error", "source": "transferring", "dest": "failed", "prepare": "note_failure",
+     "after": ["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]},
+    # A timeout or a dead peer does not stop posted reads: wait for quiescence
+    # before the blocks go back to vLLM (they could still be written).
+    *_each(["timeout", "peer_dead"], source="transferring", dest="failing",
+           prepare="note_failure", after="release_reads"),
+    *_each(_QUIESCED, source="failing", dest="failed", after=["notify_abandon", "report_invalid", "cancel_timers"]),
+    *_each(["timeout", "peer_dead"], source=["failing", "aborting"], dest="=", after="release_reads"),
+    # Abort: immediate where no read is posted, via aborting where one is.
+    {"trigger": "abort", "source": ["new", "awaiting_blocks"], "dest": "aborted",
+     "after": ["release_blocks", "cancel_timers"]},
+    {"trigger": "abort", "source": ["pending_handshake", "remote_known"], "dest": "aborted",
+     "after": ["notify_abandon", "release_blocks", "cancel_timers"]},
+    {"trigger": "abort", "source": "transferring", "dest": "aborting", "after": "release_reads"},
+    {"trigger": "abort", "source": "failing", "dest": "aborting"},
+    *_each(_QUIESCED, source="aborting", dest="aborted",
+           after=["notify_abandon", "release_blocks", "cancel_timers"]),
+]
+
+SEND_STATES = ["prefilling", "awaiting_pull", "released", "expired"]
+
+SEND_TRANSITIONS: list[dict[str, Any]] = [
+    {"trigger": "finished_ok", "source": "prefilling", "dest": "awaiting_pull",
+     "prepare": "pin_blocks_data", "after": ["pin_blocks", "arm_lease"]},
+    *_each(["abort", "finished_abnormally"], source="prefilling", dest="released"),
+    {"trigger": "heartbeat", "source": "awaiting_pull", "dest": "=",
+     "prepare": "extend_lease_data", "after": "extend_lease"},
+    {"trigger": "read_notif", "source": "awaiting_pull", "dest": "released", "prepare": "count_read",
+     "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "read_notif", "source": "awaiting_pull", "dest": "="},
+    {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "released",
+     "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "expired", "after": "free_blocks"},
+]
+
+
+# --- compiling a declaration ------------------------------------------------
+
+
+def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One compiled transition for one (source state, trigger) pair."""
+
+    trigger: str
+    source: str
+    dest: str
+    prepare: tuple[str, ...] = ()
+    conditions: tuple[str, ...] = ()
+    effects: tuple[str, ...] = ()
+
+
+class LifecycleDeclarationError(ValueError):
+    """The declaration itself is inconsistent (caught at import time)."""
+
+
+@dataclass(frozen=True)
+class LifecycleSpec:
+    """A named lifecycle: its states, its transitions, and their compiled form."""
+
+    name: str
+    states: tuple[str, ...]
+    initial: str
+    terminal: frozenset[str]
+    transitions: tuple[Mapping[str, Any], ...]
+    # States a machine may be created in: a process that learns of a request
+    # mid-way (a worker seeing the scheduler's metadata) starts there.
+    entry_states: frozenset[str] = frozenset()
+    # Illegal (state, trigger) pairs that have a specific name in reports.
+    named_violations: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    rules: Mapping[tuple[str, str], tuple[Rule, ...]] = field(init=False, repr=False)
+    triggers: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        rules = _compile(self)
+        object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "triggers", frozenset(t for (_, t) in rules))
+        _validate(self)
+
+    def legal_triggers(self, state: str) -> list[str]:
+        return sorted(t for (s, t) in self.rules if s == state)
+
+    def machine(self, model: Any = "self", **kwargs: Any) -> Any:
+        """A real ``transitions.Machine`` built from this declaration.
+
+        Used by the tests (run side by side with the compiled table) and by the
+        statecharts tool (``machine_cls=GraphMachine``). Not used on the hot path.
+        """
+        from transitions import Machine
+
+        logging.getLogger("transitions").setLevel(logging.WARNING)
+        machine_cls = kwargs.pop("machine_cls", Machine)
+        initial = kwargs.pop("initial", self.initial)
+        return machine_cls(
+            model=model,
+            states=list(self.states),
+            initial=initial,
+            transitions=[dict(t) for t in self.transitions],
+            auto_transitions=False,
+            ignore_invalid_triggers=False,
+            send_event=False,
+            **kwargs,
+        )
+
+
+def _compile(spec: LifecycleSpec) -> dict[tuple[str, str], tuple[Rule, ...]]:
+    table: dict[tuple[str, str], list[Rule]] = {}
+    for t in spec.transitions:
+        unknown_keys = set(t) - {"trigger", "source", "dest", "prepare", "conditions", "after"}
+        if unknown_keys:
+            raise LifecycleDeclarationError(f"{spec.name}: unsupported keys {sorted(unknown_keys)} in {t}")
+        for trigger in _names(t["trigger"]):
+            for source in _names(t["source"]):
+                dest = source if t["dest"] == "=" else t["dest"]
+                rule = Rule(trigger, source, dest, _names(t.get("prepare")), _names(t.get("conditions")),
+                            _names(t.get("after")))
+                table.setdefault((source, trigger), []).append(rule)
+    return {k: tuple(v) for k, v in table.items()}
+
+
+def _validate(spec: LifecycleSpec) -> None:
+    states = set(spec.states)
+    where = f"lifecycle {spec.name!r}"
+    if spec.initial not in states:
+        raise LifecycleDeclarationError(f"{where}: initial state {spec.initial!r} is not declared")
+    for s in spec.terminal | spec.entry_states:
+        if s not in states:
+            raise LifecycleDeclarationError(f"{where}: state {s!r} is not declared")
+    for (source, trigger), rules in spec.rules.items():
+        if source not in states:
+            raise LifecycleDeclarationError(f"{where}: source {source!r} of {trigger!r} is not declared")
+        if source in spec.terminal:
+            raise LifecycleDeclarationError(f"{where}: terminal state {source!r} has a transition on {trigger!r}")
+        for r in rules:
+            if r.dest not in states:
+                raise LifecycleDeclarationError(f"{where}: dest {r.dest!r} of {trigger!r} is not declared")
+            for name in r.prepare:
+                if name not in PREPARE:
+                    raise LifecycleDeclarationError(f"{where}: unknown prepare callback {name!r}")
+            for name in r.conditions:
+                if name not in CONDITIONS:
+                    raise LifecycleDeclarationError(f"{where}: unknown condition {name!r}")
+            for name in r.effects:
+                if name not in EFFECTS:
+                    raise LifecycleDeclarationError(f"{where}: unknown effect {name!r}")
+        if rules[-1].conditions:
+            raise LifecycleDeclarationError(
+                f"{where}: the last rule for ({source!r}, {trigger!r}) is conditional; "
+                "a legal event must always move the machine")
+    reachable = _reachable(spec.initial, spec.rules) | {
+        s for e in spec.entry_states for s in _reachable(e, spec.rules)}
+    unreachable = states - reachable
+    if unreachable:
+        raise LifecycleDeclarationError(f"{where}: states never reached: {sorted(unreachable)}")
+    for s in states - spec.terminal:
+        if not (_reachable(s, spec.rules) & spec.terminal):
+            raise LifecycleDeclarationError(f"{where}: no terminal state is reachable from {s!r}")
+
+
+def _reachable(start: str, rules: Mapping[tuple[str, str], Iterable[Rule]]) -> set[str]:
+    seen = {start}
+    frontier = [start]
+    while frontier:
+        s = frontier.pop()
+        for (source, _), rs in rules.items():
+            if source == s:
+                for r in rs:
+                    if r.dest not in seen:
+                        seen.add(r.dest)
+                        frontier.append(r.dest)
+    return seen
+
+
+RECV = LifecycleSpec(
+    name="recv",
+    states=tuple(RECV_STATES),
+    initial="new",
+    terminal=frozenset({"done", "failed", "aborted"}),
+    transitions=tuple(RECV_TRANSITIONS),
+    entry_states=frozenset({"new", "pending_handshake"}),
+    named_violations={},
+)
+
+SEND = LifecycleSpec(
+    name="send",
+    states=tuple(SEND_STATES),
+    initial="prefilling",
+    terminal=frozenset({"released", "expired"}),
+    transitions=tuple(SEND_TRANSITIONS),
+    entry_states=frozenset({"prefilling"}),
+    named_violations={
+        ("expired", "read_notif"): "read_after_lease_expiry",
+        ("expired", "heartbeat"): "heartbeat_after_lease_expiry",
+    },
+)
+
+LIFECYCLES: Mapping[str, LifecycleSpec] = {RECV.name: RECV, SEND.name: SEND}

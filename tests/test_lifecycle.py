@@ -1,0 +1,226 @@
+"""The sans-I/O core: the declaration, the compiled table, illegal events, timers."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.clock import VirtualClock
+from kvsm.lifecycle.machine import IllegalEventPolicy, IllegalTransition, LifecycleTracker
+from kvsm.lifecycle.reference import TransitionsModel
+from kvsm.lifecycle.table import (
+    EFFECTS,
+    LIFECYCLES,
+    RECV,
+    SEND,
+    LifecycleDeclarationError,
+    LifecycleSpec,
+)
+from kvsm.lifecycle.timers import TimerHeap
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# One example event per trigger, so random sequences can use every trigger of every lifecycle.
+SAMPLE_EVENTS: dict[str, ev.Event] = {
+    "matched": ev.Matched(req="r", num_tokens=40, remote_engine="p0", remote_req="pr", remote_blocks=1),
+    "allocated": ev.Allocated(req="r", block_ids=(1, 2), num_external_tokens=40),
+    "handshake_ok": ev.HandshakeOk(req="r", remote_engine="p0"),
+    "reads_posted": ev.ReadsPosted(req="r", num_blocks=2, num_descs=2),
+    "nothing_to_read": ev.NothingToRead(req="r"),
+    "all_reads_done": ev.AllReadsDone(req="r", num_bytes=128),
+    "error": ev.Error(req="r", kind="transfer", detail="x"),
+    "timeout": ev.Timeout(req="r", what="transfer"),
+    "peer_dead": ev.PeerDead(req="r", peer="p0"),
+    "abort": ev.Abort(req="r"),
+    "reads_quiesced": ev.ReadsQuiesced(req="r"),
+    "finished_ok": ev.FinishedOk(req="r", block_ids=(5, 6), expected_reads=2, lease_ns=1_000),
+    "finished_abnormally": ev.FinishedAbnormally(req="r", reason="length"),
+    "heartbeat": ev.Heartbeat(req="r", lease_ns=1_000),
+    "read_notif": ev.ReadNotif(req="r", reader="d0"),
+    "lease_expired": ev.LeaseExpired(req="r"),
+    "remote_abandoned": ev.RemoteAbandoned(req="r"),
+}
+
+
+def test_every_trigger_has_a_typed_event() -> None:
+    triggers = set().union(*(spec.triggers for spec in LIFECYCLES.values()))
+    assert triggers <= set(ev.EVENT_TYPES), triggers - set(ev.EVENT_TYPES)
+    assert set(SAMPLE_EVENTS) == set(ev.EVENT_TYPES)
+
+
+def test_lifecycles_of_design() -> None:
+    assert RECV.initial == "new" and RECV.terminal == {"done", "failed", "aborted"}
+    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired"}
+    # The happy paths of DESIGN.md.
+    t = LifecycleTracker(RECV, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    t.create("r")
+    path = [t.apply(SAMPLE_EVENTS[n]).dst for n in
+            ("matched", "allocated", "handshake_ok", "reads_posted", "all_reads_done")]
+    assert path == ["awaiting_blocks", "pending_handshake", "remote_known", "transferring", "done"]
+    s = LifecycleTracker(SEND, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    s.create("r")
+    assert s.apply(SAMPLE_EVENTS["finished_ok"]).effects == ("pin_blocks", "arm_lease")
+    assert s.apply(SAMPLE_EVENTS["read_notif"]).dst == "awaiting_pull"  # 1 of 2 readers
+    out = s.apply(SAMPLE_EVENTS["read_notif"])
+    assert (out.dst, out.effects) == ("released", ("cancel_lease", "free_blocks"))
+
+
+def test_blocks_are_never_handed_back_while_a_read_may_write() -> None:
+    """After reads are posted, only quiescence (or a finished/errored read) releases blocks."""
+    releasing = {"deliver_blocks", "report_invalid", "release_blocks"}
+    for (src, trigger), rules in RECV.rules.items():
+        for rule in rules:
+            if src in ("transferring", "failing", "aborting") and releasing & set(rule.effects):
+                assert trigger in ("all_reads_done", "error", "reads_quiesced"), (src, trigger)
+
+
+def test_declaration_errors_name_the_problem() -> None:
+    with pytest.raises(LifecycleDeclarationError, match="terminal state 'b'"):
+        LifecycleSpec("x", ("a", "b"), "a", frozenset({"b"}),
+                      ({"trigger": "go", "source": "a", "dest": "b"}, {"trigger": "back", "source": "b", "dest": "a"}))
+    with pytest.raises(LifecycleDeclarationError, match="unknown effect 'explode'"):
+        LifecycleSpec("x", ("a", "b"), "a", frozenset({"b"}),
+                      ({"trigger": "go", "source": "a", "dest": "b", "after": "explode"},))
+    with pytest.raises(LifecycleDeclarationError, match="last rule .* is conditional"):
+        LifecycleSpec("x", ("a", "b"), "a", frozenset({"b"}),
+                      ({"trigger": "go", "source": "a", "dest": "b", "conditions": "all_reads_in"},))
+    with pytest.raises(LifecycleDeclarationError, match="never reached"):
+        LifecycleSpec("x", ("a", "b", "c"), "a", frozenset({"b", "c"}),
+                      ({"trigger": "go", "source": "a", "dest": "b"},))
+
+
+def test_illegal_event_is_recorded_with_lifecycle_request_state_and_event() -> None:
+    seen = []
+    t = LifecycleTracker(RECV, VirtualClock(), listener=seen.append)
+    t.create("r")
+    out = t.apply(SAMPLE_EVENTS["all_reads_done"])
+    assert not out.ok and out.violation == "illegal_transition"
+    assert "lifecycle 'recv' request 'r' in state 'new' got event 'all_reads_done'" in out.describe()
+    assert t.get("r").state == "new" and t.violations == 1 and seen[-1] is out
+    assert t.apply(ev.Abort(req="ghost")).violation == "unknown_request"
+    strict = LifecycleTracker(RECV, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    strict.create("r")
+    with pytest.raises(IllegalTransition, match="in state 'new' got event 'reads_posted'"):
+        strict.apply(SAMPLE_EVENTS["reads_posted"])
+    assert strict.get("r").state == "new"
+
+
+def test_late_events_after_terminal_are_named() -> None:
+    clock = VirtualClock()
+    s = LifecycleTracker(SEND, clock)
+    s.create("r")
+    s.apply(ev.FinishedOk(req="r", block_ids=(1,), lease_ns=10))
+    clock.advance(10)
+    assert s.apply(ev.LeaseExpired(req="r")).dst == "expired"
+    assert "r" not in s and len(s) == 0  # finished machines leave the live table
+    assert s.apply(ev.ReadNotif(req="r")).violation == "read_after_lease_expiry"
+    assert s.final_state("r") == "expired"
+
+
+def test_finished_requests_are_remembered_in_bounded_memory() -> None:
+    t = LifecycleTracker(SEND, VirtualClock(), remember_finished=10)
+    for i in range(100):
+        t.create(f"r{i}")
+        t.apply(ev.Abort(req=f"r{i}"))
+    assert len(t) == 0 and len(t._finished) == 10
+    assert t.final_state("r99") == "released" and t.final_state("r0") is None
+
+
+def test_duplicate_create_and_bad_entry_state_are_violations() -> None:
+    t = LifecycleTracker(RECV, VirtualClock())
+    t.create("r")
+    assert t.create("r").violation == "duplicate_request"
+    assert t.create("q", entry="transferring").violation == "illegal_entry_state"
+    assert t.create("w", entry="pending_handshake", block_ids=(3,)).dst == "pending_handshake"
+
+
+def _run_both(spec: LifecycleSpec, triggers: list[str], entry: str) -> None:
+    """The compiled table and the real transitions.Machine agree step by step."""
+    clock = VirtualClock()
+    tracker = LifecycleTracker(spec, clock)
+    tracker.create("r", entry=entry)
+    model = TransitionsModel(spec, "r", entry=entry)
+    for trigger in triggers:
+        clock.advance(7)
+        event = SAMPLE_EVENTS[trigger]
+        m = tracker.get("r")
+        before = m.state if m else tracker.final_state("r")
+        before_snapshot = m.snapshot() if m else None
+        out = tracker.apply(event)
+        legal = model.fire(event, clock.monotonic_ns())
+        assert legal == out.ok, (before, trigger)
+        after = tracker.get("r")
+        state_now = after.state if after else tracker.final_state("r")
+        assert state_now == model.state, (before, trigger)
+        if legal:
+            assert model.effects[-len(out.effects):] == list(out.effects) if out.effects else True
+        else:
+            # An illegal event changes nothing: state and data are as before.
+            assert state_now == before
+            if before_snapshot is not None:
+                assert after is not None and after.snapshot() == before_snapshot
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compiled_table_matches_transitions_library(data: st.DataObject) -> None:
+    spec = data.draw(st.sampled_from([RECV, SEND]))
+    entry = data.draw(st.sampled_from(sorted(spec.entry_states | {spec.initial})))
+    pool = sorted(spec.triggers | {"matched", "read_notif", "lease_expired"})
+    triggers = data.draw(st.lists(st.sampled_from(pool), max_size=25))
+    _run_both(spec, triggers, entry)
+
+
+def test_every_effect_is_used_and_documented() -> None:
+    used = {e for spec in LIFECYCLES.values() for rules in spec.rules.values() for r in rules for e in r.effects}
+    assert used == set(EFFECTS), set(EFFECTS) ^ used
+
+
+def test_timer_heap_orders_cancels_and_stays_bounded() -> None:
+    heap: TimerHeap[str] = TimerHeap()
+    handles = [heap.schedule(d, f"k{d}", f"p{d}") for d in (50, 10, 30, 20, 40)]
+    assert heap.next_deadline_ns() == 10
+    assert heap.cancel(handles[1]) and not heap.cancel(handles[1])
+    assert heap.next_deadline_ns() == 20
+    assert [h.payload for h in heap.pop_due(35)] == ["p20", "p30"]
+    assert not heap.cancel(handles[2])  # already fired
+    assert len(heap) == 2
+    many = [heap.schedule(1000 + i, i, i) for i in range(1000)]
+    for h in many:
+        heap.cancel(h)
+    assert len(heap) == 2 and len(heap._heap) <= 2 * 64 + 4
+    assert [h.payload for h in heap.pop_due(10_000)] == ["p40", "p50"]
+    assert heap.next_deadline_ns() is None
+
+
+FORBIDDEN = {"vllm", "nixl", "zmq", "torch"}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "kvsm" / "lifecycle").rglob("*.py")), ids=lambda p: p.name)
+def test_lifecycle_core_imports_no_io_library(path: pathlib.Path) -> None:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        for name in names:
+            assert name.split(".")[0] not in FORBIDDEN, f"{path.name} imports {name}"
+
+
+def test_lifecycle_core_loads_without_io_libraries() -> None:
+    """Importing the core in a fresh interpreter pulls in none of vllm/nixl/zmq/torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvsm.lifecycle, kvsm.lifecycle.invariants, kvsm.lifecycle.timers, kvsm.lifecycle.reference;"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'vllm','nixl','zmq','torch'});"
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
