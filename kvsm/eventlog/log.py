@@ -1,0 +1,538 @@
+"""The per-process event log: a non-blocking JSON-lines sink.
+
+Why it looks like this (DESIGN.md, "The event log"): logging must never block
+the event loop, and a full buffer or a dead disk must be counted and reported,
+never a crash and never an unbounded queue. So:
+
+* ``emit`` (the hot path, any thread) only takes one lock, stamps ``seq`` and
+  both clocks, and appends a plain dict to a bounded ``deque``. No JSON, no
+  structlog chain, no I/O. A full buffer drops the record *before* it gets a
+  ``seq`` (so ``seq`` stays gap-free over what was accepted) and counts it;
+  the writer later logs a ``log_overflow`` record saying how many were lost.
+* One daemon writer thread (``kvsm-eventlog-writer``) is the only thread that
+  touches the file. It wakes every ``flush_interval_s`` (or sooner when a
+  batch is ready), renders records through a structlog processor chain ending
+  in ``JSONRenderer(serializer=orjson.dumps)`` and writes each batch with one
+  ``os.write`` on an ``O_APPEND`` descriptor, so lines are never interleaved.
+  An ``OSError`` costs that batch (counted in ``write_errors`` and
+  ``lost_on_write``) and the file is reopened for the next one.
+
+There is no userspace file buffer (raw fd + ``os.write``), which keeps a
+``fork()`` from duplicating half-written data; a forked child gets its own
+buffer, ``pid``, ``seq`` (from 0) and writer, and starts with a ``log_start``
+record that names its parent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import msgspec
+import orjson
+import structlog
+
+from kvsm import __version__ as _KVSM_VERSION
+from kvsm.eventlog import schema
+from kvsm.eventlog.schema import HEADER_FIELDS, SCHEMA_VERSION
+from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock, SystemClock
+from kvsm.lifecycle.machine import Outcome
+
+__all__ = ["EventLog", "TornWrite", "WRITER_THREAD_NAME"]
+
+WRITER_THREAD_NAME: Final = "kvsm-eventlog-writer"
+
+# Header names a caller may not pass as extra fields (they would overwrite the
+# stamped header). ``req``/``src``/``dst``/``t_mono_ns`` are emit() parameters.
+_RESERVED: Final = frozenset(HEADER_FIELDS)
+
+Processor = Callable[[Any, str, dict[str, Any]], Any]
+
+_JSON_OPTIONS: Final = orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
+
+
+def _json_default(obj: Any) -> Any:
+    """What orjson cannot encode natively: msgspec structs (events), sets, bytes;
+    anything else as its repr, so one odd field never costs a whole record."""
+    if isinstance(obj, msgspec.Struct):
+        return msgspec.to_builtins(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=repr)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return bytes(obj).hex()
+    try:
+        return obj.__structlog__()
+    except AttributeError:
+        return repr(obj)
+
+
+class TornWrite(OSError):
+    """A write failed after part of the batch reached the file: the last line
+    there is cut short, so the next write must start on a fresh line."""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """One ``write`` for the batch; loop only on the (rare) short write."""
+    view = memoryview(data)
+    done = 0
+    while done < len(data):
+        try:
+            n = os.write(fd, view[done:])
+        except OSError as e:
+            if done:
+                raise TornWrite(e.errno, f"{e.strerror} (after {done} of {len(data)} bytes)") from e
+            raise
+        if n <= 0:  # pragma: no cover - a regular file never returns 0 here
+            raise TornWrite(errno.EIO, f"write returned 0 after {done} of {len(data)} bytes")
+        done += n
+
+
+class EventLog:
+    """A per-process, thread-safe, non-blocking structured event log (JSONL).
+
+    ``emit`` returns the record's ``seq`` or ``None`` when the record was
+    dropped (buffer full, or the log is closed). Use ``record_outcome`` as a
+    ``LifecycleTracker`` listener.
+
+    Values passed as fields are rendered later, on the writer thread: pass
+    immutable values or fresh copies, not containers you will mutate.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        role: str,
+        engine_id: str,
+        rank: int = 0,
+        clock: Clock = SYSTEM_CLOCK,
+        capacity: int = 65536,
+        batch_size: int = 1024,
+        flush_interval_s: float = 0.05,
+        processors: Sequence[Processor] = (),
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not flush_interval_s > 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
+        self.path = Path(path)
+        self._role = role
+        self._engine_id = engine_id
+        self._rank = rank
+        self.clock = clock
+        # The system clock's methods only wrap these builtins: call them
+        # directly and save a Python frame per clock read on the hot path.
+        if type(clock) is SystemClock:
+            self._mono_ns: Callable[[], int] = time.monotonic_ns
+            self._wall_ns: Callable[[], int] = time.time_ns
+        else:
+            self._mono_ns = clock.monotonic_ns
+            self._wall_ns = clock.wall_ns
+        self.capacity = capacity
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        # The structlog chain the writer runs; the renderer is always last.
+        self._processors: list[Processor] = [
+            *processors,
+            structlog.processors.JSONRenderer(serializer=orjson.dumps, option=_JSON_OPTIONS, default=_json_default),
+        ]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._init_process_state(parent_pid=None)
+        _LIVE_LOGS.add(self)
+
+    # -- per-process state (also rebuilt in a forked child) ------------------
+
+    def _init_process_state(self, parent_pid: int | None) -> None:
+        """Everything that belongs to one process: lock, buffer, counters, writer."""
+        self._pid = os.getpid()
+        # Header with the per-process constants filled in; emit copies it.
+        self._template: dict[str, Any] = dict.fromkeys(HEADER_FIELDS)
+        self._template.update(schema=SCHEMA_VERSION, pid=self._pid, role=self._role,
+                              engine_id=self._engine_id, rank=self._rank)
+        self._lock = threading.Lock()
+        self._buf: deque[dict[str, Any]] = deque()
+        self._seq = 0  # next seq == number of accepted records
+        self._closed = False
+        self._dropped = 0  # total drops (full buffer + after close)
+        self._dropped_pending = 0  # full-buffer drops not yet reported by a log_overflow
+        self._overflow_reported = 0  # drops already reported in log_overflow records
+        # Written only by the writer thread; read by flush()/stats().
+        self._written = 0
+        self._write_errors = 0
+        self._lost_on_write = 0
+        self._render_errors = 0
+        self._writer_errors = 0
+        self._last_error: str | None = None
+        self._fd: int | None = None
+        self._torn = False
+        self._wake = threading.Event()
+        self._progress = threading.Condition(threading.Lock())
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=WRITER_THREAD_NAME, daemon=True)
+        start_fields: dict[str, Any] = {
+            "version": _KVSM_VERSION,
+            "capacity": self.capacity,
+            "batch_size": self.batch_size,
+            "path": str(self.path),
+        }
+        if parent_pid is not None:
+            start_fields["parent_pid"] = parent_pid
+        self.emit("log_start", "log_start", **start_fields)
+        self._thread.start()
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child is a new process: fresh lock, buffer, seq and writer.
+
+        The parent's buffered records stay the parent's to write. The inherited
+        descriptor is closed (the file is reopened with O_APPEND by the child's
+        writer), so nothing the parent had half-written is duplicated.
+        """
+        parent_pid = self._pid
+        fd = self._fd
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self._closed:
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._buf = deque()
+            self._fd = None
+            return
+        self._init_process_state(parent_pid=parent_pid)
+
+    # -- the hot path --------------------------------------------------------
+
+    def emit(
+        self,
+        kind: str,
+        event: str,
+        req: str | None = None,
+        *,
+        src: str | None = None,
+        dst: str | None = None,
+        t_mono_ns: int | None = None,
+        **fields: Any,
+    ) -> int | None:
+        """Append one record; return its ``seq``, or ``None`` if it was dropped.
+
+        Never blocks on I/O and never grows the buffer past ``capacity``.
+        ``t_mono_ns`` overrides the monotonic time (an outcome carries the time
+        its tracker saw); the wall time always comes from the clock.
+        """
+        rec = self._template.copy()  # header keys in HEADER_FIELDS order
+        rec["kind"] = kind
+        rec["req"] = req
+        rec["event"] = event
+        rec["src"] = src
+        rec["dst"] = dst
+        if fields:
+            if not _RESERVED.isdisjoint(fields):
+                raise TypeError(f"emit(): header fields cannot be passed as extras: {sorted(_RESERVED & fields.keys())}")
+            rec.update(fields)
+        # Inlined copy of _push (one Python call less on the hot path).
+        buf = self._buf
+        with self._lock:
+            if self._closed or len(buf) >= self.capacity:
+                self._dropped += 1
+                if not self._closed:
+                    self._dropped_pending += 1
+                return None
+            seq = self._seq
+            self._seq = seq + 1
+            rec["seq"] = seq
+            rec["t_mono_ns"] = self._mono_ns() if t_mono_ns is None else t_mono_ns
+            rec["t_wall_ns"] = self._wall_ns()
+            buf.append(rec)
+            n = len(buf)
+        if n >= self.batch_size and not self._wake.is_set():
+            self._wake.set()
+        return seq
+
+    def record_outcome(self, outcome: Outcome) -> None:
+        """``LifecycleTracker`` listener: one create/transition/violation record,
+        stamped with the monotonic time the tracker saw (``outcome.t_ns``).
+
+        Same record as ``emit(**outcome_fields(outcome), t_mono_ns=outcome.t_ns)``
+        without re-packing the fields as keyword arguments."""
+        rec = self._template.copy()
+        rec.update(schema.outcome_fields(outcome))
+        self._push(rec, outcome.t_ns)
+
+    def _push(self, rec: dict[str, Any], t_mono_ns: int | None) -> int | None:
+        """The locked part of ``emit`` (which inlines it to save a call)."""
+        buf = self._buf
+        with self._lock:
+            if self._closed or len(buf) >= self.capacity:
+                self._dropped += 1
+                if not self._closed:
+                    self._dropped_pending += 1
+                return None
+            seq = self._seq
+            self._seq = seq + 1
+            rec["seq"] = seq
+            rec["t_mono_ns"] = self._mono_ns() if t_mono_ns is None else t_mono_ns
+            rec["t_wall_ns"] = self._wall_ns()
+            buf.append(rec)
+            n = len(buf)
+        if n >= self.batch_size and not self._wake.is_set():
+            self._wake.set()
+        return seq
+
+    # -- flushing, closing, stats -------------------------------------------
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait (at most ``timeout`` s) until every record accepted so far has
+        been written or counted lost; ``True`` if that happened in time."""
+        with self._lock:
+            # A pending overflow report will take exactly one more seq.
+            target = self._seq + (1 if self._dropped_pending else 0)
+        return self._wait_done(target, timeout)
+
+    def _wait_done(self, target: int, timeout: float) -> bool:
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        with self._progress:
+            while self._written + self._lost_on_write < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return self._written + self._lost_on_write >= target
+                self._progress.wait(min(remaining, self.flush_interval_s))
+                self._wake.set()
+        return True
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Flush, stop the writer, close the file. Idempotent; later emits are
+        counted as dropped. ``True`` if everything was written in time."""
+        with self._lock:
+            already = self._closed
+            self._closed = True
+            target = self._seq + (1 if self._dropped_pending else 0)
+        if already:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        deadline = time.monotonic() + timeout
+        ok = self._wait_done(target, timeout)
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()) + self.flush_interval_s)
+        _LIVE_LOGS.discard(self)
+        return ok and not self._thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def role(self) -> str:
+        return self._role
+
+    @property
+    def engine_id(self) -> str:
+        return self._engine_id
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def pid(self) -> int:
+        """The process this log's records are stamped with (refreshed after fork)."""
+        return self._pid
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and tests. Monotonic for the life of the process
+        (a forked child starts its own from zero)."""
+        with self._lock:
+            return {
+                "accepted": self._seq,
+                "written": self._written,
+                "dropped": self._dropped,
+                "write_errors": self._write_errors,
+                "lost_on_write": self._lost_on_write,
+                "render_errors": self._render_errors,
+                "writer_errors": self._writer_errors,
+                "buffered": len(self._buf),
+                "last_error": self._last_error,
+                "writer_alive": self._thread.is_alive(),
+            }
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<EventLog {str(self.path)!r} role={self.role!r} engine_id={self.engine_id!r} rank={self.rank}>"
+
+    # -- the writer thread ---------------------------------------------------
+
+    def _run(self) -> None:
+        """Wake on a batch or the interval, drain everything, write in batches."""
+        try:
+            while True:
+                self._wake.wait(self.flush_interval_s)
+                self._wake.clear()
+                stopping = self._stopping
+                try:
+                    self._drain()
+                except Exception as e:  # noqa: BLE001 - a bug here must not end logging
+                    self._writer_errors += 1
+                    self._last_error = f"writer: {type(e).__name__}: {e}"
+                if stopping:
+                    break
+        finally:
+            self._close_fd()
+            with self._progress:
+                self._progress.notify_all()
+
+    def _take_batch(self) -> list[dict[str, Any]]:
+        """Pop up to ``batch_size`` records; after drops, also queue the
+        ``log_overflow`` report (under the lock, right after freeing room, so
+        it always fits and keeps its place in ``seq`` order)."""
+        buf = self._buf
+        k = min(len(buf), self.batch_size)
+        popleft = buf.popleft
+        if not self._dropped_pending:
+            # deque.popleft is atomic; emitters only append, so no lock needed.
+            return [popleft() for _ in range(k)]
+        with self._lock:
+            k = min(len(buf), self.batch_size)
+            batch = [popleft() for _ in range(k)]
+            dropped = self._dropped_pending
+            if dropped and len(buf) < self.capacity:
+                self._dropped_pending = 0
+                self._overflow_reported += dropped
+                seq = self._seq
+                self._seq = seq + 1
+                rec = self._template.copy()
+                rec["seq"] = seq
+                rec["t_mono_ns"] = self._mono_ns()
+                rec["t_wall_ns"] = self._wall_ns()
+                rec["kind"] = "log_overflow"
+                rec["event"] = "log_overflow"
+                rec["dropped"] = dropped
+                rec["total_dropped"] = self._overflow_reported
+                rec["capacity"] = self.capacity
+                buf.append(rec)
+        return batch
+
+    def _drain(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if not batch:
+                if not self._dropped_pending:
+                    return
+                continue  # the overflow report was just queued
+            data = self._render_batch(batch)
+            ok = self._write_batch(data)
+            with self._progress:
+                if ok:
+                    self._written += len(batch)
+                else:
+                    self._lost_on_write += len(batch)
+                self._progress.notify_all()
+
+    def _render_batch(self, batch: list[dict[str, Any]]) -> bytes:
+        """Run each record through the structlog chain (ending in the orjson
+        renderer, which appends the newline) and join them for one write."""
+        procs = self._processors
+        parts: list[bytes] = []
+        append = parts.append
+        for rec in batch:
+            try:
+                out: Any = rec
+                for proc in procs:
+                    out = proc(None, "emit", out)
+            except (Exception, structlog.DropEvent) as e:  # noqa: BLE001 - one bad record must not kill the writer
+                out = self._render_stub(rec, e)
+            append(out)
+        return b"".join(parts)
+
+    def _render_stub(self, rec: dict[str, Any], error: BaseException) -> bytes:
+        """A record that could not be rendered is still written, as its header
+        plus the error (so ``seq`` stays gap-free and the loss is visible)."""
+        stub: dict[str, Any] = {k: rec.get(k) for k in HEADER_FIELDS}
+        if isinstance(error, structlog.DropEvent):  # a user processor dropped it
+            stub["dropped_by_processor"] = True
+        else:
+            self._render_errors += 1
+            stub["render_error"] = f"{type(error).__name__}: {error}"
+            stub["fields_repr"] = repr({k: v for k, v in rec.items() if k not in _RESERVED})[:4096]
+        try:
+            return orjson.dumps(stub, option=_JSON_OPTIONS, default=repr)
+        except Exception:  # noqa: BLE001 - e.g. a header value itself is odd
+            return orjson.dumps({k: v if isinstance(v, (int, str, type(None))) else repr(v) for k, v in stub.items()},
+                                option=_JSON_OPTIONS)
+
+    def _open(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def _write_batch(self, data: bytes) -> bool:
+        """Write one rendered batch; on an error count it, drop the descriptor
+        (reopened on the next batch) and carry on. Never raises."""
+        try:
+            if self._fd is None:
+                self._fd = self._open()
+            # After a torn write, end the cut line first: it stays one bad
+            # line (the reader reports it) instead of swallowing our first one.
+            self._write_bytes(self._fd, b"\n" + data if self._torn else data)
+            self._torn = False
+            return True
+        except Exception as e:  # noqa: BLE001 - OSError mostly; nothing may kill the writer
+            if isinstance(e, TornWrite):
+                self._torn = True
+            self._write_errors += 1
+            self._last_error = f"{type(e).__name__}: {e}"
+            self._close_fd()
+            return False
+
+    def _write_bytes(self, fd: int, data: bytes) -> None:
+        """The one system call per batch (a seam tests use to inject faults)."""
+        _write_all(fd, data)
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+# Every live log, so fork and interpreter exit can reach them without keeping
+# them alive.
+_LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for log in list(_LIVE_LOGS):
+        log._after_fork_in_child()
+
+
+def _close_all_at_exit() -> None:
+    for log in list(_LIVE_LOGS):
+        try:
+            log.close(timeout=2.0)
+        except Exception:  # noqa: BLE001 - never fail interpreter exit
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_all_at_exit)
