@@ -1,0 +1,5 @@
+"""Block transports: the NIXL agent wrapper and an in-memory twin for simulation."""
+
+from kvsm.transport.base import Transport, TransferState, XferHandle
+
+__all__ = ["Transport", "TransferState", "XferHandle"]

@@ -1,0 +1,73 @@
+"""What kvsm needs from a block transport, whatever moves the bytes.
+
+Pull mode only: the receiving side reads the sender's blocks and the read
+carries a notification the sender receives when it is done. Every method is
+called from the owning process's event-loop thread only, and none blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    ERROR = "error"
+
+
+class XferHandle:
+    """An opaque posted transfer; transports subclass or wrap their own handle."""
+
+    __slots__ = ("peer", "local_blocks", "remote_blocks", "notif", "tag")
+
+    def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                 notif: bytes, tag: str = "") -> None:
+        self.peer = peer
+        self.local_blocks = tuple(local_blocks)
+        self.remote_blocks = tuple(remote_blocks)
+        self.notif = notif
+        self.tag = tag
+
+
+class Transport(ABC):
+    """A registered block pool that can read from peers' pools and notify them."""
+
+    name: str
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this agent (sent in the handshake)."""
+
+    @abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name."""
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (dead, or replaced by a restarted engine)."""
+
+    @abstractmethod
+    def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                  notif: bytes, tag: str = "") -> XferHandle:
+        """Read ``remote_blocks`` of ``peer`` into ``local_blocks``; ``notif`` reaches the
+        peer when the read completes."""
+
+    @abstractmethod
+    def check(self, handle: XferHandle) -> TransferState:
+        """Where a posted read stands, without waiting."""
+
+    @abstractmethod
+    def release(self, handle: XferHandle) -> bool:
+        """Give up a transfer handle. False when the transfer is still in flight and
+        could not be cancelled: it may still write, so the caller keeps waiting."""
+
+    @abstractmethod
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        """A notification without a transfer (nothing-to-read, abandon)."""
+
+    @abstractmethod
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call: (peer name, message)."""
