@@ -1,0 +1,184 @@
+"""Replay over real log files: summary, violations, divergence, timeline, trace, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvsm.eventlog import EventLog
+from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.clock import VirtualClock
+from kvsm.lifecycle.machine import LifecycleTracker
+from kvsm.lifecycle.table import RECV, SEND
+from kvsm.replay import analyse, chrome_trace, main
+from kvsm.sim import Faults, SimConfig, run_simulation
+
+ROOT = Path(__file__).resolve().parent.parent
+CLEAN = ROOT / "tests" / "data" / "sample-clean"
+PLANTED = ROOT / "tests" / "data" / "sample-violations"
+
+
+def replay_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "replay.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def kinds(report) -> set[str]:
+    return {f.kind for f in report.findings}
+
+
+def test_clean_sample_prints_summary_and_exits_0() -> None:
+    proc = replay_cli(*sorted(CLEAN.glob("*.jsonl")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "recv:" in proc.stdout and "send:" in proc.stdout
+    assert "no violations" in proc.stdout
+
+
+def test_line_removed_from_the_middle_exits_1_and_names_the_gap(tmp_path: Path) -> None:
+    src = CLEAN / "decode-0.scheduler.jsonl"
+    lines = src.read_bytes().splitlines(keepends=True)
+    middle = len(lines) // 2
+    lost_seq = orjson.loads(lines[middle])["seq"]
+    (tmp_path / src.name).write_bytes(b"".join(lines[:middle] + lines[middle + 1:]))
+    proc = replay_cli(tmp_path / src.name, CLEAN / "prefill-0.scheduler.jsonl")
+    assert proc.returncode == 1
+    assert f"seq_gap: decode-0: 1 record(s) lost: seq {lost_seq} missing" in proc.stdout
+    assert f"{src.name}:{middle + 1}]" in proc.stdout  # the line after the gap
+
+
+def test_planted_violations_are_each_reported() -> None:
+    report = analyse(sorted(PLANTED.glob("*.jsonl")))
+    assert report.exit_code == 1
+    found = kinds(report)
+    for kind in ("seq_gap", "read_after_lease_expiry", "not_terminal_at_end", "divergence"):
+        assert kind in found, (kind, found)
+    cut = [f for f in report.findings if f.kind == "not_terminal_at_end"]
+    assert [(f.req, f.engine_id) for f in cut] == [("d-cut", "decode-1")]
+    assert "'transferring'" in cut[0].detail
+    late = [f for f in report.findings if f.kind == "read_after_lease_expiry"]
+    assert late[0].req == "p-late" and late[0].file.endswith("decode-1.scheduler.jsonl")
+
+
+def test_truncated_and_garbage_lines_are_reported_and_the_rest_replays(tmp_path: Path) -> None:
+    lines = (CLEAN / "decode-0.scheduler.jsonl").read_bytes().splitlines(keepends=True)
+    lines.insert(10, b"this is not json\n")
+    body = b"".join(lines)
+    log = tmp_path / "decode.jsonl"
+    log.write_bytes(body[: len(body) - 25])  # cut inside the last record
+    report = analyse([log])
+    problems = {(f.kind, f.line) for f in report.findings if f.kind == "corrupt_line"}
+    assert problems == {("corrupt_line", 11), ("corrupt_line", len(lines))}
+    assert report.exit_code == 1
+    clean = analyse([CLEAN / "decode-0.scheduler.jsonl"])
+    # Every request but the one whose last record was cut replays to the same final state.
+    want = {m.req: m.final_state for m in clean.machines}
+    got = {m.req: m.final_state for m in report.machines}
+    assert len([r for r in want if got.get(r) == want[r]]) >= len(want) - 1
+
+
+def test_illegal_event_recorded_by_the_runtime_is_reported(tmp_path: Path) -> None:
+    clock = VirtualClock()
+    with EventLog(tmp_path / "p.jsonl", role="scheduler", engine_id="prefill-9", clock=clock) as log:
+        t = LifecycleTracker(RECV, clock, listener=log.record_outcome)
+        t.create("r1")
+        t.apply(ev.ReadsPosted(req="r1"))  # illegal in 'new'
+        t.apply(ev.Abort(req="r1"))
+    report = analyse([tmp_path / "p.jsonl"])
+    assert report.exit_code == 1
+    illegal = [f for f in report.findings if f.kind == "illegal_transition"]
+    assert len(illegal) == 1 and illegal[0].req == "r1"
+    assert "in state 'new' got event 'reads_posted'" in illegal[0].detail
+    assert "divergence" not in kinds(report)  # the violation itself replays identically
+
+
+def test_blocks_never_freed_and_freed_twice(tmp_path: Path) -> None:
+    clock = VirtualClock()
+    path = tmp_path / "p.jsonl"
+    with EventLog(path, role="scheduler", engine_id="prefill-9", clock=clock) as log:
+        t = LifecycleTracker(SEND, clock, listener=log.record_outcome)
+        t.create("a")
+        t.apply(ev.FinishedOk(req="a", block_ids=(1, 2), lease_ns=5))
+        t.create("b")
+        t.apply(ev.FinishedOk(req="b", block_ids=(2, 3), lease_ns=5))  # block 2 still pinned by a
+        t.apply(ev.RemoteAbandoned(req="a"))
+    report = analyse([path])
+    found = kinds(report)
+    assert "block_reused_while_held" in found
+    assert "not_terminal_at_end" in found  # b never released
+
+
+def test_replay_detects_divergence_from_the_table(tmp_path: Path) -> None:
+    lines = (CLEAN / "prefill-0.scheduler.jsonl").read_bytes().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        rec = orjson.loads(line)
+        if rec["kind"] == "transition" and rec.get("effects") == ["cancel_lease", "free_blocks"]:
+            rec["effects"] = ["cancel_lease"]  # the runtime "forgot" to free
+            lines[i] = orjson.dumps(rec) + b"\n"
+            break
+    else:
+        pytest.fail("no release in the clean sample")
+    (tmp_path / "p.jsonl").write_bytes(b"".join(lines))
+    report = analyse([tmp_path / "p.jsonl"])
+    div = [f for f in report.findings if f.kind == "divergence"]
+    assert len(div) == 1 and div[0].line == i + 1
+    assert "blocks_never_freed" in kinds(report)
+
+
+def test_unreadable_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main([str(empty)]) == 2
+    assert "UNREADABLE" in capsys.readouterr().out
+
+
+def test_request_timeline_spans_both_engines(tmp_path: Path) -> None:
+    result = run_simulation(SimConfig(seed=2, num_requests=5, log_dir=tmp_path))
+    report = analyse(result.log_paths)
+    proc = replay_cli(*result.log_paths, "--request", "d-3")
+    assert proc.returncode == 0
+    out = proc.stdout
+    assert "timeline of 'd-3' across 2 process(es)" in out
+    assert "prefill-0/scheduler#0" in out and "decode-0/scheduler#0" in out
+    assert "--finished_ok--> awaiting_pull" in out and "--all_reads_done--> done" in out
+    assert "final: decode-0/scheduler#0 recv:d-3 -> done" in out
+    assert "final: prefill-0/scheduler#0 send:p-3 -> released" in out
+    # Asking by the prefill id gives the same story.
+    assert "recv:d-3 -> done" in replay_cli(*result.log_paths, "--request", "p-3").stdout
+    assert len(report.machines) == 10
+
+
+def test_json_and_trace_outputs(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    proc = replay_cli(CLEAN, "--json", "--trace", trace)
+    assert proc.returncode == 0
+    data = json.loads(proc.stdout)
+    assert data["exit_code"] == 0 and data["violations"] == []
+    assert {r["lifecycle"] for r in data["requests"]} == {"recv", "send"}
+    assert all(r["terminal"] for r in data["requests"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = [e for e in events if e.get("name") == "thread_name"]
+    assert len(tracks) == len(data["requests"])  # one track per request
+    assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} == {"prefill-0", "decode-0"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and all(e["dur"] > 0 for e in spans)
+    assert chrome_trace(analyse([CLEAN]))["traceEvents"]
+
+
+def test_replay_of_a_planted_sample_via_directory_argument() -> None:
+    proc = replay_cli(PLANTED)
+    assert proc.returncode == 1
+    assert "read_after_lease_expiry" in proc.stdout and "seq_gap" in proc.stdout
+
+
+@pytest.mark.parametrize("faults", [Faults(), Faults.mixed(0.1)], ids=["healthy", "mixed"])
+def test_sim_logs_replay_clean(tmp_path: Path, faults: Faults) -> None:
+    result = run_simulation(SimConfig(seed=21, num_requests=200, faults=faults, log_dir=tmp_path))
+    report = analyse(result.log_paths)
+    assert report.exit_code == 0, [str(f) for f in report.findings][:5]
+    assert {(m.engine_id, m.lifecycle, m.req): m.final_state for m in report.machines} == result.final_states
