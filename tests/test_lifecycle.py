@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import IllegalEventPolicy, IllegalTransition, LifecycleTracker
@@ -166,7 +167,7 @@ def _run_both(spec: LifecycleSpec, triggers: list[str], entry: str) -> None:
                 assert after is not None and after.snapshot() == before_snapshot
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(st.data())
 def test_compiled_table_matches_transitions_library(data: st.DataObject) -> None:
     spec = data.draw(st.sampled_from([RECV, SEND]))

@@ -10,6 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from conftest import examples
 from kvsm.eventlog import EventLog
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import VirtualClock
@@ -129,6 +130,14 @@ def test_replay_detects_divergence_from_the_table(tmp_path: Path) -> None:
     assert "blocks_never_freed" in kinds(report)
 
 
+def test_an_emptied_log_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "decode-0.scheduler.jsonl").write_bytes(b"")
+    (tmp_path / "prefill-0.scheduler.jsonl").write_bytes((CLEAN / "prefill-0.scheduler.jsonl").read_bytes())
+    report = analyse([tmp_path])
+    assert report.exit_code == 1
+    assert [(f.kind, Path(f.file).name) for f in report.findings] == [("empty_log", "decode-0.scheduler.jsonl")]
+
+
 def test_unreadable_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     empty = tmp_path / "empty.jsonl"
@@ -182,3 +191,88 @@ def test_sim_logs_replay_clean(tmp_path: Path, faults: Faults) -> None:
     report = analyse(result.log_paths)
     assert report.exit_code == 0, [str(f) for f in report.findings][:5]
     assert {(m.engine_id, m.lifecycle, m.req): m.final_state for m in report.machines} == result.final_states
+
+
+# --- planted faults, property-based ------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _sim_logs(tmp: Path, seed: int, n: int) -> list[Path]:
+    result = run_simulation(SimConfig(seed=seed, num_requests=n, faults=Faults.mixed(0.05), log_dir=tmp))
+    assert analyse(result.log_paths).exit_code == 0
+    return result.log_paths
+
+
+_planted = settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@_planted
+@given(seed=st.integers(0, 10_000), n=st.integers(3, 30), pick=st.floats(0, 1, exclude_max=True))
+def test_any_dropped_line_is_reported(tmp_path_factory: pytest.TempPathFactory, seed: int, n: int,
+                                      pick: float) -> None:
+    paths = _sim_logs(tmp_path_factory.mktemp("drop"), seed, n)
+    # (A log of one line, a decode engine nobody reached, has only its last line.)
+    candidates = [p for p in paths if len(p.read_bytes().splitlines()) > 1]
+    path = candidates[int(pick * len(candidates))]
+    lines = path.read_bytes().splitlines(keepends=True)
+    i = int(pick * (len(lines) - 1))  # any line but the last (a lost tail leaves no gap to see)
+    lost = orjson.loads(lines[i])["seq"]
+    path.write_bytes(b"".join(lines[:i] + lines[i + 1:]))
+    report = analyse(paths)
+    assert report.exit_code == 1
+    gaps = [f for f in report.findings if f.kind == "seq_gap"]
+    assert len(gaps) == 1 and f"seq {lost}" in gaps[0].detail
+
+
+@_planted
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 30), pick=st.floats(0, 1, exclude_max=True),
+       as_violation=st.booleans())
+def test_any_planted_illegal_transition_is_reported(tmp_path_factory: pytest.TempPathFactory, seed: int, n: int,
+                                                   pick: float, as_violation: bool) -> None:
+    """A record of an event from a terminal state: as the runtime would record it
+    (a violation record) or as a buggy runtime would (a transition record)."""
+    paths = _sim_logs(tmp_path_factory.mktemp("illegal"), seed, n)
+    path = paths[int(pick * len(paths))]
+    recs = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    finals = [r for r in recs if r["kind"] == "transition"
+              and r["dst"] in ("done", "failed", "aborted", "released", "expired")]
+    if not finals:
+        return  # this process saw no request finish (a decode engine nobody reached)
+    victim = finals[int(pick * len(finals))]
+    planted = {**recs[-1], "seq": recs[-1]["seq"] + 1, "kind": "transition", "req": victim["req"],
+               "lifecycle": victim["lifecycle"], "event": "abort", "src": victim["dst"], "input": {},
+               "t_mono_ns": recs[-1]["t_mono_ns"] + 1, "t_wall_ns": recs[-1]["t_wall_ns"] + 1}
+    planted = {k: v for k, v in planted.items() if k not in ("effects", "blocks", "dropped", "total_dropped")}
+    if as_violation:
+        planted.update(kind="violation", dst=victim["dst"], violation="event_after_terminal")
+    else:
+        planted.update(dst="aborted", effects=["release_blocks"])
+    with path.open("ab") as f:
+        f.write(orjson.dumps(planted) + b"\n")
+    report = analyse(paths)
+    assert report.exit_code == 1
+    mine = [f for f in report.findings if f.req == victim["req"]]
+    want = "event_after_terminal" if as_violation else "divergence"
+    assert want in {f.kind for f in mine}, [str(f) for f in report.findings]
+
+
+@_planted
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 30), pick=st.floats(0, 1, exclude_max=True))
+def test_any_request_left_mid_transfer_is_reported(tmp_path_factory: pytest.TempPathFactory, seed: int, n: int,
+                                                  pick: float) -> None:
+    """The decode engine's log ends right after some request posted its reads."""
+    paths = _sim_logs(tmp_path_factory.mktemp("cut"), seed, n)
+    decode = next(p for p in paths if p.name.startswith("decode"))
+    lines = decode.read_bytes().splitlines(keepends=True)
+    posted = [i for i, line in enumerate(lines) if b'"event":"reads_posted"' in line]
+    if not posted:
+        return  # every decode request failed or aborted before reading
+    i = posted[int(pick * len(posted))]
+    victim = orjson.loads(lines[i])["req"]
+    decode.write_bytes(b"".join(lines[: i + 1]))
+    report = analyse(paths)
+    assert report.exit_code == 1
+    stuck = {f.req: f.detail for f in report.findings if f.kind == "not_terminal_at_end"}
+    assert victim in stuck and "'transferring'" in stuck[victim]

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from kvsm.lifecycle.table import RECV, RECV_TRANSITIONS, LifecycleSpec
 from kvsm.replay import analyse
 from kvsm.sim import Faults, SimConfig, run_simulation
@@ -21,7 +22,7 @@ fault_profiles = st.builds(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), faults=fault_profiles, n=st.integers(1, 60))
 def test_every_run_ends_terminal_clean_and_replays_exactly(tmp_path_factory: pytest.TempPathFactory, seed: int,
                                                            faults: Faults, n: int) -> None:

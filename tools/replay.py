@@ -2,14 +2,25 @@
 """CLI for kvsm.replay: merge, check and show kvsm event logs.
 
     python tools/replay.py prefill.jsonl decode-*.jsonl --request ID --trace trace.json
+
+Run with any Python: when kvsm's dependencies are not importable here but the
+checkout's .venv exists (bash tools/dev.sh setup), it re-runs itself there.
 """
 
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from kvsm.replay import main  # noqa: E402
+try:
+    from kvsm.replay import main
+except ModuleNotFoundError:
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    if venv_python.exists() and Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        os.execv(str(venv_python), [str(venv_python), __file__, *sys.argv[1:]])
+    raise
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ import argparse
 import logging
 import shutil
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing kvsm
     sys.path.insert(0, str(ROOT))
 
-from kvsm.lifecycle.table import EFFECTS, LIFECYCLES, LifecycleSpec  # noqa: E402
+from kvsm.lifecycle.table import EFFECTS, LIFECYCLES, LifecycleSpec, names_of  # noqa: E402
 
 DEFAULT_OUT = ROOT / "statecharts"
 TABLE_SOURCE = "kvsm/lifecycle/table.py"
@@ -138,14 +138,6 @@ def svg_unavailable_reason() -> str | None:
 # --- the index page ---------------------------------------------------------
 
 
-def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    return tuple(value)
-
-
 def _code(names: Iterable[str], empty: str = "") -> str:
     names = list(names)
     return ", ".join(f"`{n}`" for n in names) if names else empty
@@ -157,8 +149,8 @@ def _transition_rows(spec: LifecycleSpec) -> list[str]:
     for i, t in enumerate(spec.transitions, 1):
         dest = "= (stays)" if t["dest"] == "=" else f"`{t['dest']}`"
         rows.append(
-            f"| {i} | {_code(_names(t['trigger']))} | {_code(_names(t['source']))} | {dest} "
-            f"| {_code(_names(t.get('conditions')), '-')} | {_code(_names(t.get('after')), '-')} |")
+            f"| {i} | {_code(names_of(t['trigger']))} | {_code(names_of(t['source']))} | {dest} "
+            f"| {_code(names_of(t.get('conditions')), '-')} | {_code(names_of(t.get('after')), '-')} |")
     return rows
 
 
@@ -211,7 +203,7 @@ def render_index(diagrams: Mapping[str, str]) -> str:
             for (state, trigger), label in sorted(spec.named_violations.items()):
                 lines.append(f"| `{state}` | `{trigger}` | `{label}` |")
             lines.append("")
-    used = {e for spec in LIFECYCLES.values() for t in spec.transitions for e in _names(t.get("after"))}
+    used = {e for spec in LIFECYCLES.values() for t in spec.transitions for e in names_of(t.get("after"))}
     lines += [
         "## Effects",
         "",

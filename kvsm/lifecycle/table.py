@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvsm.lifecycle.events import Event
     from kvsm.lifecycle.machine import RequestMachine
 
 # --- effects: what a transition asks the I/O layer to do --------------------
@@ -206,7 +205,8 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
 # --- compiling a declaration ------------------------------------------------
 
 
-def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
+def names_of(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """A declaration field (one name, a list of names, or nothing) as a tuple."""
     if value is None:
         return ()
     if isinstance(value, str):
@@ -285,11 +285,11 @@ def _compile(spec: LifecycleSpec) -> dict[tuple[str, str], tuple[Rule, ...]]:
         unknown_keys = set(t) - {"trigger", "source", "dest", "prepare", "conditions", "after"}
         if unknown_keys:
             raise LifecycleDeclarationError(f"{spec.name}: unsupported keys {sorted(unknown_keys)} in {t}")
-        for trigger in _names(t["trigger"]):
-            for source in _names(t["source"]):
+        for trigger in names_of(t["trigger"]):
+            for source in names_of(t["source"]):
                 dest = source if t["dest"] == "=" else t["dest"]
-                rule = Rule(trigger, source, dest, _names(t.get("prepare")), _names(t.get("conditions")),
-                            _names(t.get("after")))
+                rule = Rule(trigger, source, dest, names_of(t.get("prepare")), names_of(t.get("conditions")),
+                            names_of(t.get("after")))
                 table.setdefault((source, trigger), []).append(rule)
     return {k: tuple(v) for k, v in table.items()}
 

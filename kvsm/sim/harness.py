@@ -298,7 +298,7 @@ class Simulation:
         if how != "ok":
             event = ev.Abort(req=req) if how == "abort" else ev.FinishedAbnormally(req=req, reason="length")
             p.apply(event)
-            self._vllm_free(p, req)  # request_finished said "not delayed": vLLM frees now
+            self._prefill_free(req)  # request_finished said "not delayed": vLLM frees now
             return
         p.apply(ev.FinishedOk(req=req, block_ids=blocks, expected_reads=1, lease_ns=self.config.lease_ns))
         f = self.config.faults
@@ -307,9 +307,9 @@ class Simulation:
         delay = self.config.lease_ns + S if self._chance(f.decode_late) else self.rng.randint(50_000, MS)
         self.at(delay, lambda: self._decode_arrive(i, len(blocks)))
 
-    def _vllm_free(self, engine: _Engine, req: str) -> None:
-        blocks = self._prefill_blocks.pop(req, ()) if engine is self.prefill else ()
-        engine.pool.free(req, blocks)
+    def _prefill_free(self, req: str) -> None:
+        """vLLM frees a prefill request's blocks (at once, or when the connector says so)."""
+        self.prefill.pool.free(req, self._prefill_blocks.pop(req))
 
     def _prefill_effects(self, o: Outcome) -> None:
         p = self.prefill
@@ -317,15 +317,14 @@ class Simulation:
             if effect in ("arm_lease", "extend_lease"):
                 m = p.tracker.get(o.req)
                 assert m is not None
-                m_deadline = m.lease_deadline_ns
                 req = o.req
-                p.arm(req, "lease", m_deadline - self.clock.monotonic_ns(),
+                p.arm(req, "lease", m.lease_deadline_ns - self.clock.monotonic_ns(),
                       lambda req=req: p.apply(ev.LeaseExpired(req=req)))
             elif effect == "cancel_lease":
                 p.cancel_timer(o.req, "lease")
             elif effect == "free_blocks":
                 p.cancel_timers(o.req)
-                self._vllm_free(p, o.req)
+                self._prefill_free(o.req)
             # pin_blocks: nothing to do here; the blocks simply stay allocated.
 
     def _prefill_claim(self, remote_req: str) -> str:
