@@ -50,21 +50,34 @@ _BLOCK_EFFECTS = BLOCK_HOLDING_EFFECTS | BLOCK_RELEASING_EFFECTS
 
 
 def outcome_fields(outcome: Outcome) -> dict[str, Any]:
-    """The kind-specific fields of a lifecycle outcome (the header is added by the log)."""
+    """The kind-specific fields of a lifecycle outcome (the header is added by the log).
+
+    On the hot path of every transition: plain dict building, no copies.
+    """
+    trigger = outcome.trigger
+    effects = outcome.effects
+    if trigger == "create":
+        kind = "create"
+    elif outcome.violation:
+        kind = "violation"
+    else:
+        kind = "transition"
     fields: dict[str, Any] = {
-        "kind": "create" if outcome.trigger == "create" else ("violation" if outcome.violation else "transition"),
+        "kind": kind,
         "lifecycle": outcome.lifecycle,
         "req": outcome.req,
-        "event": outcome.trigger,
+        "event": trigger,
         "src": outcome.src,
         "dst": outcome.dst,
     }
     if outcome.event is not None:
         fields["input"] = outcome.event.inputs()
-    if outcome.effects:
-        fields["effects"] = list(outcome.effects)
+    if effects:
+        fields["effects"] = effects
+        if not _BLOCK_EFFECTS.isdisjoint(effects):
+            fields["blocks"] = outcome.block_ids
     if outcome.violation:
         fields["violation"] = outcome.violation
-    if outcome.trigger == "create" or (_BLOCK_EFFECTS.intersection(outcome.effects)):
-        fields["blocks"] = list(outcome.block_ids)
+    if kind == "create":
+        fields["blocks"] = outcome.block_ids
     return fields

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 import msgspec
+import msgspec.structs
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="trigger"):
@@ -25,7 +26,9 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="trigger"):
 
     def inputs(self) -> dict[str, Any]:
         """The event's own fields, without ``req`` (which every record has)."""
-        return {f: getattr(self, f) for f in self.__struct_fields__ if f != "req"}
+        fields = msgspec.structs.asdict(self)
+        del fields["req"]
+        return fields
 
 
 # --- receiving side (decode engine, do_remote_prefill) ----------------------
