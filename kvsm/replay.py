@@ -31,6 +31,7 @@ from typing import Any
 
 from kvsm.eventlog import read_logs
 from kvsm.eventlog.reader import expand_paths
+from kvsm.eventlog.schema import HEADER_FIELDS
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.events import event_from_record
 from kvsm.lifecycle.invariants import BlockLedger
@@ -127,6 +128,8 @@ class Report:
     findings: list[Finding]
     unreadable: list[Finding]
     streams: dict[StreamKey, int]
+    # Diagnostic (kind "log") records that name a request, by (engine_id, req).
+    notes: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -198,6 +201,7 @@ def _analyse(paths: Sequence[str | Path]) -> Report:
     for r in result.records:
         streams[_stream_key(r)].append(r)
     machines: dict[MachineKey, Machine] = {}
+    notes: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for key, recs in streams.items():
         recs.sort(key=lambda r: r["seq"])
         findings.extend(_check_seq(key, recs))
@@ -208,7 +212,12 @@ def _analyse(paths: Sequence[str | Path]) -> Report:
                 findings.append(Finding("records_dropped",
                                         f"the in-memory log buffer overflowed: {r.get('dropped')} records lost",
                                         engine_id=key[0], file=r["_file"], line=r["_line"]))
-            if kind not in _MACHINE_KINDS or r["req"] is None:
+            if r["req"] is None:
+                continue
+            if kind == "log":
+                notes.setdefault((key[0], r["req"]), []).append(r)
+                continue
+            if kind not in _MACHINE_KINDS:
                 continue
             lk = (r.get("lifecycle"), r["req"])
             machine = mine.get(lk)
@@ -222,7 +231,7 @@ def _analyse(paths: Sequence[str | Path]) -> Report:
         findings.extend(_check_machine(m))
     findings.extend(_check_reads_after_expiry(ordered))
     return Report([str(p) for p in paths], len(result.records), ordered, findings, unreadable,
-                  {k: len(v) for k, v in streams.items()})
+                  {k: len(v) for k, v in streams.items()}, notes)
 
 
 def _where(r: dict[str, Any]) -> dict[str, Any]:
@@ -358,6 +367,8 @@ def timeline(report: Report, req: str) -> list[dict[str, Any]]:
     """Every record of the request's story, in wall-clock order across processes."""
     machines = story(report, req)
     rows = [r for m in machines for r in m.records]
+    for key in {(m.engine_id, m.req) for m in machines}:
+        rows.extend(report.notes.get(key, ()))
     rows.sort(key=lambda r: (r["t_wall_ns"], r["t_mono_ns"], r["seq"]))
     return rows
 
@@ -394,6 +405,10 @@ def chrome_trace(report: Report) -> dict[str, Any]:
 
 def _fmt_row(r: dict[str, Any], t0: int) -> str:
     who = f"{r['engine_id']}/{r['role']}#{r['rank']}"
+    if r["kind"] == "log":
+        fields = {k: v for k, v in r.items() if k not in HEADER_FIELDS and not k.startswith("_")}
+        return (f"{(r['t_wall_ns'] - t0) / 1e6:10.3f} ms  {who:28} {'log':5} {r['req']:>10}  # {r['event']}"
+                + (f"  {json.dumps(fields, separators=(',', ':'), default=str)}" if fields else ""))
     if r["kind"] == "create":
         what = f"create -> {r['dst']}"
     elif r["kind"] == "violation":

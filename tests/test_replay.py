@@ -276,3 +276,13 @@ def test_any_request_left_mid_transfer_is_reported(tmp_path_factory: pytest.Temp
     assert report.exit_code == 1
     stuck = {f.req: f.detail for f in report.findings if f.kind == "not_terminal_at_end"}
     assert victim in stuck and "'transferring'" in stuck[victim]
+
+
+def test_timeline_includes_diagnostic_notes_of_the_request(tmp_path: Path) -> None:
+    result = run_simulation(SimConfig(seed=4, num_requests=200, faults=Faults(decode_abort=0.5), log_dir=tmp_path))
+    notes = [orjson.loads(line) for p in result.log_paths for line in p.read_bytes().splitlines()
+             if b'"event":"stale_handshake_reply"' in line]
+    assert notes, "the run should have aborted some request while its handshake was in flight"
+    req = notes[0]["req"]
+    out = replay_cli(*result.log_paths, "--request", req).stdout
+    assert f"{req}  # stale_handshake_reply" in out and '{"state":"aborted"}' in out
