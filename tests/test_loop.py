@@ -1,0 +1,686 @@
+"""The event loop: one thread that runs everything posted to it, its timers and
+its socket readers, never dies of a callback's exception and sleeps when idle.
+
+Real ZMQ (inproc wake-ups, a tcp PULL on loopback). Every loop a test makes is
+stopped in the fixture, and the test fails if a loop thread outlives it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from kvsm.loop import (
+    MAX_BATCH,
+    EventLoop,
+    LoopError,
+    LoopFull,
+    LoopStopped,
+    TimerHandle,
+    WrongThread,
+)
+
+MS = 1_000_000  # ns
+WAIT_S = 2.0  # upper bound on any wait for the loop to get something done
+
+MakeLoop = Callable[..., EventLoop]
+
+
+@pytest.fixture
+def make_loop() -> Iterator[MakeLoop]:
+    """Started loops that are always stopped, and checked to have stopped."""
+    loops: list[EventLoop] = []
+
+    def make(name: str = "t", **kwargs: object) -> EventLoop:
+        loop = EventLoop(name, **kwargs)  # type: ignore[arg-type]
+        loops.append(loop)
+        return loop.start()
+
+    yield make
+    stopped = [loop.stop(timeout=WAIT_S) for loop in loops]
+    assert all(stopped), "a loop thread did not stop"
+    leaked = [loop.thread for loop in loops if loop.thread is not None and loop.thread.is_alive()]
+    assert not leaked
+
+
+class ErrorSink:
+    """An ``on_error`` that remembers what it got and lets a test wait for it."""
+
+    def __init__(self) -> None:
+        self.errors: list[LoopError] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, error: LoopError) -> None:
+        with self._cond:
+            self.errors.append(error)
+            self._cond.notify_all()
+
+    def wait(self, n: int = 1) -> list[LoopError]:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.errors) >= n, WAIT_S), self.errors
+            return list(self.errors)
+
+
+def barrier(loop: EventLoop) -> None:
+    """Return once everything posted before it (from any thread) has run."""
+    loop.call(lambda: None, timeout=WAIT_S)
+
+
+def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU time one (other) thread has used, from its POSIX thread CPU clock."""
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def blocker(loop: EventLoop) -> threading.Event:
+    """Keep the loop busy in one callable until the returned event is set."""
+    started, release = threading.Event(), threading.Event()
+
+    def block() -> None:
+        started.set()
+        release.wait(WAIT_S)
+
+    assert loop.post(block, label="blocker")
+    assert started.wait(WAIT_S)
+    return release
+
+
+# ------------------------------------------------------------------- life cycle
+
+
+def test_thread_is_named_daemon_and_stop_is_idempotent() -> None:
+    loop = EventLoop("named").start()
+    try:
+        assert loop.thread is not None
+        assert loop.thread.name == "kvsm-loop-named"
+        assert loop.thread.daemon
+        assert not loop.in_loop_thread()
+        assert loop.call(loop.in_loop_thread, timeout=WAIT_S)
+    finally:
+        t0 = time.monotonic()
+        assert loop.stop(timeout=WAIT_S)
+        assert time.monotonic() - t0 < 0.5, "an idle loop must wake up to stop, not time out"
+    assert not loop.thread.is_alive()
+    assert loop.stop()  # idempotent
+    with pytest.raises(LoopStopped):
+        loop.start()
+
+
+def test_context_manager_stops_and_closes_owned_sockets() -> None:
+    with EventLoop("ctx") as loop:
+        sock = loop.call(lambda: loop.socket(zmq.PULL), timeout=WAIT_S)
+        thread = loop.thread
+    assert thread is not None and not thread.is_alive()
+    assert sock.closed
+
+
+def test_stop_before_start() -> None:
+    loop = EventLoop("never")
+    assert loop.stop()
+    assert not loop.post(lambda: None)
+
+
+def test_post_after_stop_is_refused_and_counted(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    assert loop.stop(timeout=WAIT_S)
+    assert loop.post(lambda: None) is False
+    assert loop.post(lambda: None) is False
+    assert loop.stats()["dropped_posts"] == 2
+    with pytest.raises(LoopStopped):
+        loop.call(lambda: 1, timeout=WAIT_S)
+
+
+def test_stop_waits_for_the_running_callable_then_runs_nothing_new(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    ran: list[str] = []
+    outcome: list[BaseException] = []
+    release_first = blocker(loop)
+    # Queued behind the first blocker, so the loop takes all three in one batch.
+    second_started, release_second = threading.Event(), threading.Event()
+    loop.post(lambda: (second_started.set(), release_second.wait(WAIT_S)), label="second blocker")
+    loop.post(lambda: ran.append("same batch"))
+
+    def caller() -> None:
+        try:
+            loop.call(lambda: ran.append("call"), timeout=WAIT_S)
+        except (LoopStopped, TimeoutError) as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=caller)
+    waiter.start()
+    wait_until(lambda: loop.stats()["pending"] == 3, "the call to be queued")
+    release_first.set()
+    assert second_started.wait(WAIT_S)
+    t0 = time.monotonic()
+    assert loop.stop(timeout=0.1) is False, "stop must time out while a callable runs"
+    assert 0.09 <= time.monotonic() - t0 < 0.5
+    assert loop.post(lambda: ran.append("after stop")) is False
+    release_second.set()
+    assert loop.stop(timeout=WAIT_S)
+    waiter.join(WAIT_S)
+    assert ran == [], "nothing may start once stop was asked for"
+    assert len(outcome) == 1 and isinstance(outcome[0], LoopStopped), outcome
+    assert loop.stats()["discarded"] == 2
+
+
+def test_max_pending_bounds_the_queue(make_loop: MakeLoop) -> None:
+    loop = make_loop(max_pending=10)
+    ran: list[int] = []
+    release = blocker(loop)
+    accepted = [loop.post(lambda i=i: ran.append(i)) for i in range(10)]
+    assert all(accepted)
+    assert loop.post(lambda: ran.append(99)) is False
+    with pytest.raises(LoopFull):
+        loop.call(lambda: None, timeout=WAIT_S)
+    stats = loop.stats()
+    assert stats["dropped_posts"] == 2 and stats["pending"] == 10
+    release.set()
+    wait_until(lambda: loop.stats()["pending"] == 0, "the queue to drain")
+    barrier(loop)
+    assert ran == list(range(10))
+
+
+# ------------------------------------------------------------------------ post
+
+
+def test_post_from_8_threads_runs_each_exactly_once_in_per_thread_order(
+    make_loop: MakeLoop,
+) -> None:
+    loop = make_loop()
+    n_threads, per_thread = 8, 1250
+    seen: list[tuple[int, int, int]] = []  # appended on the loop thread only
+    refused: list[tuple[int, int]] = []
+    go = threading.Barrier(n_threads)
+
+    def poster(t: int) -> None:
+        go.wait()
+        for i in range(per_thread):
+            if not loop.post(lambda t=t, i=i: seen.append((t, i, threading.get_ident()))):
+                refused.append((t, i))
+
+    threads = [threading.Thread(target=poster, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(WAIT_S)
+    barrier(loop)
+
+    assert refused == []
+    assert len(seen) == n_threads * per_thread
+    assert {(t, i) for t, i, _ in seen} == {(t, i) for t in range(n_threads) for i in range(per_thread)}
+    for t in range(n_threads):
+        assert [i for tt, i, _ in seen if tt == t] == list(range(per_thread)), f"thread {t} out of order"
+    assert loop.thread is not None
+    assert {ident for _, _, ident in seen} == {loop.thread.ident}
+    stats = loop.stats()
+    assert stats["run"] == stats["posted"] == n_threads * per_thread + 1  # + the barrier
+    assert stats["pending"] == 0 and stats["errors"] == 0
+    assert stats["wakeups"] <= stats["posted"]
+
+
+def test_posts_from_other_threads_wake_the_loop_at_once(make_loop: MakeLoop) -> None:
+    """A lost wake-up would only show as a stall of up to MAX_BLOCK_MS (1 s)."""
+    loop = make_loop()
+    for i in range(300):
+        # Generous for a noisy 2-core machine, but half of what a lost wake-up costs.
+        assert loop.call(lambda i=i: i, timeout=0.5, label=f"ping {i}") == i
+
+
+def test_a_burst_of_posts_costs_one_wakeup(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    release = blocker(loop)
+    before = loop.stats()["wakeups"]
+    for _ in range(500):
+        assert loop.post(lambda: None)
+    assert loop.stats()["wakeups"] - before == 1
+    release.set()
+    barrier(loop)
+
+
+def test_a_flood_of_posts_does_not_starve_timers_or_readers(make_loop: MakeLoop) -> None:
+    loop = make_loop(max_pending=4 * MAX_BATCH)
+    fired, got_message = threading.Event(), threading.Event()
+    flooding = True
+
+    def breed() -> None:  # each run posts two more: the queue never drains
+        if flooding:
+            loop.post(breed)
+            loop.post(breed)
+
+    def setup() -> str:
+        loop.call_later(20 * MS, fired.set, label="timer")
+        pull = loop.socket(zmq.PULL)
+        loop.add_reader(pull, lambda: (pull.recv(zmq.NOBLOCK), got_message.set()), label="pull")
+        pull.bind("tcp://127.0.0.1:*")
+        loop.post(breed)
+        return pull.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    endpoint = loop.call(setup, timeout=WAIT_S)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        push.connect(endpoint)
+        push.send(b"x")
+        assert fired.wait(WAIT_S), "a flood of posts starved the timer"
+        assert got_message.wait(WAIT_S), "a flood of posts starved the reader"
+    finally:
+        push.close(linger=0)
+        flooding = False
+    assert loop.stats()["dropped_posts"] > 0  # the flood hit max_pending rather than growing
+
+
+# ------------------------------------------------------------------------ call
+
+
+def test_call_returns_the_value_on_the_loop_thread(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    assert loop.call(lambda: 41 + 1, timeout=WAIT_S) == 42
+    ident = loop.call(threading.get_ident, timeout=WAIT_S)
+    assert loop.thread is not None and ident == loop.thread.ident != threading.get_ident()
+
+
+def test_call_reraises_in_the_caller_and_is_not_an_error(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+
+    def boom() -> None:
+        raise ValueError("bad input")
+
+    with pytest.raises(ValueError, match="bad input"):
+        loop.call(boom, timeout=WAIT_S)
+    assert loop.call(lambda: "still alive", timeout=WAIT_S) == "still alive"
+    assert sink.errors == [] and loop.stats()["errors"] == 0
+
+
+def test_call_times_out_naming_the_label(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="slow-handshake"):
+        loop.call(lambda: time.sleep(0.3), timeout=0.05, label="slow-handshake")
+    assert time.monotonic() - t0 < 0.25
+    assert loop.call(lambda: "after", timeout=WAIT_S) == "after"  # waits out the sleep
+
+
+def test_timed_out_call_that_had_not_started_never_runs(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    ran: list[str] = []
+    release = blocker(loop)
+    with pytest.raises(TimeoutError):
+        loop.call(lambda: ran.append("late"), timeout=0.05, label="late")
+    release.set()
+    barrier(loop)
+    assert ran == []
+
+
+def test_exception_of_an_abandoned_call_goes_to_on_error(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+
+    def slow_then_fail() -> None:
+        time.sleep(0.15)
+        raise KeyError("nobody waits for me")
+
+    with pytest.raises(TimeoutError):
+        loop.call(slow_then_fail, timeout=0.03, req="r-7", label="abandoned")
+    [error] = sink.wait()
+    assert (error.req, error.label, error.where) == ("r-7", "abandoned", "call")
+    assert isinstance(error.exc, KeyError)
+
+
+def test_call_from_the_loop_thread_runs_inline(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+
+    def outer() -> tuple[int, bool]:
+        # Would deadlock if call() posted and waited from the loop thread.
+        return loop.call(lambda: 7, timeout=0.1), loop.in_loop_thread()
+
+    assert loop.call(outer, timeout=WAIT_S) == (7, True)
+
+
+# ---------------------------------------------------------------------- timers
+
+
+def test_timers_fire_in_deadline_order(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    fired: list[str] = []
+    done = threading.Event()
+    plan = [("c", 30), ("a", 10), ("b", 20), ("now", 0), ("a2", 10)]
+
+    def setup() -> None:
+        for label, delay_ms in plan:
+            loop.call_later(delay_ms * MS, lambda label=label: fired.append(label), label=label)
+        loop.call_later(40 * MS, done.set)
+
+    loop.call(setup, timeout=WAIT_S)
+    assert done.wait(WAIT_S)
+    assert fired == ["now", "a", "a2", "b", "c"]
+    assert loop.stats()["timers_fired"] == 6
+
+
+def test_call_at_uses_the_loop_clock(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    done = threading.Event()
+    loop.call(lambda: loop.call_at(loop.now_ns() + 5 * MS, done.set), timeout=WAIT_S)
+    assert done.wait(WAIT_S)
+
+
+def test_a_50ms_timer_fires_after_50ms_not_much_later(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    times: dict[str, int] = {}
+    done = threading.Event()
+
+    def fire() -> None:
+        times["fired"] = time.monotonic_ns()
+        done.set()
+
+    def setup() -> None:
+        times["scheduled"] = time.monotonic_ns()
+        loop.call_later(50 * MS, fire)
+
+    loop.call(setup, timeout=WAIT_S)
+    assert done.wait(WAIT_S)
+    elapsed_ms = (times["fired"] - times["scheduled"]) / MS
+    assert 50 <= elapsed_ms < 150, elapsed_ms
+
+
+def test_cancel(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    fired: list[str] = []
+    done = threading.Event()
+    handles: dict[str, TimerHandle] = {}
+
+    def setup() -> tuple[bool, bool]:
+        handles["kept"] = loop.call_later(10 * MS, lambda: fired.append("kept"))
+        handles["gone"] = loop.call_later(10 * MS, lambda: fired.append("gone"))
+        # Due in the same batch: the first cancels the second before it runs.
+        loop.call_later(5 * MS, lambda: fired.append(f"cancel-same-batch={loop.cancel(handles['late'])}"))
+        handles["late"] = loop.call_later(5 * MS, lambda: fired.append("late"))
+        loop.call_later(30 * MS, done.set)
+        return loop.cancel(handles["gone"]), loop.cancel(handles["gone"])
+
+    assert loop.call(setup, timeout=WAIT_S) == (True, False)
+    assert done.wait(WAIT_S)
+    assert fired == ["cancel-same-batch=True", "kept"]
+    assert loop.call(lambda: loop.cancel(handles["kept"]), timeout=WAIT_S) is False  # already ran
+    assert loop.call(lambda: loop.cancel(None), timeout=WAIT_S) is False
+
+
+def test_timer_scheduled_from_another_thread_through_post(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    fired = threading.Event()
+    on_thread: list[int] = []
+
+    def fire() -> None:
+        on_thread.append(threading.get_ident())
+        fired.set()
+
+    scheduler = threading.Thread(target=lambda: loop.post(lambda: loop.call_later(10 * MS, fire)))
+    scheduler.start()
+    scheduler.join(WAIT_S)
+    assert fired.wait(WAIT_S)
+    assert loop.thread is not None and on_thread == [loop.thread.ident]
+
+
+def test_loop_only_api_refuses_other_threads(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    with pytest.raises(WrongThread, match="call_later"):
+        loop.call_later(MS, lambda: None)
+    with pytest.raises(WrongThread):
+        loop.call_at(0, lambda: None)
+    with pytest.raises(WrongThread):
+        loop.cancel(None)
+    with pytest.raises(WrongThread):
+        loop.add_reader(zmq.Context.instance().socket(zmq.PULL), lambda: None)
+    with pytest.raises(WrongThread):
+        loop.socket(zmq.PULL)
+    with pytest.raises(TypeError):
+        loop.post("not callable")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def test_posted_callable_that_raises_is_reported_and_the_loop_goes_on(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+
+    def boom() -> None:
+        raise RuntimeError("kaput")
+
+    assert loop.post(boom, req="req-1", label="read-blocks")
+    [error] = sink.wait()
+    assert (error.req, error.label, error.where) == ("req-1", "read-blocks", "post")
+    assert isinstance(error.exc, RuntimeError) and "kaput" in str(error)
+    ran = threading.Event()
+    assert loop.post(ran.set)
+    assert ran.wait(WAIT_S)
+    assert loop.stats()["errors"] == 1
+
+
+def test_unlabelled_callable_is_named_after_its_function(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+
+    def handshake_with_peer() -> None:
+        raise OSError("peer gone")
+
+    loop.post(handshake_with_peer, req="r")
+    [error] = sink.wait()
+    assert "handshake_with_peer" in error.label
+
+
+def test_system_exit_in_a_callable_does_not_end_the_loop(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+
+    def leave() -> None:
+        raise SystemExit(3)
+
+    loop.post(leave, req="r-exit")
+    [error] = sink.wait()
+    assert isinstance(error.exc, SystemExit)
+    assert loop.call(lambda: "alive", timeout=WAIT_S) == "alive"
+
+
+def test_timer_that_raises_is_reported_with_its_request(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+
+    def expire() -> None:
+        raise TimeoutError("lease")
+
+    loop.call(lambda: loop.call_later(MS, expire, req="req-9", label="lease-timer"), timeout=WAIT_S)
+    [error] = sink.wait()
+    assert (error.req, error.label, error.where) == ("req-9", "lease-timer", "timer")
+    fired = threading.Event()
+    loop.call(lambda: loop.call_later(MS, fired.set), timeout=WAIT_S)
+    assert fired.wait(WAIT_S)
+
+
+def test_on_error_that_raises_does_not_kill_the_loop(make_loop: MakeLoop) -> None:
+    calls: list[LoopError] = []
+
+    def bad_handler(error: LoopError) -> None:
+        calls.append(error)
+        raise ZeroDivisionError("handler bug")
+
+    loop = make_loop(on_error=bad_handler)
+    loop.post(lambda: 1 / 0, req="r1", label="first")
+    loop.post(lambda: {}.pop("missing"), req="r2", label="second")
+    assert loop.call(lambda: "alive", timeout=WAIT_S) == "alive"
+    assert [c.req for c in calls] == ["r1", "r2"]
+    stats = loop.stats()
+    assert stats["errors"] == 2 and stats["on_error_failures"] == 2
+
+
+def test_without_on_error_errors_are_logged(make_loop: MakeLoop, caplog: pytest.LogCaptureFixture) -> None:
+    loop = make_loop()
+    with caplog.at_level("ERROR", logger="kvsm.loop"):
+        loop.post(lambda: 1 / 0, req="r-log", label="logged")
+        barrier(loop)
+    assert any("logged" in r.getMessage() and "r-log" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------- readers
+
+
+def test_reader_receives_tcp_messages_on_the_loop_thread(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    received: list[tuple[bytes, int]] = []
+    got_all = threading.Event()
+    holder: dict[str, zmq.Socket] = {}
+
+    def on_readable() -> None:
+        pull = holder["pull"]
+        while True:
+            try:
+                msg = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            received.append((msg, threading.get_ident()))
+            if len(received) == 3:
+                got_all.set()
+
+    def setup() -> str:
+        pull = loop.socket(zmq.PULL)
+        holder["pull"] = pull
+        pull.bind("tcp://127.0.0.1:*")
+        loop.add_reader(pull, on_readable, label="pull")
+        return pull.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    endpoint = loop.call(setup, timeout=WAIT_S)
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        push.connect(endpoint)
+        for msg in (b"one", b"two", b"three"):
+            push.send(msg)
+        assert got_all.wait(WAIT_S)
+    finally:
+        push.close(linger=0)
+    assert [m for m, _ in received] == [b"one", b"two", b"three"]
+    assert loop.thread is not None and {t for _, t in received} == {loop.thread.ident}
+    assert loop.stats()["readers"] == 1
+    assert loop.stop(timeout=WAIT_S)
+    assert holder["pull"].closed, "stop must close the sockets the loop owns"
+
+
+def test_remove_reader_stops_callbacks(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    ctx = zmq.Context.instance()
+    calls: list[int] = []
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+
+    def on_readable() -> None:
+        calls.append(len(pull.recv_multipart(zmq.NOBLOCK)))
+
+    # Registering hands the socket to the loop; the test no longer touches it.
+    loop.call(lambda: loop.add_reader(pull, on_readable, label="pull"), timeout=WAIT_S)
+    push = ctx.socket(zmq.PUSH)
+    try:
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(b"a")
+        wait_until(lambda: bool(calls), "the reader")
+        assert calls == [1]
+        assert loop.call(lambda: loop.remove_reader(pull), timeout=WAIT_S) is True
+        assert loop.call(lambda: loop.remove_reader(pull), timeout=WAIT_S) is False
+        push.send(b"b")
+        time.sleep(0.1)
+        barrier(loop)
+        assert calls == [1]
+        # No longer registered, so ours again: the message is still there for us.
+        assert pull.poll(int(WAIT_S * 1000)) == zmq.POLLIN
+        assert pull.recv(zmq.NOBLOCK) == b"b"
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+
+
+def test_reader_that_raises_is_reported_and_called_again(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+    got: list[bytes] = []
+    done = threading.Event()
+    holder: dict[str, zmq.Socket] = {}
+
+    def on_readable() -> None:
+        msg = holder["pull"].recv(zmq.NOBLOCK)
+        if msg == b"poison":
+            raise ValueError("malformed message")  # upstream's listener died of this
+        got.append(msg)
+        done.set()
+
+    def setup() -> int:
+        holder["pull"] = pull = loop.socket(zmq.PULL)
+        loop.add_reader(pull, on_readable, label="side-channel")
+        return pull.bind_to_random_port("tcp://127.0.0.1")
+
+    port = loop.call(setup, timeout=WAIT_S)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(b"poison")
+        push.send(b"good")
+        [error] = sink.wait()
+        assert (error.req, error.label, error.where) == (None, "side-channel", "reader")
+        assert done.wait(WAIT_S)
+        assert got == [b"good"]
+    finally:
+        push.close(linger=0)
+
+
+def test_socket_closed_behind_the_loops_back_is_dropped_not_polled(make_loop: MakeLoop) -> None:
+    sink = ErrorSink()
+    loop = make_loop(on_error=sink)
+
+    def setup() -> None:
+        pull = loop.socket(zmq.PULL)
+        loop.add_reader(pull, lambda: None, label="doomed")
+        pull.close()  # wrong: should be loop.close_socket(pull)
+
+    loop.call(setup, timeout=WAIT_S)
+    [error] = sink.wait()
+    assert (error.label, error.where) == ("doomed", "reader")
+    assert loop.call(lambda: "alive", timeout=WAIT_S) == "alive"
+    assert loop.stats()["readers"] == 0
+
+
+# -------------------------------------------------------------------- idleness
+
+
+def _idle_cost(loop: EventLoop, seconds: float = 1.0) -> tuple[float, int]:
+    """CPU seconds and iterations the loop thread spends over ``seconds`` of idleness."""
+    assert loop.thread is not None
+    barrier(loop)
+    time.sleep(0.02)  # let it settle into its wait
+    cpu0, it0 = thread_cpu_s(loop.thread), loop.stats()["iterations"]
+    time.sleep(seconds)
+    return thread_cpu_s(loop.thread) - cpu0, loop.stats()["iterations"] - it0
+
+
+def test_idle_loop_burns_no_cpu(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    cpu_s, iterations = _idle_cost(loop)
+    assert cpu_s < 0.020, f"idle loop used {cpu_s * 1000:.1f} ms CPU in 1 s"
+    assert iterations <= 3, f"idle loop woke {iterations} times in 1 s (busy polling?)"
+
+
+def test_idle_loop_with_a_far_timer_burns_no_cpu(make_loop: MakeLoop) -> None:
+    loop = make_loop()
+    loop.call(lambda: loop.call_later(60_000 * MS, lambda: None), timeout=WAIT_S)
+    cpu_s, iterations = _idle_cost(loop)
+    assert cpu_s < 0.020, f"loop with a far timer used {cpu_s * 1000:.1f} ms CPU in 1 s"
+    assert iterations <= 3, f"loop with a far timer woke {iterations} times in 1 s"
+    assert loop.stats()["timers_pending"] == 1
