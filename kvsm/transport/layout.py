@@ -1,0 +1,266 @@
+"""KV cache tensors described as NIXL descriptors: regions of equally spaced blocks.
+
+A *region* is a run of ``num_blocks`` equally spaced, equally sized blocks in
+one memory space: block ``b`` of a region lives at ``base_addr + b *
+block_stride`` and is ``block_bytes`` long. ``describe_kv_caches`` turns
+vLLM's per-layer KV cache tensors into regions by one generic rule:
+
+* the *block dim* is the dim whose size is ``num_blocks`` (an explicit
+  ``block_dim`` wins; two candidate dims are an error naming the layer);
+* each index combination of the dims *before* the block dim is one region
+  (its ``part`` is the flat index of that combination);
+* the dims *after* the block dim form one block and must be contiguous.
+
+So vLLM-CPU's ``[num_blocks, kv_heads, block_size, 2*head_size]`` is one
+region per layer; FlashAttention's ``[2, num_blocks, block_size, kv_heads,
+head_size]`` is two (K and V); ``[num_blocks, 2, block_size, kv_heads,
+head_size]`` is one.
+
+Descriptor order, the contract between ``block_descs`` and ``desc_indices``
+(and with the peer, which preps the same order from the layout it receives):
+region-major, then block. ``NixlTransport`` preps the descriptors of *all*
+blocks of *all* regions once (``all_block_descs``), so descriptor ``r *
+num_blocks + b`` is block ``b`` of region ``r``, and a transfer is two index
+lists.
+
+Pure Python plus numpy; torch is only read for tensor metadata (data_ptr,
+shape, stride, element_size, device). Nothing here imports NIXL.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+MemType = Literal["DRAM", "VRAM"]
+
+# NIXL takes int32 descriptor indices.
+_MAX_DESCS = 2**31 - 1
+
+
+class Region(msgspec.Struct, frozen=True):
+    """``num_blocks`` blocks of ``block_bytes`` at ``base_addr + b * block_stride``."""
+
+    layer: str
+    part: int
+    base_addr: int
+    num_blocks: int
+    block_bytes: int
+    block_stride: int
+    device_id: int
+
+    @property
+    def span(self) -> int:
+        """Bytes from the first block's start to the last block's end."""
+        if self.num_blocks == 0:
+            return 0
+        return (self.num_blocks - 1) * self.block_stride + self.block_bytes
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """Where every KV block of one engine (one worker) lives.
+
+    msgspec-serialisable, so it travels in the handshake: the peer preps its
+    remote descriptor list from the addresses in here.
+    """
+
+    regions: tuple[Region, ...]
+    mem_type: MemType
+    num_blocks: int
+
+    # -- compatibility ---------------------------------------------------------
+
+    def signature(self) -> tuple[tuple[str, int, int], ...]:
+        """What must match between peers: the regions in order, each as
+        ``(layer, part, block_bytes)``. Not addresses, strides, the number of
+        blocks or the memory type: those may differ between engines."""
+        return tuple((r.layer, r.part, r.block_bytes) for r in self.regions)
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """The first difference between the two signatures, in words; None if compatible."""
+        if len(self.regions) != len(other.regions):
+            return f"number of regions: local {len(self.regions)}, remote {len(other.regions)}"
+        for i, (a, b) in enumerate(zip(self.regions, other.regions)):
+            if a.layer != b.layer or a.part != b.part:
+                return (f"region {i}: local is layer {a.layer!r} part {a.part}, "
+                        f"remote is layer {b.layer!r} part {b.part}")
+            if a.block_bytes != b.block_bytes:
+                return (f"block_bytes of region {i} (layer {a.layer!r} part {a.part}): "
+                        f"local {a.block_bytes}, remote {b.block_bytes}")
+        return None
+
+    # -- descriptors -------------------------------------------------------------
+
+    def registration_descs(self) -> list[tuple[int, int, int]]:
+        """``(addr, len, device_id)`` per region: the memory to register.
+
+        ``len`` is the region's span, ``(num_blocks - 1) * block_stride +
+        block_bytes``; equal to ``num_blocks * block_stride`` for dense
+        blocks, and never past the last block when blocks are interleaved with
+        other data (a view of a larger buffer)."""
+        return [(r.base_addr, r.span, r.device_id) for r in self.regions]
+
+    def block_index(self, region_idx: int, block_id: int) -> int:
+        """Index of block ``block_id`` of region ``region_idx`` in ``all_block_descs``."""
+        if not 0 <= region_idx < len(self.regions):
+            raise IndexError(f"region {region_idx} out of range ({len(self.regions)} regions)")
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} out of range ({self.num_blocks} blocks)")
+        return region_idx * self.num_blocks + block_id
+
+    def _blocks(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        b = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if b.size:
+            lo, hi = int(b.min()), int(b.max())
+            if lo < 0 or hi >= self.num_blocks:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"block id {bad} out of range: the layout has {self.num_blocks} blocks")
+        return b
+
+    def desc_index_array(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``desc_indices`` as an int32 numpy array (what NIXL takes fastest)."""
+        b = self._blocks(block_ids)
+        n = len(self.regions) * self.num_blocks
+        if n > _MAX_DESCS:
+            raise ValueError(f"{n} descriptors do not fit NIXL's int32 indices")
+        starts = np.arange(len(self.regions), dtype=np.int64) * self.num_blocks
+        return (starts[:, None] + b[None, :]).reshape(-1).astype(np.int32)
+
+    def desc_indices(self, block_ids: Sequence[int]) -> list[int]:
+        """Indices into ``all_block_descs`` of ``block_ids`` in every region,
+        region-major: the same order as ``block_descs(block_ids)``."""
+        return self.desc_index_array(block_ids).tolist()
+
+    def block_desc_array(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``block_descs`` as an ``N x 3`` uint64 numpy array (NIXL takes it as is)."""
+        b = self._blocks(block_ids)
+        regions = self.regions
+        base = np.fromiter((r.base_addr for r in regions), dtype=np.uint64, count=len(regions))
+        stride = np.fromiter((r.block_stride for r in regions), dtype=np.uint64, count=len(regions))
+        length = np.fromiter((r.block_bytes for r in regions), dtype=np.uint64, count=len(regions))
+        dev = np.fromiter((r.device_id for r in regions), dtype=np.uint64, count=len(regions))
+        out = np.empty((len(regions), b.size, 3), dtype=np.uint64)
+        out[:, :, 0] = base[:, None] + b.astype(np.uint64)[None, :] * stride[:, None]
+        out[:, :, 1] = length[:, None]
+        out[:, :, 2] = dev[:, None]
+        return out.reshape(-1, 3)
+
+    def block_descs(self, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(addr, block_bytes, device_id)`` for each region, for each block of
+        ``block_ids`` (region-major)."""
+        return [(int(a), int(n), int(d)) for a, n, d in self.block_desc_array(block_ids)]
+
+    def all_block_descs(self) -> np.ndarray:
+        """Every block of every region, ``N x 3`` uint64: the list to prep once."""
+        return self.block_desc_array(np.arange(self.num_blocks))
+
+
+def _device(tensor: torch.Tensor, layer: str) -> tuple[MemType, int]:
+    dev = tensor.device
+    if dev.type == "cpu":
+        return "DRAM", 0
+    if dev.type == "cuda":
+        return "VRAM", dev.index if dev.index is not None else 0
+    raise ValueError(f"layer {layer!r}: KV cache on device {dev} (only cpu and cuda are supported)")
+
+
+def _find_block_dim(layer: str, shape: tuple[int, ...], num_blocks: int | None,
+                    block_dim: int | None) -> int:
+    ndim = len(shape)
+    if ndim < 1:
+        raise ValueError(f"layer {layer!r}: a 0-dim tensor is not a KV cache")
+    if block_dim is not None:
+        bd = block_dim + ndim if block_dim < 0 else block_dim
+        if not 0 <= bd < ndim:
+            raise ValueError(f"layer {layer!r}: block_dim={block_dim} out of range for shape {shape}")
+        if num_blocks is not None and shape[bd] != num_blocks:
+            raise ValueError(f"layer {layer!r}: dim {bd} of shape {shape} has size {shape[bd]}, "
+                             f"not num_blocks={num_blocks}")
+        return bd
+    if num_blocks is None:
+        # No hint: vLLM-CPU (and most layouts) put blocks first. The one
+        # common layout that does not, FlashAttention's K/V split
+        # [2, num_blocks, ...], must not be misread as 2 blocks.
+        if ndim == 5 and shape[0] == 2:
+            raise ValueError(f"layer {layer!r}: shape {shape} may be FlashAttention's "
+                             f"[2, num_blocks, block_size, kv_heads, head_size] or "
+                             f"[num_blocks=2, ...]: pass num_blocks= or block_dim=")
+        return 0
+    # The innermost dim is never the block dim (a block would be one element).
+    cands = [d for d in range(max(ndim - 1, 1)) if shape[d] == num_blocks]
+    if not cands:
+        raise ValueError(f"layer {layer!r}: no dim of shape {shape} has size num_blocks={num_blocks}")
+    if len(cands) > 1:
+        raise ValueError(f"layer {layer!r}: ambiguous block dim in shape {shape}: dims {cands} "
+                         f"all have size num_blocks={num_blocks}; pass block_dim=")
+    return cands[0]
+
+
+def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int | None = None,
+                       block_dim: int | None = None) -> KVLayout:
+    """Describe per-layer KV cache tensors as regions of blocks (see the module doc).
+
+    ``kv_caches`` maps layer name to tensor, in layer order (the order is part
+    of the signature, so both peers must pass their layers in the same order).
+    Without ``num_blocks`` or ``block_dim`` the block dim is 0 (vLLM-CPU).
+    Raises ``ValueError`` naming the layer, its shape and strides when a
+    tensor cannot be described.
+    """
+    if not kv_caches:
+        raise ValueError("no KV cache tensors to describe")
+    regions: list[Region] = []
+    mem_type: MemType | None = None
+    layout_blocks: int | None = None
+    first_layer = ""
+    for layer, t in kv_caches.items():
+        shape = tuple(int(s) for s in t.shape)
+        strides = tuple(int(s) for s in t.stride())
+        mt, dev = _device(t, layer)
+        if mem_type is None:
+            mem_type, first_layer = mt, layer
+        elif mt != mem_type:
+            raise ValueError(f"layer {layer!r} is in {mt} but layer {first_layer!r} is in {mem_type}: "
+                             f"one layout holds one memory type")
+        bd = _find_block_dim(layer, shape, num_blocks, block_dim)
+        nb = shape[bd]
+        if layout_blocks is None:
+            layout_blocks = nb
+        elif nb != layout_blocks:
+            raise ValueError(f"layer {layer!r} has {nb} blocks (shape {shape}, block dim {bd}) but "
+                             f"layer {first_layer!r} has {layout_blocks}")
+        es = t.element_size()
+        # The dims after the block dim must be one dense run of memory.
+        expected = 1
+        for d in range(len(shape) - 1, bd, -1):
+            if shape[d] != 1 and strides[d] != expected:
+                raise ValueError(f"layer {layer!r}: the dims after block dim {bd} are not contiguous "
+                                 f"(shape {shape}, strides {strides}, element size {es}): a block "
+                                 f"must be one contiguous run of memory")
+            expected *= shape[d]
+        block_bytes = expected * es
+        if block_bytes == 0:
+            raise ValueError(f"layer {layer!r}: empty blocks (shape {shape})")
+        block_stride = strides[bd] * es
+        if nb > 1 and block_stride < block_bytes:
+            raise ValueError(f"layer {layer!r}: blocks overlap (shape {shape}, strides {strides}: "
+                             f"block stride {block_stride} B < block size {block_bytes} B)")
+        if nb <= 1:
+            block_stride = max(block_stride, block_bytes)
+        base = t.data_ptr()
+        lead = shape[:bd]
+        for part, idx in enumerate(itertools.product(*(range(s) for s in lead))):
+            offset = sum(i * strides[j] for j, i in enumerate(idx)) * es
+            regions.append(Region(layer=layer, part=part, base_addr=base + offset, num_blocks=nb,
+                                  block_bytes=block_bytes, block_stride=block_stride, device_id=dev))
+    assert mem_type is not None and layout_blocks is not None
+    if len(regions) * layout_blocks > _MAX_DESCS:
+        raise ValueError(f"{len(regions)} regions x {layout_blocks} blocks do not fit NIXL's int32 "
+                         f"descriptor indices")
+    return KVLayout(regions=tuple(regions), mem_type=mem_type, num_blocks=layout_blocks)

@@ -1,0 +1,391 @@
+"""The NIXL block transport: one NIXL agent over one engine worker's KV caches.
+
+Threading: construct it anywhere (``register_kv_caches`` runs in the model
+runner's thread), then make every other call from ONE thread, the process's
+event-loop thread. The agent is created without NIXL's listener thread (the
+handshake is kvsm's own) and therefore with ``NIXL_THREAD_SYNC_NONE``: NIXL
+takes no locks, so two threads calling into it concurrently is undefined.
+
+No NIXL progress thread either. NIXL 1.5.1's Python API starts it with a
+0 µs poll delay, i.e. a thread that busy-polls UCX: measured here, a full
+core per idle process (1.0 CPU-s per second), which on a 2-core machine
+starves the engines. Without it, UCX makes progress only inside our calls:
+``post_read`` (on the CPU, UCX's ``cma`` transport copies synchronously
+inside ``transfer()``, so a big read blocks the loop for its copy: 256 MiB
+took 22 ms as 4096 x 64 KiB descriptors, 240 ms as 32768 x 8 KiB permuted
+ones; 64 MiB of vLLM-CPU 128 KiB blocks 20-26 ms), ``check`` and
+``get_notifs``. So the loop must poll ``check`` for its posted reads and
+``get_notifs`` on a timer; a sender's notifications are only seen when it
+calls ``get_notifs``. Each of those calls costs about 1 µs when idle.
+
+What NIXL 1.5.1 + UCX do, as measured on this machine (see
+tests/test_nixl_transport.py for the parts that are tested):
+
+* Releasing a transfer that is still in flight (``release_xfer_handle`` on a
+  ``PROC`` handle) "succeeds": NIXL asks UCX to cancel and frees the handle.
+  But the bytes may already have landed (seen: all of them, the first read
+  on a fresh connection is ``PROC`` after the copy, waiting for its
+  completion) and the read's notification is then never sent. UCX does not
+  promise that a cancelled read stops writing. So ``release`` refuses (False)
+  while a read is in flight, and only ``release(h, force=True)`` cancels.
+* Checking a transfer whose remote agent was removed (``remove_remote_agent``)
+  while it was in flight makes NIXL delete the handle internally (and report
+  NOT_FOUND); the Python handle would then free it again. ``remove_peer``
+  therefore settles every read to that peer first and never checks them
+  again.
+* A dead peer: ``transfer()`` raises ``nixlRemoteDisconnectError`` at once
+  (UCX saw the connection close); ``send_notif`` raises the same. Loading
+  new metadata under a name that is already loaded raises
+  ``nixlNotAllowedError`` (so a restarted peer needs ``remove_remote_agent``
+  first); loading the very same metadata again is accepted.
+* Connections: ``add_remote_agent`` only loads metadata; the UCX wire-up
+  happens on first use and only progresses inside our calls. ``add_peer``
+  starts it with ``make_connection`` (non-blocking), so a loop that keeps
+  polling makes the first read ~2 ms instead of ~55 ms. Likewise a standalone
+  notification on a fresh connection leaves only as our agent progresses.
+* Notifications ride on the read: NIXL sends ``notif_msg`` to the peer when
+  the whole read completes (at ``transfer()`` when it completes inline, else
+  in the ``check`` that sees it done). Contiguous descriptors on both sides
+  are merged by NIXL itself, so runs of consecutive blocks cost nothing extra.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from kvsm.transport.base import TransferState, Transport, XferHandle
+from kvsm.transport.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+METADATA_VERSION = 1
+
+
+class NixlPeerInfo(msgspec.Struct, frozen=True):
+    """What a peer needs to read our blocks: sent in the handshake."""
+
+    version: int
+    name: str
+    agent_metadata: bytes
+    layout: KVLayout
+
+
+_DECODER = msgspec.msgpack.Decoder(NixlPeerInfo)
+
+
+def _nixl_errors() -> tuple[type[BaseException], ...]:
+    import nixl._bindings as b
+
+    return tuple(getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error")
+                 and isinstance(getattr(b, n), type))
+
+
+class NixlXferHandle(XferHandle):
+    """A posted read: the base handle plus the NIXL handle and what we know of it."""
+
+    __slots__ = ("_nixl", "error", "released", "state")
+
+    def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                 notif: bytes, tag: str = "") -> None:
+        super().__init__(peer, local_blocks, remote_blocks, notif, tag)
+        self._nixl = None  # nixl_xfer_handle while NIXL holds it
+        self.state = TransferState.PENDING
+        self.error = ""  # why it ended in ERROR
+        self.released = False  # the caller gave it up
+
+    def __repr__(self) -> str:
+        return (f"NixlXferHandle(peer={self.peer!r}, blocks={len(self.local_blocks)}, "
+                f"state={self.state.value}, tag={self.tag!r})")
+
+
+@dataclass
+class _Peer:
+    name: str
+    raw: bytes  # the metadata it was added with (add_peer is idempotent on it)
+    layout: KVLayout
+    dlist: object  # nixl_prepped_dlist_handle of all its blocks
+    handles: set[NixlXferHandle] = field(default_factory=set)
+
+
+class NixlTransport(Transport):
+    """One NIXL agent with this worker's KV caches registered, reading peers' blocks."""
+
+    def __init__(self, name: str, layout: KVLayout, *, backends: Sequence[str] = ("UCX",)) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.layout = layout
+        self._errors = _nixl_errors()
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+        self._reg = None
+        self._local = None
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                   backends=list(backends))
+        self._agent = nixl_agent(name, config)
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise RuntimeError(f"NIXL agent {name!r}: backends {missing} unavailable "
+                               f"(plugins: {self._agent.get_plugin_list()})")
+        try:
+            regs = np.array(layout.registration_descs(), dtype=np.uint64).reshape(-1, 3)
+            self._reg = self._agent.register_memory(regs, layout.mem_type)
+            self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", layout.all_block_descs(),
+                                                      layout.mem_type)
+            self._metadata = msgspec.msgpack.encode(NixlPeerInfo(
+                version=METADATA_VERSION, name=name,
+                agent_metadata=self._agent.get_agent_metadata(), layout=layout))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- peers -------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        return self._metadata
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's ``metadata()``; returns its agent name.
+
+        The same metadata again is a no-op. New metadata under a known name (the
+        peer restarted) replaces the old incarnation, settling its reads as
+        ``remove_peer`` does. An incompatible KV layout raises ``ValueError``
+        naming the first difference, before anything is loaded."""
+        self._check_open()
+        try:
+            info = _DECODER.decode(metadata)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"malformed NIXL peer metadata ({len(metadata)} bytes): {e}") from e
+        if info.version != METADATA_VERSION:
+            raise ValueError(f"peer {info.name!r}: metadata version {info.version}, "
+                             f"expected {METADATA_VERSION}")
+        if info.name == self.name:
+            raise ValueError(f"peer metadata carries our own agent name {self.name!r}")
+        old = self._peers.get(info.name)
+        if old is not None and old.raw == metadata:
+            return info.name
+        why = self.layout.mismatch(info.layout)
+        if why is not None:
+            raise ValueError(f"peer {info.name!r} has an incompatible KV layout: {why}")
+        if old is not None:  # the peer restarted: forget the old incarnation first
+            self._drop_peer(old)
+        loaded = self._agent.add_remote_agent(info.agent_metadata)
+        if isinstance(loaded, bytes):
+            loaded = loaded.decode()
+        if loaded != info.name:
+            self._agent.remove_remote_agent(loaded)
+            raise ValueError(f"peer metadata names agent {info.name!r} but its NIXL metadata "
+                             f"is agent {loaded!r}")
+        try:
+            dlist = self._agent.prep_xfer_dlist(info.name, info.layout.all_block_descs(),
+                                                info.layout.mem_type)
+        except BaseException:
+            self._agent.remove_remote_agent(info.name)
+            raise
+        self._peers[info.name] = _Peer(info.name, bytes(metadata), info.layout, dlist)
+        # Start the UCX wire-up now (returns at once; our get_notifs/check polls
+        # progress it): the first read then takes ~2 ms instead of ~55 ms.
+        try:
+            self._agent.make_connection(info.name)
+        except self._errors as e:
+            log.info("NIXL %s: connecting to %r: %s", self.name, info.name, e)
+        return info.name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget ``peer``. Its reads are settled first: finished ones are freed,
+        ones still in flight are cancelled (they end in ERROR; see ``release``
+        for what a cancelled read may still have written). Unknown peers: no-op."""
+        self._check_open()
+        p = self._peers.get(peer)
+        if p is not None:
+            self._drop_peer(p)
+
+    def _drop_peer(self, p: _Peer) -> None:
+        for h in list(p.handles):
+            if h.state is TransferState.PENDING:
+                self._poll(h)
+            if h.state is TransferState.PENDING:
+                h.state = TransferState.ERROR
+                h.error = f"cancelled in flight: peer {p.name!r} removed"
+            self._free(h)
+        p.handles.clear()
+        del self._peers[p.name]
+        try:
+            p.dlist.release()
+        except self._errors as e:
+            log.warning("NIXL %s: releasing the descriptor list of peer %r: %s", self.name, p.name, e)
+        try:
+            self._agent.remove_remote_agent(p.name)
+        except self._errors as e:
+            log.warning("NIXL %s: removing peer %r: %s", self.name, p.name, e)
+
+    # -- reads -------------------------------------------------------------------
+
+    def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                  notif: bytes, tag: str = "") -> NixlXferHandle:
+        """Post one NIXL READ of ``remote_blocks`` (every region) into ``local_blocks``.
+
+        Unknown peer: ``ConnectionError``; count mismatch or a block id out of
+        range: ``ValueError``. A NIXL failure (e.g. the peer died:
+        ``nixlRemoteDisconnectError``) does not raise: the handle comes back in
+        ERROR with the reason in ``handle.error``. Zero blocks: nothing to read,
+        the notification is sent at once and the handle is DONE.
+        """
+        self._check_open()
+        p = self._peers.get(peer)
+        if p is None:
+            raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        local_idx = self.layout.desc_index_array(local_blocks)
+        remote_idx = p.layout.desc_index_array(remote_blocks)
+        h = NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag)
+        if len(local_blocks) == 0:
+            if notif and not self.send_notif(peer, notif):
+                h.state, h.error = TransferState.ERROR, f"notification to {peer!r} failed"
+            else:
+                h.state = TransferState.DONE
+            return h
+        try:
+            h._nixl = self._agent.make_prepped_xfer("READ", self._local, local_idx, p.dlist,
+                                                     remote_idx, notif_msg=notif)
+            st = self._agent.transfer(h._nixl)
+        except self._errors as e:
+            h.state, h.error = TransferState.ERROR, f"{type(e).__name__}: {e}"
+            self._free(h)
+            return h
+        p.handles.add(h)
+        self._set(h, st)
+        return h
+
+    def check(self, handle: XferHandle) -> TransferState:
+        h = self._own(handle)
+        if h.state is TransferState.PENDING:
+            self._poll(h)
+        return h.state
+
+    def release(self, handle: XferHandle, *, force: bool = False) -> bool:
+        """Free a read's NIXL handle. False (and nothing freed) while the read is
+        in flight: NIXL would cancel it, but UCX may still have written (or
+        still write) the local blocks and the peer's notification would never be
+        sent, so the caller keeps waiting. ``force=True`` cancels anyway (the
+        handle ends in ERROR; treat its local blocks as garbage). Releasing
+        twice is a no-op."""
+        h = self._own(handle, released_ok=True)
+        if h.released:
+            return True
+        if h.state is TransferState.PENDING:
+            self._poll(h)
+            if h.state is TransferState.PENDING:
+                if not force:
+                    return False
+                h.state, h.error = TransferState.ERROR, "cancelled in flight (forced release)"
+        if h._nixl is not None and not self._free(h):
+            return False
+        h.released = True
+        p = self._peers.get(h.peer)
+        if p is not None:
+            p.handles.discard(h)
+        return True
+
+    def _poll(self, h: NixlXferHandle) -> None:
+        try:
+            st = self._agent.check_xfer_state(h._nixl)
+        except self._errors as e:
+            st = "ERR"
+            h.error = f"{type(e).__name__}: {e}"
+        self._set(h, st)
+
+    def _set(self, h: NixlXferHandle, st: str) -> None:
+        if st == "DONE":
+            h.state = TransferState.DONE
+        elif st == "PROC":
+            h.state = TransferState.PENDING
+        else:
+            h.state = TransferState.ERROR
+            h.error = h.error or f"NIXL reported {st}"
+
+    def _free(self, h: NixlXferHandle) -> bool:
+        """Release the NIXL handle (cancelling it if it is still in flight)."""
+        if h._nixl is None:
+            return True
+        try:
+            self._agent.release_xfer_handle(h._nixl)
+        except self._errors as e:
+            log.warning("NIXL %s: releasing a read from %r: %s", self.name, h.peer, e)
+            return False
+        h._nixl = None
+        return True
+
+    def _own(self, handle: XferHandle, released_ok: bool = False) -> NixlXferHandle:
+        if not isinstance(handle, NixlXferHandle):
+            raise TypeError(f"not a NIXL transfer handle: {handle!r}")
+        if handle.released and not released_ok:
+            raise KeyError("released transfer handle")
+        return handle
+
+    # -- notifications -----------------------------------------------------------
+
+    def send_notif(self, peer: str, msg: bytes) -> bool:
+        """Send ``msg`` to ``peer``. Unknown peer: ``ConnectionError``. False if
+        NIXL could not send it (peer gone); like a lost message, not an error."""
+        self._check_open()
+        if peer not in self._peers:
+            raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
+        try:
+            self._agent.send_notif(peer, msg)
+        except self._errors as e:
+            log.info("NIXL %s: notification to %r not sent: %s", self.name, peer, e)
+            return False
+        return True
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        self._check_open()
+        got = self._agent.get_new_notifs()
+        if not got:
+            return []
+        return [(peer if isinstance(peer, str) else peer.decode(), bytes(m))
+                for peer, msgs in got.items() for m in msgs]
+
+    # -- lifetime ----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"NIXL transport {self.name!r} is closed")
+
+    def close(self) -> None:
+        """Drop every peer (cancelling reads in flight), release the local
+        descriptor list, deregister the KV caches. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        agent = getattr(self, "_agent", None)
+        if agent is None:
+            return
+        for p in list(self._peers.values()):
+            self._drop_peer(p)
+        if self._local is not None:
+            self._local.release()
+            self._local = None
+        if self._reg is not None:
+            try:
+                agent.deregister_memory(self._reg)
+            except self._errors as e:
+                log.warning("NIXL %s: deregistering the KV caches: %s", self.name, e)
+            self._reg = None
+        self._agent = None
+
+    def __enter__(self) -> NixlTransport:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
