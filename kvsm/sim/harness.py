@@ -325,7 +325,10 @@ class Simulation:
             elif effect == "free_blocks":
                 p.cancel_timers(o.req)
                 self._prefill_free(o.req)
-            # pin_blocks: nothing to do here; the blocks simply stay allocated.
+            elif effect == "pin_blocks":
+                pass  # the blocks simply stay allocated until free_blocks
+            else:
+                raise NotImplementedError(f"the simulation does not execute prefill effect {effect!r}")
 
     def _prefill_claim(self, remote_req: str) -> str:
         """The prefill side's answer to a decode handshake that names a request."""
@@ -489,6 +492,10 @@ class Simulation:
                 self._later_free(req, o.block_ids)
             elif effect in ("report_invalid", "release_blocks"):
                 self._later_free(req, o.block_ids)
+            elif effect == "take_blocks":
+                pass  # vLLM allocated them; the ledger records that they are ours now
+            else:
+                raise NotImplementedError(f"the simulation does not execute decode effect {effect!r}")
 
     def _later_free(self, req: str, blocks: Sequence[int]) -> None:
         """vLLM frees a decode request's blocks when it is done with them."""
