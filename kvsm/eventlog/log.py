@@ -242,24 +242,7 @@ class EventLog:
             if not _RESERVED.isdisjoint(fields):
                 raise TypeError(f"emit(): header fields cannot be passed as extras: {sorted(_RESERVED & fields.keys())}")
             rec.update(fields)
-        # Inlined copy of _push (one Python call less on the hot path).
-        buf = self._buf
-        with self._lock:
-            if self._closed or len(buf) >= self.capacity:
-                self._dropped += 1
-                if not self._closed:
-                    self._dropped_pending += 1
-                return None
-            seq = self._seq
-            self._seq = seq + 1
-            rec["seq"] = seq
-            rec["t_mono_ns"] = self._mono_ns() if t_mono_ns is None else t_mono_ns
-            rec["t_wall_ns"] = self._wall_ns()
-            buf.append(rec)
-            n = len(buf)
-        if n >= self.batch_size and not self._wake.is_set():
-            self._wake.set()
-        return seq
+        return self._push(rec, t_mono_ns)
 
     def record_outcome(self, outcome: Outcome) -> None:
         """``LifecycleTracker`` listener: one create/transition/violation record,
@@ -272,7 +255,7 @@ class EventLog:
         self._push(rec, outcome.t_ns)
 
     def _push(self, rec: dict[str, Any], t_mono_ns: int | None) -> int | None:
-        """The locked part of ``emit`` (which inlines it to save a call)."""
+        """The locked part of ``emit`` and ``record_outcome``: stamp and enqueue."""
         buf = self._buf
         with self._lock:
             if self._closed or len(buf) >= self.capacity:
