@@ -199,6 +199,14 @@ def _analyse(paths: Sequence[str | Path]) -> Report:
 
     streams: dict[StreamKey, list[dict[str, Any]]] = defaultdict(list)
     for r in result.records:
+        # Fast check of the common case inline; _malformed explains a failure.
+        if not (type(r["seq"]) is int and type(r["t_mono_ns"]) is int and type(r["t_wall_ns"]) is int
+                and type(r["pid"]) is int and type(r["rank"]) is int and type(r["engine_id"]) is str
+                and type(r["role"]) is str and type(r["kind"]) is str and type(r["event"]) is str
+                and (r["kind"] not in _MACHINE_KINDS or _machine_record_ok(r))):
+            findings.append(Finding("corrupt_line", _malformed(r) or "malformed record",
+                                    file=r["_file"], line=r["_line"]))
+            continue
         streams[_stream_key(r)].append(r)
     machines: dict[MachineKey, Machine] = {}
     notes: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -232,6 +240,42 @@ def _analyse(paths: Sequence[str | Path]) -> Report:
     findings.extend(_check_reads_after_expiry(ordered))
     return Report([str(p) for p in paths], len(result.records), ordered, findings, unreadable,
                   {k: len(v) for k, v in streams.items()}, notes)
+
+
+_INT_FIELDS = ("seq", "t_mono_ns", "t_wall_ns", "pid", "rank")
+_STR_FIELDS = ("engine_id", "role", "kind", "event")
+
+
+def _malformed(r: dict[str, Any]) -> str | None:
+    """Why a record that parsed as JSON still cannot be replayed, or None.
+
+    The reader checks only that the header keys exist (it must stay fast);
+    replay sorts, folds and indexes by these values, so their types matter.
+    """
+    for name in _INT_FIELDS:
+        if type(r[name]) is not int:
+            return f"header field {name!r} is {r[name]!r}, not an integer"
+    for name in _STR_FIELDS:
+        if type(r[name]) is not str:
+            return f"header field {name!r} is {r[name]!r}, not a string"
+    if r["kind"] in _MACHINE_KINDS:
+        if type(r["req"]) is not str or type(r.get("lifecycle")) is not str:
+            return f"{r['kind']} record without a string 'req' and 'lifecycle'"
+        if r["kind"] != "create" and type(r.get("input", {})) is not dict:
+            return f"{r['kind']} record whose 'input' is not an object"
+        if type(r.get("effects", [])) is not list or type(r.get("blocks", [])) is not list:
+            return f"{r['kind']} record whose 'effects' or 'blocks' is not a list"
+    return None
+
+
+def _machine_record_ok(r: dict[str, Any]) -> bool:
+    return (type(r["req"]) is str and type(r.get("lifecycle")) is str
+            and type(r.get("input", _EMPTY_DICT)) is dict and type(r.get("effects", _EMPTY_LIST)) is list
+            and type(r.get("blocks", _EMPTY_LIST)) is list)
+
+
+_EMPTY_DICT: dict[str, Any] = {}
+_EMPTY_LIST: list[Any] = []
 
 
 def _where(r: dict[str, Any]) -> dict[str, Any]:

@@ -286,3 +286,22 @@ def test_timeline_includes_diagnostic_notes_of_the_request(tmp_path: Path) -> No
     req = notes[0]["req"]
     out = replay_cli(*result.log_paths, "--request", req).stdout
     assert f"{req}  # stale_handshake_reply" in out and '{"state":"aborted"}' in out
+
+
+def test_records_with_wrong_types_are_reported_not_fatal(tmp_path: Path) -> None:
+    lines = (CLEAN / "prefill-0.scheduler.jsonl").read_bytes().splitlines(keepends=True)
+    bad = [
+        {**orjson.loads(lines[1]), "seq": "seven"},
+        {**orjson.loads(lines[2]), "lifecycle": None},
+        {**orjson.loads(lines[2]), "input": [1, 2]},
+        {**orjson.loads(lines[2]), "engine_id": 5},
+    ]
+    body = lines[:3] + [orjson.dumps(b) + b"\n" for b in bad] + lines[3:]
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"".join(body))
+    report = analyse([path])  # must not raise
+    corrupt = sorted((f.line, f.detail) for f in report.findings if f.kind == "corrupt_line")
+    assert [line for line, _ in corrupt] == [4, 5, 6, 7]
+    assert "'seq' is 'seven', not an integer" in corrupt[0][1]
+    assert report.exit_code == 1
+    assert "seq_duplicate" not in kinds(report) and "seq_gap" not in kinds(report)
