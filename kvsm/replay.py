@@ -263,15 +263,29 @@ def _malformed(r: dict[str, Any]) -> str | None:
             return f"{r['kind']} record without a string 'req' and 'lifecycle'"
         if r["kind"] != "create" and type(r.get("input", {})) is not dict:
             return f"{r['kind']} record whose 'input' is not an object"
-        if type(r.get("effects", [])) is not list or type(r.get("blocks", [])) is not list:
-            return f"{r['kind']} record whose 'effects' or 'blocks' is not a list"
+        for name in ("src", "dst", "violation"):
+            if type(r.get(name)) not in _STR_OR_NONE:
+                return f"{r['kind']} record whose {name!r} is {r.get(name)!r}, not a state name"
+        effects, blocks = r.get("effects", []), r.get("blocks", [])
+        if type(effects) is not list or not all(type(e) is str for e in effects):
+            return f"{r['kind']} record whose 'effects' is not a list of names"
+        if type(blocks) is not list or not all(type(b) is int for b in blocks):
+            return f"{r['kind']} record whose 'blocks' is not a list of block ids"
     return None
 
 
+_STR_OR_NONE = (str, type(None))
+
+
 def _machine_record_ok(r: dict[str, Any]) -> bool:
+    effects = r.get("effects", _EMPTY_LIST)
+    blocks = r.get("blocks", _EMPTY_LIST)
     return (type(r["req"]) is str and type(r.get("lifecycle")) is str
-            and type(r.get("input", _EMPTY_DICT)) is dict and type(r.get("effects", _EMPTY_LIST)) is list
-            and type(r.get("blocks", _EMPTY_LIST)) is list)
+            and type(r["src"]) in _STR_OR_NONE and type(r["dst"]) in _STR_OR_NONE
+            and type(r.get("violation")) in _STR_OR_NONE
+            and type(r.get("input", _EMPTY_DICT)) is dict
+            and type(effects) is list and all(type(e) is str for e in effects)
+            and type(blocks) is list and all(type(b) is int for b in blocks))
 
 
 _EMPTY_DICT: dict[str, Any] = {}

@@ -16,7 +16,7 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import LifecycleTracker
 from kvsm.lifecycle.table import RECV, SEND
-from kvsm.replay import analyse, chrome_trace, main
+from kvsm.replay import analyse, chrome_trace, main, render_text
 from kvsm.sim import Faults, SimConfig, run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,3 +305,27 @@ def test_records_with_wrong_types_are_reported_not_fatal(tmp_path: Path) -> None
     assert "'seq' is 'seven', not an integer" in corrupt[0][1]
     assert report.exit_code == 1
     assert "seq_duplicate" not in kinds(report) and "seq_gap" not in kinds(report)
+
+
+_json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                        max_size=3), max_leaves=6)
+
+
+@_planted
+@given(mutations=st.lists(st.tuples(st.integers(0, 10_000), st.sampled_from(
+    ["kind", "event", "src", "dst", "lifecycle", "req", "input", "effects", "blocks", "violation", "seq",
+     "t_mono_ns", "rank", "dropped"]), _json_values), max_size=6))
+def test_replay_never_crashes_on_mutated_records(tmp_path_factory: pytest.TempPathFactory,
+                                                 mutations: list[tuple[int, str, object]]) -> None:
+    lines = (CLEAN / "decode-0.scheduler.jsonl").read_bytes().splitlines()
+    recs = [orjson.loads(line) for line in lines]
+    for index, key, value in mutations:
+        recs[index % len(recs)][key] = value
+    path = tmp_path_factory.mktemp("fuzz") / "d.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
+    report = analyse([path])  # any finding is fine; an exception is not
+    assert report.exit_code in (0, 1)
+    if mutations:
+        render_text(report, request=str(mutations[0][2]))
+        chrome_trace(report)
