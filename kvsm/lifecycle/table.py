@@ -58,6 +58,7 @@ EFFECTS: Mapping[str, str] = {
     "arm_lease": "start the lease timer for the pinned blocks",
     "extend_lease": "move the lease deadline (a heartbeat came)",
     "cancel_lease": "stop the lease timer",
+    "start_handshake": "ask the prefill side for its agent (if not known yet) and claim the request's blocks",
     "arm_handshake_timer": "start the handshake timeout",
     "cancel_handshake_timer": "stop the handshake timeout (the handshake is over)",
     "arm_transfer_timer": "start the transfer timeout",
@@ -153,7 +154,7 @@ _QUIESCED = ["reads_quiesced", "all_reads_done", "error"]
 RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "matched", "source": "new", "dest": "awaiting_blocks", "prepare": "take_remote"},
     {"trigger": "allocated", "source": "awaiting_blocks", "dest": "pending_handshake",
-     "prepare": "hold_blocks", "after": ["take_blocks", "arm_handshake_timer"]},
+     "prepare": "hold_blocks", "after": ["take_blocks", "arm_handshake_timer", "start_handshake"]},
     {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "remote_known",
      "after": ["cancel_handshake_timer", "post_reads"]},
     {"trigger": "reads_posted", "source": "remote_known", "dest": "transferring", "after": "arm_transfer_timer"},
@@ -175,9 +176,10 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     *_each(_QUIESCED, source="failing", dest="failed", after=["notify_abandon", "report_invalid", "cancel_timers"]),
     *_each(["timeout", "peer_dead"], source=["failing", "aborting"], dest="=", after="release_reads"),
     # Abort: immediate where no read is posted, via aborting where one is.
-    {"trigger": "abort", "source": ["new", "awaiting_blocks"], "dest": "aborted",
-     "after": ["release_blocks", "cancel_timers"]},
-    {"trigger": "abort", "source": ["pending_handshake", "remote_known"], "dest": "aborted",
+    {"trigger": "abort", "source": "new", "dest": "aborted", "after": ["release_blocks", "cancel_timers"]},
+    # From awaiting_blocks on the prefill side is known: tell it to unpin now
+    # rather than hold the blocks until its lease runs out.
+    {"trigger": "abort", "source": ["awaiting_blocks", "pending_handshake", "remote_known"], "dest": "aborted",
      "after": ["notify_abandon", "release_blocks", "cancel_timers"]},
     {"trigger": "abort", "source": "transferring", "dest": "aborting", "after": "release_reads"},
     {"trigger": "abort", "source": "failing", "dest": "aborting"},

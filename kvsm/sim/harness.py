@@ -392,10 +392,6 @@ class Simulation:
         dr = self._dreqs[req]
         blocks = d.pool.allocate(req, dr.blocks_needed)
         d.apply(ev.Allocated(req=req, block_ids=blocks, num_external_tokens=dr.blocks_needed * 16))
-        # The worker starts the handshake as soon as the metadata reaches it.
-        if dr.fault == "handshake_silent":
-            return
-        self.at(self.rng.randint(100_000, MS), lambda: self._handshake_reply(req))
 
     def _handshake_reply(self, req: str) -> None:
         d = self.decode
@@ -469,6 +465,9 @@ class Simulation:
             if effect == "arm_handshake_timer":
                 d.arm(req, "handshake", self.config.handshake_timeout_ns,
                       lambda: d.apply(ev.Timeout(req=req, what="handshake")) if req in d.tracker else None)
+            elif effect == "start_handshake":
+                if dr.fault != "handshake_silent":
+                    self.at(self.rng.randint(100_000, MS), lambda: self._handshake_reply(req))
             elif effect == "cancel_handshake_timer":
                 d.cancel_timer(req, "handshake")
             elif effect == "arm_transfer_timer":
