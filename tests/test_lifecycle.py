@@ -37,6 +37,7 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "error": ev.Error(req="r", kind="transfer", detail="x"),
     "timeout": ev.Timeout(req="r", what="transfer"),
     "peer_dead": ev.PeerDead(req="r", peer="p0"),
+    "internal_error": ev.InternalError(req="r", where="timer", detail="ZeroDivisionError"),
     "abort": ev.Abort(req="r"),
     "reads_quiesced": ev.ReadsQuiesced(req="r"),
     "finished_ok": ev.FinishedOk(req="r", block_ids=(5, 6), expected_reads=2, lease_ns=1_000),

@@ -95,6 +95,14 @@ class PeerDead(Event, frozen=True, tag="peer_dead"):
     peer: str
 
 
+class InternalError(Event, frozen=True, tag="internal_error"):
+    """kvsm itself failed handling this request (a bug or an unexpected library
+    error caught by the loop): the request fails, every other one goes on."""
+
+    where: str
+    detail: str = ""
+
+
 class Abort(Event, frozen=True, tag="abort"):
     """vLLM finished the request before the connector was done with it."""
 
@@ -152,6 +160,7 @@ AnyEvent = Union[
     Error,
     Timeout,
     PeerDead,
+    InternalError,
     Abort,
     ReadsQuiesced,
     FinishedOk,

@@ -4,11 +4,14 @@ Each check reports ``InvariantViolation`` values instead of raising, so a
 caller can list every problem rather than stop at the first one.
 
 * ``BlockLedger`` follows block ownership through transition effects: a
-  block is *held* by one request from the effect that takes it until the
-  effect that hands it back. Handing back a block that is not held is a
-  double free; taking a block another request holds is reuse while held
-  (what serving a read from an expired, reused block looks like); a block
-  still held when its request is terminal was never freed.
+  block is *held* from the effect that takes it until the effect that hands
+  it back. A receiving request holds its blocks exclusively (reads write
+  into them); a sending request's pin is shared, since vLLM's prefix cache
+  lets several finished prefills pin the same block at once. Handing back a
+  block that is not held is a double free; taking a block that another
+  request holds (exclusively, or at all for an exclusive take) is reuse while
+  held (what serving a read from an expired, reused block looks like); a
+  block still held when its request is terminal was never freed.
 * ``not_terminal`` names machines that ended a log (or a simulation)
   mid-lifecycle.
 """
@@ -19,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsm.lifecycle.table import BLOCK_HOLDING_EFFECTS, BLOCK_RELEASING_EFFECTS, LIFECYCLES
+from kvsm.lifecycle.table import BLOCK_HOLDING_EFFECTS, BLOCK_RELEASING_EFFECTS, LIFECYCLES, SHARED_HOLDING_EFFECTS
 
 
 @dataclass(frozen=True)
@@ -41,30 +44,38 @@ class BlockLedger:
 
     def __init__(self, pool: str = "") -> None:
         self.pool = pool
-        self._holder: dict[int, str] = {}
+        # block -> {request: shared?}
+        self._holders: dict[int, dict[str, bool]] = {}
         self._held_by: dict[str, set[int]] = {}
         self.violations: list[InvariantViolation] = []
 
     def held(self, req: str | None = None) -> set[int]:
         if req is None:
-            return set(self._holder)
+            return set(self._holders)
         return set(self._held_by.get(req, ()))
 
-    def hold(self, req: str, blocks: Iterable[int], where: dict[str, Any] | None = None) -> None:
+    def hold(self, req: str, blocks: Iterable[int], where: dict[str, Any] | None = None, *,
+             shared: bool = False) -> None:
         mine = self._held_by.setdefault(req, set())
-        clashes: dict[int, str] = {}
+        clashes: dict[int, list[str]] = {}
         for b in blocks:
-            owner = self._holder.get(b)
-            if owner is not None and owner != req:
-                clashes[b] = owner
+            holders = self._holders.setdefault(b, {})
+            others = [r for r, s in holders.items() if r != req and not (shared and s)]
+            if others:
+                clashes[b] = others
+                if not holders:
+                    del self._holders[b]
                 continue
-            self._holder[b] = req
+            holders[req] = shared
             mine.add(b)
+        if not mine:
+            self._held_by.pop(req, None)
         if clashes:
+            owners = sorted({r for rs in clashes.values() for r in rs})
             self.violations.append(InvariantViolation(
                 "block_reused_while_held", req,
                 f"blocks {sorted(clashes)} of pool {self.pool!r} taken while other requests still hold them "
-                f"({', '.join(sorted(set(clashes.values())))})", where or {}))
+                f"({', '.join(owners)})", where or {}))
 
     def release(self, req: str, blocks: Iterable[int], where: dict[str, Any] | None = None) -> None:
         mine = self._held_by.get(req, set())
@@ -74,7 +85,10 @@ class BlockLedger:
                 not_held.append(b)
                 continue
             mine.discard(b)
-            del self._holder[b]
+            holders = self._holders[b]
+            del holders[req]
+            if not holders:
+                del self._holders[b]
         if not_held:
             self.violations.append(InvariantViolation(
                 "block_freed_twice", req,
@@ -89,7 +103,7 @@ class BlockLedger:
         blocks = tuple(blocks)
         for effect in effects:
             if effect in BLOCK_HOLDING_EFFECTS:
-                self.hold(req, blocks, where)
+                self.hold(req, blocks, where, shared=effect in SHARED_HOLDING_EFFECTS)
             elif effect in BLOCK_RELEASING_EFFECTS:
                 self.release(req, blocks, where)
 
@@ -97,7 +111,11 @@ class BlockLedger:
         """A request reached ``final_state`` (terminal): it must hold nothing."""
         left = self._held_by.pop(req, set())
         for b in left:
-            self._holder.pop(b, None)
+            holders = self._holders.get(b)
+            if holders is not None:
+                holders.pop(req, None)
+                if not holders:
+                    del self._holders[b]
         if left:
             self.violations.append(InvariantViolation(
                 "blocks_never_freed", req,

@@ -69,6 +69,10 @@ EFFECTS: Mapping[str, str] = {
 BLOCK_RELEASING_EFFECTS = frozenset({"deliver_blocks", "report_invalid", "release_blocks", "free_blocks"})
 # Effects that take blocks out of the pool for this request.
 BLOCK_HOLDING_EFFECTS = frozenset({"take_blocks", "pin_blocks"})
+# Holds that others may share: a pin only keeps blocks from being freed (the
+# prefix cache lets several finished prefills pin one block); a take is for
+# writing and is exclusive.
+SHARED_HOLDING_EFFECTS = frozenset({"pin_blocks"})
 
 
 # --- prepare: fold an event's inputs into the request's data ----------------
@@ -101,7 +105,8 @@ def _count_read(m: RequestMachine, ev: Any, now_ns: int) -> None:
 
 
 def _note_failure(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    m.failure = ev.trigger if not hasattr(ev, "kind") else f"{ev.trigger}:{ev.kind}"
+    detail = getattr(ev, "kind", None) or getattr(ev, "what", None) or getattr(ev, "where", None)
+    m.failure = f"{ev.trigger}:{detail}" if detail else ev.trigger
 
 
 PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
@@ -146,7 +151,9 @@ RECV_STATES = [
     "aborted",
 ]
 
-_FAILURES = ["error", "timeout", "peer_dead"]
+_FAILURES = ["error", "timeout", "peer_dead", "internal_error"]
+# Failures that say nothing about posted reads (they may still write).
+_INTERRUPTS = ["timeout", "peer_dead", "internal_error"]
 # Triggers meaning "no posted read can write any more": a read that finished,
 # one that ended in error, or an explicit release of the handles.
 _QUIESCED = ["reads_quiesced", "all_reads_done", "error"]
@@ -171,10 +178,9 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
      "after": ["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]},
     # A timeout or a dead peer does not stop posted reads: wait for quiescence
     # before the blocks go back to vLLM (they could still be written).
-    *_each(["timeout", "peer_dead"], source="transferring", dest="failing",
-           prepare="note_failure", after="release_reads"),
+    *_each(_INTERRUPTS, source="transferring", dest="failing", prepare="note_failure", after="release_reads"),
     *_each(_QUIESCED, source="failing", dest="failed", after=["notify_abandon", "report_invalid", "cancel_timers"]),
-    *_each(["timeout", "peer_dead"], source=["failing", "aborting"], dest="=", after="release_reads"),
+    *_each(_INTERRUPTS, source=["failing", "aborting"], dest="=", after="release_reads"),
     # Abort: immediate where no read is posted, via aborting where one is.
     {"trigger": "abort", "source": "new", "dest": "aborted", "after": ["release_blocks", "cancel_timers"]},
     # From awaiting_blocks on the prefill side is known: tell it to unpin now
