@@ -1,0 +1,211 @@
+"""KVSMConnector: the class vLLM loads. A thin facade over the two halves.
+
+vLLM builds one instance in the scheduler process (role SCHEDULER) and one
+in every worker process (role WORKER). The scheduler instance delegates to
+``kvsm.scheduler.SchedulerHalf``, the worker instance to
+``kvsm.worker.WorkerHalf``; the only thing that crosses between them is the
+per-step ``KVSMConnectorMetadata``. Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVSMConnector", "kv_role": "kv_both",
+                           "kv_connector_module_path": "kvsm.connector"}'
+
+or, with kvsm installed, without the module path (``kvsm.plugin`` registers
+the name through vLLM's ``vllm.general_plugins`` entry point).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvsm import stats as kvsm_stats
+from kvsm.config import KVSMConfig
+from kvsm.eventlog.log import EventLog
+from kvsm.handshake import CompatInfo
+from kvsm.metadata import KVSMConnectorMetadata
+from kvsm.scheduler import SchedulerHalf
+from kvsm.worker import WorkerHalf
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvsm.connector")
+
+
+def _open_log(cfg: KVSMConfig, role: str, rank: int) -> EventLog | None:
+    path = cfg.event_log_path(role, rank)
+    if path is None:
+        return None
+    return EventLog(path, role=role, engine_id=cfg.engine_id, rank=rank)
+
+
+class KVSMConnector(KVConnectorBase_V1):
+    """Pull-mode prefill/decode KV transfer over NIXL with explicit lifecycles."""
+
+    # Tokens this connector loads came from another engine over the network.
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        self.cfg = KVSMConfig.from_vllm(vllm_config)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError(f"KVSMConnector supports models with one KV cache group; this one has "
+                             f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not supported)")
+        unknown = self.cfg.unknown_extra_keys(vllm_config)
+        if unknown:
+            log.warning("KVSMConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)
+        self.stats = kvsm_stats.StatsRecorder()
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(self.cfg, _open_log(self.cfg, "scheduler", 0))
+        else:
+            rank = _tp_rank()
+            self._worker = WorkerHalf(self.cfg, rank, event_log=_open_log(self.cfg, "worker", rank),
+                                      stats=self.stats)
+
+    # ================================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvsm.transport.layout import describe_kv_caches
+        from kvsm.transport.nixl import NixlTransport
+
+        worker = self._require_worker()
+        layout = describe_kv_caches(kv_caches)
+        want = "VRAM" if self.cfg.kv_buffer_device == "cuda" else "DRAM"
+        if layout.mem_type != want:
+            raise ValueError(
+                f"kv_buffer_device is {self.cfg.kv_buffer_device!r} but the KV caches are in {layout.mem_type}; "
+                f"kvsm registers the KV caches themselves (no staging buffer), so set kv_buffer_device to "
+                f"{'cuda' if layout.mem_type == 'VRAM' else 'cpu'}")
+        name = f"kvsm-{self.cfg.engine_id}-dp{self.cfg.dp_rank}-tp{worker.tp_rank}"
+        transport = NixlTransport(name, layout, backends=self.cfg.backends)
+        first = next(iter(kv_caches.values()))
+        model_config = self._vllm_config.model_config
+        compat = CompatInfo(
+            model=str(model_config.model),
+            dtype=str(first.dtype).removeprefix("torch."),
+            num_layers=len(kv_caches),
+            num_kv_heads=int(model_config.get_num_kv_heads(self._vllm_config.parallel_config)),
+            head_size=int(model_config.get_head_size()),
+            block_size=self.cfg.block_size,
+            kv_layout="block-major " + "x".join(str(d) for d in tuple(first.shape)[1:]),
+        )
+        worker.start(transport, compat)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVSMConnectorMetadata), f"unexpected connector metadata {type(meta).__name__}"
+        self._require_worker().submit(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete between steps (asynchronous, pull mode)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the decode side pulls; nothing is pushed
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._require_worker().take_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Legacy form: failed receives are still reported through their blocks
+        (get_block_ids_with_load_errors)."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._require_worker().take_invalid_blocks()
+
+    def get_kv_connector_stats(self) -> kvsm_stats.KVSMStats | None:
+        if self._worker is None:
+            return None
+        for lifecycle, counts in self._worker.state_counts.items():
+            self.stats.set_states(lifecycle, dict(counts))
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> kvsm_stats.KVSMStats | None:
+        return kvsm_stats.build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return kvsm_stats.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ============================================================= scheduler side
+
+    def on_new_request(self, request: Request) -> None:
+        self._require_scheduler().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._require_scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._require_scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._require_scheduler().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._require_scheduler().request_finished(request, block_ids)
+
+    # ================================================================ helpers
+
+    @property
+    def scheduler_half(self) -> SchedulerHalf | None:
+        return self._scheduler
+
+    @property
+    def worker_half(self) -> WorkerHalf | None:
+        return self._worker
+
+    def _require_worker(self) -> WorkerHalf:
+        if self._worker is None:
+            raise RuntimeError("KVSMConnector: a worker-side method was called on the scheduler-side instance")
+        return self._worker
+
+    def _require_scheduler(self) -> SchedulerHalf:
+        if self._scheduler is None:
+            raise RuntimeError("KVSMConnector: a scheduler-side method was called on the worker-side instance")
+        return self._scheduler
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 where vLLM's groups are not set up)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError, ImportError):
+        return int(os.environ.get("KVSM_TP_RANK", "0"))

@@ -1,0 +1,251 @@
+"""The scheduler half of KVSMConnector: relays vLLM's decisions to the workers.
+
+It owns no lifecycle and does no I/O. vLLM's scheduler calls its hooks; each
+hook turns vLLM's decision into a fact (``kvsm.metadata``) that the next
+``build_connector_meta`` hands to every worker, where the request's machine
+lives. Every hook input is also written to this process's event log, so a
+replay shows what the scheduler decided next to what the workers did.
+
+What it must remember, and why:
+
+* ``_remote``: decode requests with remote KV still to be matched (their
+  leases are kept alive by heartbeats until vLLM allocates their blocks).
+* ``_awaited``: decode requests whose blocks vLLM holds in
+  WAITING_FOR_REMOTE_KVS until a worker reports them in finished_recving. An
+  abort of one must be relayed with ``awaited=True`` so the worker reports it
+  once no read can write any more; vLLM asserts on a finished_recving it is
+  not waiting for, so the worker must know exactly which.
+* ``_sending``: prefill requests whose worker-side machine was started.
+
+Per-request cost is a few dict operations and one log record per hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from kvsm.config import KVSMConfig
+from kvsm.eventlog.log import EventLog
+from kvsm.metadata import (
+    BadTransferParams,
+    HeartbeatTarget,
+    KVSMConnectorMetadata,
+    RecvAbandon,
+    RecvAbort,
+    RecvStart,
+    RemoteParams,
+    SendFinish,
+    SendStart,
+    parse_remote_params,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvsm.scheduler")
+
+# vLLM's RequestStatus names of a normal finish: the prefill KV is complete.
+_NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
+
+
+class SchedulerHalf:
+    """Scheduler-side state of one engine's connector."""
+
+    def __init__(self, cfg: KVSMConfig, event_log: EventLog | None = None) -> None:
+        self.cfg = cfg
+        self.log = event_log
+        self._block_size = cfg.block_size
+        self._remote: dict[str, RemoteParams] = {}
+        self._awaited: set[str] = set()
+        self._sending: set[str] = set()
+        self._bad: dict[str, str] = {}  # request -> why its kv_transfer_params were ignored
+        # Heartbeat claims per prefill worker group: (engine, host, port, tp) -> remote ids.
+        self._claims: dict[tuple[str, str, int, int], set[str]] = defaultdict(set)
+        self._claim_key: dict[str, tuple[tuple[str, str, int, int], str]] = {}
+        self._next_heartbeat = time.monotonic() + cfg.heartbeat_interval_s
+        self._step = 0
+        self._meta = KVSMConnectorMetadata(0)
+
+    # -- both roles -----------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        req = request.request_id
+        if not self.cfg.consumes:
+            self._ignore(req, f"do_remote_prefill on an engine with kv_role {self.cfg.kv_role!r}")
+            return
+        try:
+            remote = parse_remote_params(params)
+        except BadTransferParams as e:
+            self._ignore(req, str(e))
+            return
+        self._remote[req] = remote
+        key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
+        self._claims[key].add(remote.remote_req)
+        self._claim_key[req] = (key, remote.remote_req)
+        self._note("sched.new_remote_prefill", req, remote_engine=remote.remote_engine,
+                   remote_req=remote.remote_req, remote_blocks=len(remote.remote_block_ids))
+
+    def _ignore(self, req: str, why: str) -> None:
+        """Bad kv_transfer_params: the request runs as a plain local one (as upstream
+        does), and the reason is logged where an operator will look for it."""
+        self._bad[req] = why
+        log.warning("kvsm: request %s will not use KV transfer: %s", req, why)
+        self._note("sched.params_ignored", req, reason=why)
+
+    def _stop_heartbeat(self, req: str) -> None:
+        entry = self._claim_key.pop(req, None)
+        if entry is not None:
+            key, remote_req = entry
+            claims = self._claims.get(key)
+            if claims is not None:
+                claims.discard(remote_req)
+                if not claims:
+                    del self._claims[key]
+
+    # -- decode side ----------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        remote = self._remote.get(request.request_id)
+        if remote is None:
+            return 0, False
+        available = request.num_prompt_tokens
+        if remote.remote_num_tokens is not None:
+            available = min(available, remote.remote_num_tokens)
+        available = min(available, len(remote.remote_block_ids) * self._block_size)
+        count = available - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req = request.request_id
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.cfg.produces:
+            if req not in self._sending:
+                self._sending.add(req)
+                self._meta.send_start.append(SendStart(req))
+                self._note("sched.prefill_started", req)
+            return
+        remote = self._remote.pop(req, None)
+        if remote is None:
+            return  # not a remote prefill, or already started (vLLM calls again after the load)
+        self._stop_heartbeat(req)
+        if num_external_tokens > 0:
+            local = tuple(blocks.get_unhashed_block_ids())
+            first = request.num_computed_tokens // self._block_size
+            remote_ids = remote.remote_block_ids[first:first + len(local)]
+        else:  # a full local prefix hit: nothing to read, but the prefill side must unpin
+            local = remote_ids = ()
+        awaited = num_external_tokens > 0
+        if awaited:
+            self._awaited.add(req)
+        self._meta.recv_start.append(RecvStart(
+            req=req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
+            remote_host=remote.remote_host, remote_port=remote.remote_port,
+            remote_tp_size=remote.remote_tp_size, remote_block_ids=remote_ids,
+            local_block_ids=local, num_tokens=num_external_tokens, awaited=awaited))
+        # Only one transfer per request (vLLM may call again once it is loaded).
+        params["do_remote_prefill"] = False
+        self._note("sched.allocated", req, num_external_tokens=num_external_tokens, num_blocks=len(local),
+                   awaited=awaited)
+
+    # -- prefill side and finishing -------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req = request.request_id
+        self._bad.pop(req, None)
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_decode") and self.cfg.produces:
+            return self._prefill_finished(request, block_ids)
+        self._decode_finished(request)
+        return False, None
+
+    def _decode_finished(self, request: Request) -> None:
+        req = request.request_id
+        self._stop_heartbeat(req)
+        remote = self._remote.pop(req, None)
+        if remote is not None:
+            # Finished before vLLM allocated anything: free the prefill side's blocks now.
+            self._meta.recv_abandon.append(RecvAbandon(
+                req=req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
+                remote_host=remote.remote_host, remote_port=remote.remote_port,
+                remote_tp_size=remote.remote_tp_size))
+            self._note("sched.finished_unallocated", req, status=request.status.name)
+        elif req in self._awaited:
+            # Finished while its blocks were still being loaded (vLLM keeps them
+            # until a worker reports finished_recving for it).
+            self._awaited.discard(req)
+            self._meta.recv_abort.append(RecvAbort(req=req, awaited=True))
+            self._note("sched.finished_while_loading", req, status=request.status.name)
+
+    def _prefill_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req = request.request_id
+        self._sending.discard(req)
+        status = request.status.name
+        if status not in _NORMAL_FINISH or not block_ids:
+            self._meta.send_finish.append(SendFinish(req=req, ok=False, reason=status))
+            self._note("sched.prefill_finished", req, ok=False, status=status)
+            return False, None
+        blocks = tuple(block_ids)
+        self._meta.send_finish.append(SendFinish(req=req, ok=True, block_ids=blocks))
+        self._note("sched.prefill_finished", req, ok=True, status=status, num_blocks=len(blocks))
+        cfg = self.cfg
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(blocks)],
+            "remote_engine_id": cfg.engine_id,
+            "remote_request_id": req,
+            "remote_host": cfg.side_channel_host,
+            "remote_port": cfg.side_channel_port,
+            "tp_size": cfg.tp_size,
+            "dcp_size": cfg.dcp_size,
+            "pp_size": cfg.pp_size,
+            "remote_num_tokens": request.num_computed_tokens,
+            # Wall-clock seconds, informational: the decode side's claim is what counts.
+            "remote_blocks_expiry_time": time.time() + cfg.lease_s,
+        }
+
+    # -- per step -------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVSMConnectorMetadata:
+        meta = self._meta
+        self._step += 1
+        self._meta = KVSMConnectorMetadata(self._step)
+        if self._claims:
+            now = time.monotonic()
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + self.cfg.heartbeat_interval_s
+                meta.heartbeats = [
+                    HeartbeatTarget(remote_engine=engine, remote_host=host, remote_port=port,
+                                    remote_tp_size=tp, claims=tuple(claims))
+                    for (engine, host, port, tp), claims in self._claims.items()]
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req in connector_output.finished_recving or ():
+            self._awaited.discard(req)
+
+    # -- introspection --------------------------------------------------------
+
+    def pending_counts(self) -> dict[str, int]:
+        """How many requests each piece of state holds (tests check it drains)."""
+        return {"remote": len(self._remote), "awaited": len(self._awaited), "sending": len(self._sending),
+                "heartbeat_groups": len(self._claims), "ignored": len(self._bad)}
+
+    def _note(self, event: str, req: str, **fields: Any) -> None:
+        if self.log is not None:
+            self.log.emit("log", event, req, **fields)
+
+    def shutdown(self) -> None:
+        if self.log is not None:
+            self.log.close()

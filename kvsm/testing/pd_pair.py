@@ -1,0 +1,267 @@
+"""An offline prefill -> decode pair: two vLLM engines in two processes.
+
+Each engine runs in its own interpreter (vLLM keeps per-process global
+state) as ``python -m kvsm.testing.pd_pair --role prefill|decode ...`` and
+takes JSON commands on stdin, one per line, answering each with one line
+``KVSM-RESULT {json}`` on stdout (vLLM's own log lines go around it). The
+engines run single-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): engine
+core, worker and kvsm's loop thread all live in that one process, and each is
+pinned to its own core when the machine has two.
+
+Commands::
+
+    {"op": "generate", "prompts": [...], "max_tokens": N, "params": [dict|null, ...]}
+        -> {"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens", "finish_reason"}]}
+    {"op": "corrupt", "block_ids": [...]}     overwrite those KV blocks with noise (prefill side)
+    {"op": "state"}                           kvsm's worker and scheduler state, free blocks
+    {"op": "idle", "seconds": S}              run empty engine steps for S seconds
+    {"op": "quit"}
+
+``PDEngine`` is the parent's handle on one such process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+MARKER = "KVSM-RESULT "
+
+
+def kvsm_transfer_config(role: str, *, port: int, log_dir: str | None, engine_id: str,
+                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``kv_transfer_config`` dict loading KVSMConnector on this machine."""
+    cfg: dict[str, Any] = {"side_channel_host": "127.0.0.1", "side_channel_port": port}
+    if log_dir:
+        cfg["event_log_dir"] = log_dir
+    cfg.update(extra or {})
+    return {
+        "kv_connector": "KVSMConnector",
+        "kv_connector_module_path": "kvsm.connector",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": cfg,
+    }
+
+
+# ----------------------------------------------------------------- the child
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvsm.testing.engine import apply_engine_env
+
+    apply_engine_env()
+    if args.cpu is not None and hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
+        os.sched_setaffinity(0, {args.cpu % os.cpu_count()})
+    from kvsm.testing.engine import generate_greedy, kv_cache_tensors, make_llm
+
+    extra = json.loads(args.extra) if args.extra else None
+    kv = kvsm_transfer_config(args.kv_role, port=args.port, log_dir=args.log_dir, engine_id=args.engine_id,
+                              extra=extra)
+    llm = make_llm(args.model, kv_transfer_config=kv, max_model_len=args.max_model_len)
+    engine = llm.llm_engine
+
+    def connector_halves() -> tuple[Any, Any]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker_half
+        core = getattr(engine, "engine_core", None)
+        core = getattr(core, "engine_core", core)
+        sched = getattr(getattr(core, "scheduler", None), "connector", None)
+        return worker, getattr(sched, "scheduler_half", None), core
+
+    def reply(obj: Any) -> None:
+        sys.stdout.write(MARKER + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "generate":
+                params = cmd.get("params") or [None] * len(cmd["prompts"])
+                from kvsm.testing.engine import _as_prompts, greedy_params
+
+                sps = [greedy_params(cmd["max_tokens"], kv_transfer_params=p) for p in params]
+                outs = llm.generate(_as_prompts(cmd["prompts"]), sps, use_tqdm=False)
+                reply({"outputs": [{
+                    "token_ids": list(o.outputs[0].token_ids),
+                    "kv_transfer_params": _jsonable(o.kv_transfer_params),
+                    "num_cached_tokens": int(o.num_cached_tokens or 0),
+                    "finish_reason": o.outputs[0].finish_reason,
+                } for o in outs]})
+            elif op == "corrupt":
+                import torch
+
+                ids = torch.tensor(cmd["block_ids"], dtype=torch.long)
+                gen = torch.Generator().manual_seed(int(cmd.get("seed", 0)))
+                for t in kv_cache_tensors(llm):
+                    scale = float(t[ids].std()) or 1.0
+                    t[ids] = torch.randn((len(ids), *t.shape[1:]), generator=gen) * scale
+                reply({"corrupted": cmd["block_ids"]})
+            elif op == "state":
+                worker, sched, core = connector_halves()
+                pool = core.scheduler.kv_cache_manager.block_pool
+                reply({"worker": worker.debug_state() if worker else None,
+                       "scheduler": sched.pending_counts() if sched else None,
+                       "free_blocks": pool.get_num_free_blocks(),
+                       "requests": len(core.scheduler.requests)})
+            elif op == "idle":
+                _, _, core = connector_halves()
+                until = time.monotonic() + float(cmd.get("seconds", 0.5))
+                while time.monotonic() < until:
+                    if core.scheduler.has_requests():  # e.g. finished prefills awaiting finished_sending
+                        core.step()
+                    time.sleep(0.01)
+                reply({"idle": True})
+            elif op == "quit":
+                reply({"bye": True})
+                break
+            else:
+                reply({"error": f"unknown op {op!r}"})
+        except Exception as e:  # noqa: BLE001 - report it to the parent, keep serving
+            import traceback
+
+            reply({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+    try:
+        worker, _, _ = connector_halves()
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        get_kv_transfer_group().shutdown()
+        sched = getattr(getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None),
+                                "scheduler", None), "connector", None)
+        if sched is not None:
+            sched.shutdown()
+    finally:
+        os._exit(0)  # vLLM's atexit teardown of a single-process engine can hang; logs are closed
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# ----------------------------------------------------------------- the parent
+
+
+class PDEngine:
+    """One engine process of the pair, driven over its stdin/stdout."""
+
+    def __init__(self, name: str, kv_role: str, *, model: str | os.PathLike[str], port: int, engine_id: str,
+                 log_dir: str | os.PathLike[str] | None, workdir: str | os.PathLike[str], cpu: int | None = None,
+                 extra: dict[str, Any] | None = None, max_model_len: int = 512, start_timeout: float = 240.0) -> None:
+        self.name = name
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.stderr_path = workdir / f"{name}.stderr.log"
+        from kvsm.testing.engine import engine_env
+
+        env = dict(os.environ)
+        env.update(engine_env())
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([repo_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                           if p])
+        cmd = [sys.executable, "-m", "kvsm.testing.pd_pair", "--kv-role", kv_role, "--model", str(model),
+               "--port", str(port), "--engine-id", engine_id, "--max-model-len", str(max_model_len)]
+        if log_dir is not None:
+            cmd += ["--log-dir", str(log_dir)]
+        if cpu is not None:
+            cmd += ["--cpu", str(cpu)]
+        if extra:
+            cmd += ["--extra", json.dumps(extra)]
+        self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, env=env, cwd=str(workdir), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, text=True, bufsize=1)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._other: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"pd-{name}-stdout")
+        self._reader.start()
+        self.info = self._wait_reply(start_timeout)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARKER):
+                self._lines.put(line[len(MARKER):])
+            else:
+                self._other.append(line)
+                del self._other[:-200]
+        self._lines.put(None)
+
+    def _wait_reply(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{self.name}: no answer within {timeout} s\n{self.tail()}") from None
+        if line is None:
+            raise RuntimeError(f"{self.name}: the engine process exited (rc={self.proc.poll()})\n{self.tail()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"{self.name}: {reply['error']}\n{reply.get('traceback', '')}")
+        return reply
+
+    def request(self, cmd: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._wait_reply(timeout)
+
+    def generate(self, prompts: Sequence[Any], max_tokens: int, params: Sequence[dict | None] | None = None,
+                 timeout: float = 120.0) -> list[dict[str, Any]]:
+        return self.request({"op": "generate", "prompts": list(prompts), "max_tokens": max_tokens,
+                             "params": list(params) if params is not None else None}, timeout)["outputs"]
+
+    def tail(self) -> str:
+        try:
+            err = self.stderr_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            err = ""
+        return "".join(self._other[-40:]) + err
+
+    def close(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                self.request({"op": "quit"}, timeout=timeout)
+            except (RuntimeError, TimeoutError, BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+        return self.proc.returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvsm.testing.pd_pair")
+    parser.add_argument("--kv-role", required=True, choices=["kv_producer", "kv_consumer", "kv_both"])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--port", type=int, required=True, help="side-channel base port")
+    parser.add_argument("--engine-id", required=True)
+    parser.add_argument("--log-dir")
+    parser.add_argument("--cpu", type=int, help="pin this process to one core")
+    parser.add_argument("--extra", help="JSON: more kv_connector_extra_config")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    return _serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
