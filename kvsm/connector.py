@@ -71,13 +71,15 @@ class KVSMConnector(KVConnectorBase_V1):
         unknown = self.cfg.unknown_extra_keys(vllm_config)
         if unknown:
             log.warning("KVSMConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)
-        self.stats = kvsm_stats.StatsRecorder()
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
+            self.stats = kvsm_stats.StatsRecorder(source=f"{self.cfg.engine_id}/scheduler")
             self._scheduler = SchedulerHalf(self.cfg, _open_log(self.cfg, "scheduler", 0))
         else:
             rank = _tp_rank()
+            # One source per worker: vLLM adds their state counts up.
+            self.stats = kvsm_stats.StatsRecorder(source=f"{self.cfg.engine_id}/tp{rank}")
             self._worker = WorkerHalf(self.cfg, rank, event_log=_open_log(self.cfg, "worker", rank),
                                       stats=self.stats)
 

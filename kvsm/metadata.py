@@ -88,7 +88,7 @@ class HeartbeatTarget(msgspec.Struct, frozen=True):
 class KVSMConnectorMetadata(KVConnectorMetadata):
     """One step's facts from the scheduler half to every worker."""
 
-    __slots__ = ("step", "recv_start", "recv_abort", "recv_abandon", "send_start", "send_finish", "heartbeats")
+    __slots__ = ("heartbeats", "recv_abandon", "recv_abort", "recv_start", "send_finish", "send_start", "step")
 
     def __init__(self, step: int) -> None:
         self.step = step

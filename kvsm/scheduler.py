@@ -138,8 +138,11 @@ class SchedulerHalf:
             return  # not a remote prefill, or already started (vLLM calls again after the load)
         self._stop_heartbeat(req)
         if num_external_tokens > 0:
+            # ``blocks`` are the local prefix hits (hashed) followed by the new,
+            # unhashed blocks the remote KV is read into: read only the blocks
+            # the prefix cache did not cover.
             local = tuple(blocks.get_unhashed_block_ids())
-            first = request.num_computed_tokens // self._block_size
+            first = len(blocks.get_block_ids()[0]) - len(local)
             remote_ids = remote.remote_block_ids[first:first + len(local)]
         else:  # a full local prefix hit: nothing to read, but the prefill side must unpin
             local = remote_ids = ()

@@ -58,7 +58,14 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
 from kvsm.lifecycle.table import RECV, SEND
 from kvsm.loop import EventLoop, LoopError, TimerHandle
-from kvsm.metadata import HeartbeatTarget, KVSMConnectorMetadata, RecvAbandon, RecvAbort, RecvStart, SendFinish
+from kvsm.metadata import (
+    HeartbeatTarget,
+    KVSMConnectorMetadata,
+    RecvAbandon,
+    RecvAbort,
+    RecvStart,
+    SendFinish,
+)
 from kvsm.stats import StatsRecorder
 from kvsm.transport.base import TransferState, Transport, XferHandle
 
@@ -322,7 +329,7 @@ class WorkerHalf:
             try:
                 self._apply_recv(ev.InternalError(req=err.req, where=err.label or err.where,
                                                   detail=f"{type(err.exc).__name__}: {err.exc}"))
-            except Exception:  # noqa: BLE001 - never loop on a failing error path
+            except Exception:
                 log.exception("kvsm worker %s: failing request %s after an error also failed",
                               self.loop.name, err.req)
 
@@ -387,11 +394,11 @@ class WorkerHalf:
     def _unreadable(self, start: RecvStart) -> tuple[str, str] | None:
         """Why this request cannot be read at all, before any I/O."""
         if start.remote_tp_size != self.cfg.tp_size:
-            return ("tp_mismatch", f"the prefill engine runs tensor parallel {start.remote_tp_size}, this "
-                    f"engine {self.cfg.tp_size}; kvsm needs equal sizes")
+            return ("tp_mismatch", (f"the prefill engine runs tensor parallel {start.remote_tp_size}, this "
+                                    f"engine {self.cfg.tp_size}; kvsm needs equal sizes"))
         if len(start.remote_block_ids) != len(start.local_block_ids):
-            return ("bad_params", f"{len(start.local_block_ids)} local blocks to fill but the prefill side "
-                    f"offers {len(start.remote_block_ids)} (remote_block_ids too short for the prompt?)")
+            return ("bad_params", (f"{len(start.local_block_ids)} local blocks to fill but the prefill side "
+                                   f"offers {len(start.remote_block_ids)} (remote_block_ids too short?)"))
         return None
 
     def _on_recv_abandon(self, abandon: RecvAbandon) -> None:

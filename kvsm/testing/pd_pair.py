@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     apply_engine_env()
     if args.cpu is not None and hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
         os.sched_setaffinity(0, {args.cpu % os.cpu_count()})
-    from kvsm.testing.engine import generate_greedy, kv_cache_tensors, make_llm
+    from kvsm.testing.engine import kv_cache_tensors, make_llm
 
     extra = json.loads(args.extra) if args.extra else None
     kv = kvsm_transfer_config(args.kv_role, port=args.port, log_dir=args.log_dir, engine_id=args.engine_id,

@@ -1,0 +1,564 @@
+"""Connector statistics: what each worker measured, how vLLM ships it, how it is shown.
+
+Three consumers, three pieces:
+
+* ``StatsRecorder`` is written to by the worker's event-loop thread as things
+  happen (a transfer finished, a handshake came back, a lease expired) and
+  drained by the model-runner thread once per step, in
+  ``get_kv_connector_stats``. Recording is a lock and an append: the loop
+  thread owns all I/O and must never wait on statistics.
+* ``KVSMStats`` is one interval of one worker (or the merge of several). vLLM
+  pickles it from each worker to the engine core (shared-memory
+  ``MessageQueue``), merges the workers' objects with ``aggregate``
+  (``KVOutputAggregator``), ships its ``data`` dict to the front end inside
+  ``SchedulerStats`` (msgspec/msgpack), and rebuilds it there with the
+  connector's ``build_kv_connector_stats(data)`` = ``build_stats(data)``. So
+  ``data`` holds only str-keyed dicts, lists and numbers.
+* ``KVSMPromMetrics`` turns each step's ``data`` into Prometheus metrics named
+  ``vllm:kvsm_*``, through the metric classes vLLM passes in (plain
+  prometheus_client ones, or Ray's wrappers), so vLLM's registry and
+  multiprocess handling applies.
+
+Memory stays bounded: an interval keeps at most ``MAX_SAMPLES`` samples per
+list (and so does a merge); what does not fit is counted in
+``dropped_samples``. The exact counters (transfers, bytes, descriptors,
+handshakes) count every event, sampled or not, so only the timing
+distributions lose detail under overload.
+
+Request-state counts are a gauge, not a rate. Each recorder reports its
+latest snapshot under its own ``source`` name; merging keeps one snapshot per
+source (the later one, i.e. ``other``'s, for the same source) and readers sum
+over sources. That one rule makes "across workers the counts add up" and
+"across time the latest snapshot wins" both hold, whichever way vLLM merges.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = [
+    "HANDSHAKE_BUCKETS",
+    "MAX_SAMPLES",
+    "SCHEMA",
+    "TRANSFER_BUCKETS",
+    "KVSMPromMetrics",
+    "KVSMStats",
+    "StatsRecorder",
+    "build_prom_metrics",
+    "build_stats",
+]
+
+SCHEMA: Final = 1
+"""Version of the ``data`` layout; bumped when a key changes meaning."""
+
+MAX_SAMPLES: Final = 10_000
+"""Most samples one list of one interval (or one merge) keeps."""
+
+# Seconds. Transfers on this machine range from sub-millisecond to the 10-40 s
+# stalls seen with upstream (DESIGN.md), so the buckets span both.
+TRANSFER_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+HANDSHAKE_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_SAMPLE_KEYS: Final = ("xfer_s", "xfer_bytes", "xfer_descs", "handshake_s")
+_COUNTER_KEYS: Final = (
+    "num_xfers",
+    "xfer_bytes_total",
+    "xfer_descs_total",
+    "num_handshakes",
+    "leases_expired",
+    "reads_served",
+    "dropped_samples",
+)
+
+StateCounts = dict[str, dict[str, int]]
+"""``{lifecycle: {state: number of requests}}``, zero counts left out."""
+
+
+def _empty_data() -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        # One entry per finished request's reads; the three lists run in parallel.
+        "xfer_s": [],
+        "xfer_bytes": [],
+        "xfer_descs": [],
+        "handshake_s": [],
+        # Exact counts, including events whose samples were dropped.
+        "num_xfers": 0,
+        "xfer_bytes_total": 0,
+        "xfer_descs_total": 0,
+        "num_handshakes": 0,
+        "dropped_samples": 0,
+        "failures": {},  # kind -> count
+        "leases_expired": 0,  # prefill side
+        "reads_served": 0,  # prefill side: requests whose blocks a decode peer read and released
+        "states": {},  # source -> StateCounts (a gauge: latest snapshot per source)
+    }
+
+
+def _normalized(data: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A private copy of ``data`` in the current layout (missing keys filled in).
+
+    A copy, because vLLM hands the same decoded dict to several stat loggers and
+    ``aggregate`` extends lists in place.
+    """
+    out = _empty_data()
+    if not data:
+        return out
+    for key in _SAMPLE_KEYS:
+        out[key] = list(data.get(key, ()))
+    for key in _COUNTER_KEYS:
+        out[key] = int(data.get(key, 0))
+    out["failures"] = {str(k): int(v) for k, v in data.get("failures", {}).items()}
+    out["states"] = {
+        str(src): {str(lc): {str(st): int(n) for st, n in counts.items()} for lc, counts in snap.items()}
+        for src, snap in data.get("states", {}).items()
+    }
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile with linear interpolation (numpy's default method)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _sum_states(states: Mapping[str, StateCounts]) -> StateCounts:
+    """Add the snapshots of all sources up, per lifecycle and state."""
+    total: StateCounts = {}
+    for snap in states.values():
+        for lifecycle, counts in snap.items():
+            acc = total.setdefault(lifecycle, {})
+            for state, n in counts.items():
+                acc[state] = acc.get(state, 0) + n
+    return total
+
+
+@dataclass
+class KVSMStats(KVConnectorStats):
+    """One interval of kvsm statistics, from one worker or merged from several.
+
+    ``data`` is the whole state (see ``_empty_data`` for the layout), so the
+    object pickles as is and ``build_stats(stats.data)`` rebuilds an equal one.
+    """
+
+    def __post_init__(self) -> None:
+        self.data = _normalized(self.data)
+
+    def reset(self) -> None:
+        """Forget everything, the state snapshots included."""
+        self.data = _empty_data()
+
+    def is_empty(self) -> bool:
+        """True when there is nothing to log: no event counted and no state snapshot."""
+        d = self.data
+        return not (d["failures"] or d["states"] or any(d[k] for k in _COUNTER_KEYS))
+
+    def aggregate(self, other: KVConnectorStats) -> KVSMStats:
+        """Merge ``other`` into this object and return it.
+
+        Counts add up and samples concatenate (capped at ``MAX_SAMPLES``, the
+        rest counted as dropped). For state snapshots ``other`` is taken to be
+        the later report: it replaces this object's snapshot of the same
+        source, and snapshots of other sources are kept side by side. vLLM
+        merges workers of one step (distinct sources) and consecutive steps in
+        time order (``KVConnectorLogging``), so both cases come out right.
+        """
+        if not isinstance(other, KVSMStats):
+            raise TypeError(f"cannot aggregate KVSMStats with {type(other).__name__}")
+        mine, theirs = self.data, other.data
+        if other is self:
+            theirs = _normalized(theirs)
+        for key in _COUNTER_KEYS:
+            mine[key] += theirs[key]
+        mine["dropped_samples"] += _extend_capped(mine, theirs, ("xfer_s", "xfer_bytes", "xfer_descs"))
+        mine["dropped_samples"] += _extend_capped(mine, theirs, ("handshake_s",))
+        failures = mine["failures"]
+        for kind, n in theirs["failures"].items():
+            failures[kind] = failures.get(kind, 0) + n
+        mine["states"].update(theirs["states"])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Summary numbers of the interval for vLLM's periodic "KV Transfer metrics" log line.
+
+        Times and sizes come from the kept samples; counts are exact. Request
+        states are summed over sources and shown as ``Reqs <lifecycle>/<state>``.
+        """
+        d = self.data
+        xfer_s: list[float] = d["xfer_s"]
+        hs_s: list[float] = d["handshake_s"]
+        out: dict[str, int | float] = {
+            "Num successful transfers": d["num_xfers"],
+            "Avg xfer time (ms)": _ms(sum(xfer_s) / len(xfer_s)) if xfer_s else 0,
+            "P90 xfer time (ms)": _ms(_percentile(xfer_s, 90)) if xfer_s else 0,
+            "Total MB": round(d["xfer_bytes_total"] / 2**20, 3),
+            "Throughput (MB/s)": _throughput(d["xfer_bytes"], xfer_s),
+            "Avg descriptors": round(d["xfer_descs_total"] / d["num_xfers"], 1) if d["num_xfers"] else 0,
+            "Num handshakes": d["num_handshakes"],
+            "Avg handshake (ms)": _ms(sum(hs_s) / len(hs_s)) if hs_s else 0,
+            "P90 handshake (ms)": _ms(_percentile(hs_s, 90)) if hs_s else 0,
+            "Num failures": sum(d["failures"].values()),
+        }
+        for kind in sorted(d["failures"]):
+            out[f"Failures {kind}"] = d["failures"][kind]
+        out["Leases expired"] = d["leases_expired"]
+        out["Reads served"] = d["reads_served"]
+        if d["dropped_samples"]:
+            out["Dropped samples"] = d["dropped_samples"]
+        for lifecycle, counts in sorted(_sum_states(d["states"]).items()):
+            for state, n in sorted(counts.items()):
+                out[f"Reqs {lifecycle}/{state}"] = n
+        return out
+
+
+def _extend_capped(mine: dict[str, Any], theirs: dict[str, Any], keys: tuple[str, ...]) -> int:
+    """Append ``theirs``' parallel sample lists to ``mine`` up to ``MAX_SAMPLES``; return how many did not fit."""
+    room = max(0, MAX_SAMPLES - len(mine[keys[0]]))
+    incoming = len(theirs[keys[0]])
+    for key in keys:
+        mine[key].extend(theirs[key][:room])
+    return max(0, incoming - room)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def _throughput(num_bytes: list[int], seconds: list[float]) -> float:
+    """MB/s over the sampled transfers (bytes and times of the same transfers)."""
+    total_s = sum(seconds)
+    return round(sum(num_bytes) / 2**20 / total_s, 3) if total_s > 0 else 0
+
+
+def build_stats(data: dict[str, Any] | None = None) -> KVSMStats:
+    """Rebuild stats from the ``data`` dict vLLM shipped (the connector's ``build_kv_connector_stats``)."""
+    return KVSMStats(data=data or {})
+
+
+_SOURCE_IDS = itertools.count()
+
+
+class StatsRecorder:
+    """Collects statistics as they happen; ``take`` hands one interval over per step.
+
+    Called from two threads: the event loop records, the model runner takes.
+    One small lock guards everything; each record call appends at most three
+    numbers and bumps a few counters under it.
+
+    ``source`` names this recorder's state snapshot in merged stats; give each
+    worker its own (e.g. ``"<engine_id>/tp<rank>"``) so the engines' and
+    workers' counts add up instead of replacing each other.
+    """
+
+    def __init__(self, source: str | None = None, *, max_samples: int = MAX_SAMPLES) -> None:
+        if max_samples < 0:
+            raise ValueError(f"max_samples must be >= 0, got {max_samples}")
+        self.source: Final = source if source is not None else f"pid{os.getpid()}.{next(_SOURCE_IDS)}"
+        self._max: Final = max_samples
+        self._lock = threading.Lock()
+        # The current interval.
+        self._xfer_s: list[float] = []
+        self._xfer_bytes: list[int] = []
+        self._xfer_descs: list[int] = []
+        self._handshake_s: list[float] = []
+        self._num_xfers = 0
+        self._bytes = 0
+        self._descs = 0
+        self._num_handshakes = 0
+        self._dropped = 0
+        self._failures: dict[str, int] = {}
+        self._leases_expired = 0
+        self._reads_served = 0
+        # The gauge: replaced (never mutated) on change, so ``take`` may share it.
+        self._states: StateCounts = {}
+        self._states_changed = False
+        # Everything handed over by ``take`` so far.
+        self._taken: dict[str, Any] = {key: 0 for key in _COUNTER_KEYS}
+        self._taken["failures"] = {}
+        self._takes = 0
+
+    # -- recording (event-loop thread) ------------------------------------------------
+
+    def transfer_done(self, seconds: float, num_bytes: int, num_descs: int) -> None:
+        """All reads of one request finished: how long they took, what they moved."""
+        with self._lock:
+            self._num_xfers += 1
+            self._bytes += num_bytes
+            self._descs += num_descs
+            if len(self._xfer_s) < self._max:
+                self._xfer_s.append(seconds)
+                self._xfer_bytes.append(num_bytes)
+                self._xfer_descs.append(num_descs)
+            else:
+                self._dropped += 1
+
+    def handshake_done(self, seconds: float) -> None:
+        """A handshake with a peer completed after ``seconds``."""
+        with self._lock:
+            self._num_handshakes += 1
+            if len(self._handshake_s) < self._max:
+                self._handshake_s.append(seconds)
+            else:
+                self._dropped += 1
+
+    def failure(self, kind: str) -> None:
+        """Something failed; ``kind`` is free text such as "handshake", "timeout", "peer_dead"."""
+        with self._lock:
+            self._failures[kind] = self._failures.get(kind, 0) + 1
+
+    def lease_expired(self) -> None:
+        """Prefill side: a request's lease ran out before its blocks were read."""
+        with self._lock:
+            self._leases_expired += 1
+
+    def read_served(self) -> None:
+        """Prefill side: a decode peer read a request's blocks and they were released."""
+        with self._lock:
+            self._reads_served += 1
+
+    def set_states(self, lifecycle: str, counts: Mapping[str, int]) -> None:
+        """Replace the snapshot of how many requests of ``lifecycle`` are in each state."""
+        snap = {str(state): int(n) for state, n in counts.items() if n}
+        with self._lock:
+            if self._states.get(lifecycle) != snap:
+                self._states = {**self._states, lifecycle: snap}
+                self._states_changed = True
+
+    # -- draining (model-runner thread) -------------------------------------------------
+
+    def take(self) -> KVSMStats | None:
+        """Everything recorded since the last take (counters restart), or None if nothing happened.
+
+        The state snapshot is a level, not a rate: it is included in every
+        non-empty take and kept for the next; a changed snapshot alone makes a
+        take non-empty.
+        """
+        with self._lock:
+            if not (
+                self._num_xfers
+                or self._num_handshakes
+                or self._failures
+                or self._leases_expired
+                or self._reads_served
+                or self._states_changed
+            ):
+                return None
+            data: dict[str, Any] = {
+                "xfer_s": self._xfer_s,
+                "xfer_bytes": self._xfer_bytes,
+                "xfer_descs": self._xfer_descs,
+                "handshake_s": self._handshake_s,
+                "num_xfers": self._num_xfers,
+                "xfer_bytes_total": self._bytes,
+                "xfer_descs_total": self._descs,
+                "num_handshakes": self._num_handshakes,
+                "dropped_samples": self._dropped,
+                "failures": self._failures,
+                "leases_expired": self._leases_expired,
+                "reads_served": self._reads_served,
+            }
+            states = self._states
+            self._xfer_s, self._xfer_bytes, self._xfer_descs, self._handshake_s = [], [], [], []
+            self._num_xfers = self._bytes = self._descs = self._num_handshakes = self._dropped = 0
+            self._failures = {}
+            self._leases_expired = self._reads_served = 0
+            self._states_changed = False
+            _add_counts(self._taken, data)
+            self._takes += 1
+        data["states"] = {self.source: states} if states else {}
+        return KVSMStats(data=data)
+
+    def totals(self) -> dict[str, Any]:
+        """Cumulative counts since creation (``take`` does not reset them), and the current states."""
+        with self._lock:
+            out = {key: self._taken[key] for key in _COUNTER_KEYS}
+            out["failures"] = dict(self._taken["failures"])
+            _add_counts(
+                out,
+                {
+                    "num_xfers": self._num_xfers,
+                    "xfer_bytes_total": self._bytes,
+                    "xfer_descs_total": self._descs,
+                    "num_handshakes": self._num_handshakes,
+                    "dropped_samples": self._dropped,
+                    "failures": self._failures,
+                    "leases_expired": self._leases_expired,
+                    "reads_served": self._reads_served,
+                },
+            )
+            out["states"] = {lc: dict(counts) for lc, counts in self._states.items()}
+            out["takes"] = self._takes
+        out["source"] = self.source
+        return out
+
+
+def _add_counts(acc: dict[str, Any], data: Mapping[str, Any]) -> None:
+    for key in _COUNTER_KEYS:
+        acc[key] += data[key]
+    failures = acc["failures"]
+    for kind, n in data["failures"].items():
+        failures[kind] = failures.get(kind, 0) + n
+
+
+class KVSMPromMetrics(KVConnectorPromMetrics):
+    """kvsm's Prometheus metrics (``vllm:kvsm_*``), fed one step's stats ``data`` at a time.
+
+    Metric objects come from the classes in ``metric_types`` (vLLM's choice:
+    prometheus_client, or Ray's wrappers), one child per engine. Children with
+    an extra label (failure kind, request state) are made on first use with a
+    single ``labels()`` call on the parent, which both kinds of class accept.
+
+    The request-state gauge is the sum over every source (worker) this engine
+    has reported: a step's payload carries only the workers that had news, so
+    the last snapshot of each is remembered, and a state that drops out of all
+    snapshots is set back to 0 rather than left at its old value.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        per_engine = self.per_engine_labelvalues
+        histogram, counter = self._histogram_cls, self._counter_cls
+        labels = list(labelnames)
+
+        self.transfer_time = create_metric_per_engine(
+            histogram(
+                name="vllm:kvsm_transfer_time_seconds",
+                documentation="Time from posting a request's KV reads to the last one finishing (kvsm).",
+                buckets=list(TRANSFER_BUCKETS),
+                labelnames=labels,
+            ),
+            per_engine,
+        )
+        self.handshake_time = create_metric_per_engine(
+            histogram(
+                name="vllm:kvsm_handshake_time_seconds",
+                documentation="Latency of side-channel handshakes with remote engines (kvsm).",
+                buckets=list(HANDSHAKE_BUCKETS),
+                labelnames=labels,
+            ),
+            per_engine,
+        )
+        self.transfers = self._counter_per_engine(
+            "vllm:kvsm_transfers", "Requests whose KV blocks were read from a remote engine (kvsm)."
+        )
+        self.transfer_bytes = self._counter_per_engine(
+            "vllm:kvsm_transfer_bytes", "Bytes of KV cache read from remote engines (kvsm)."
+        )
+        self.descriptors = self._counter_per_engine(
+            "vllm:kvsm_descriptors", "NIXL descriptors posted for KV reads (kvsm)."
+        )
+        self.leases_expired = self._counter_per_engine(
+            "vllm:kvsm_leases_expired",
+            "Prefill side: requests whose KV lease expired before a decode engine read them (kvsm).",
+        )
+        self.reads_served = self._counter_per_engine(
+            "vllm:kvsm_reads_served",
+            "Prefill side: requests whose KV blocks a decode engine read and released (kvsm).",
+        )
+        self.dropped_samples = self._counter_per_engine(
+            "vllm:kvsm_dropped_samples",
+            "Timing samples left out of the kvsm histograms because an interval had too many (kvsm).",
+        )
+        self._failures_parent = counter(
+            name="vllm:kvsm_failures",
+            documentation="kvsm failures by kind (handshake, timeout, peer_dead, transfer, lease_expired, ...).",
+            labelnames=[*labels, "kind"],
+        )
+        self._states_parent = self._gauge_cls(
+            name="vllm:kvsm_requests",
+            documentation="Requests per kvsm lifecycle and state, summed over the engine's workers.",
+            multiprocess_mode="mostrecent",
+            labelnames=[*labels, "lifecycle", "state"],
+        )
+        self._failure_children: dict[tuple[int, str], Any] = {}
+        self._state_children: dict[tuple[int, str, str], Any] = {}
+        self._states_by_source: dict[int, dict[str, StateCounts]] = {}
+
+    def _counter_per_engine(self, name: str, documentation: str) -> dict[int, Any]:
+        return create_metric_per_engine(
+            self._counter_cls(name=name, documentation=documentation, labelnames=list(self._labelnames)),
+            self.per_engine_labelvalues,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one step's ``KVSMStats.data`` of engine ``engine_idx``."""
+        d = transfer_stats_data
+        hist = self.transfer_time[engine_idx]
+        for seconds in d.get("xfer_s", ()):
+            hist.observe(seconds)
+        hist = self.handshake_time[engine_idx]
+        for seconds in d.get("handshake_s", ()):
+            hist.observe(seconds)
+        for metric, key in (
+            (self.transfers, "num_xfers"),
+            (self.transfer_bytes, "xfer_bytes_total"),
+            (self.descriptors, "xfer_descs_total"),
+            (self.leases_expired, "leases_expired"),
+            (self.reads_served, "reads_served"),
+            (self.dropped_samples, "dropped_samples"),
+        ):
+            if n := d.get(key, 0):
+                metric[engine_idx].inc(n)
+        for kind, n in d.get("failures", {}).items():
+            if n:
+                self._failure_child(engine_idx, kind).inc(n)
+        if states := d.get("states"):
+            self._observe_states(engine_idx, states)
+
+    def _failure_child(self, engine_idx: int, kind: str) -> Any:
+        key = (engine_idx, kind)
+        child = self._failure_children.get(key)
+        if child is None:
+            labelvalues = self.per_engine_labelvalues[engine_idx]
+            child = self._failure_children[key] = self._failures_parent.labels(*labelvalues, kind)
+        return child
+
+    def _observe_states(self, engine_idx: int, states: Mapping[str, StateCounts]) -> None:
+        known = self._states_by_source.setdefault(engine_idx, {})
+        known.update(states)
+        total = _sum_states(known)
+        labelvalues = self.per_engine_labelvalues[engine_idx]
+        for lifecycle, counts in total.items():
+            for state in counts:
+                key = (engine_idx, lifecycle, state)
+                if key not in self._state_children:
+                    self._state_children[key] = self._states_parent.labels(*labelvalues, lifecycle, state)
+        for (idx, lifecycle, state), child in self._state_children.items():
+            if idx == engine_idx:
+                child.set(total.get(lifecycle, {}).get(state, 0))
+
+
+def build_prom_metrics(
+    vllm_config: VllmConfig,
+    metric_types: dict[type[PromMetric], type[PromMetricT]],
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> KVSMPromMetrics:
+    """kvsm's Prometheus metrics (the connector's ``build_prom_metrics``)."""
+    return KVSMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,314 @@
+"""KVSMConnector's scheduler half, driven by vLLM's real Scheduler (no model).
+
+Each test checks what the scheduler half relays to the workers
+(``KVSMConnectorMetadata``), what it writes into ``kv_transfer_params``, and
+that vLLM's own block accounting comes back to where it started: the
+connector must never make vLLM leak or double-free a block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvsm.metadata import KVSMConnectorMetadata
+from kvsm.testing.scheduler import (
+    SchedulerHarness,
+    make_scheduler,
+    remote_decode_params,
+    remote_prefill_params,
+)
+
+UPSTREAM_PREFILL_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+                         "remote_request_id", "remote_host", "remote_port", "tp_size", "remote_num_tokens"}
+
+
+def harness(kv_role: str, tmp_path: Path | None = None, **kw: Any) -> SchedulerHarness:
+    extra = {"side_channel_host": "127.0.0.1", "side_channel_port": 23456, **kw.pop("extra_config", {})}
+    if tmp_path is not None:
+        extra["event_log_dir"] = str(tmp_path / "logs")
+    return make_scheduler(kv_role=kv_role, extra_config=extra, engine_id=kw.pop("engine_id", f"{kv_role}-e"), **kw)
+
+
+def meta_of(step: Any) -> KVSMConnectorMetadata:
+    meta = step.connector_metadata
+    assert isinstance(meta, KVSMConnectorMetadata), type(meta)
+    return meta
+
+
+def pending(h: SchedulerHarness) -> dict[str, int]:
+    return h.connector.scheduler_half.pending_counts()
+
+
+def drained(h: SchedulerHarness) -> None:
+    assert all(v == 0 for v in pending(h).values()), pending(h)
+
+
+# ---------------------------------------------------------------- decode side
+
+
+def test_decode_request_waits_for_remote_blocks_then_runs(tmp_path: Path) -> None:
+    with harness("kv_consumer", tmp_path) as h:
+        free0 = h.free_blocks()
+        params = remote_prefill_params(remote_block_ids=[7, 8, 9], remote_request_id="p-1", remote_num_tokens=40)
+        h.add_request(40, kv_transfer_params=params, max_tokens=3, request_id="d-1")
+        s1 = h.step()
+        meta = meta_of(s1)
+        assert [r.req for r in meta.recv_start] == ["d-1"]
+        start = meta.recv_start[0]
+        local = h.block_ids("d-1")[0]
+        assert start.local_block_ids == tuple(local) and len(local) == 3
+        assert start.remote_block_ids == (7, 8, 9)
+        assert (start.remote_req, start.remote_engine, start.remote_port) == ("p-1", "prefill-engine", 5600)
+        assert start.num_tokens == 40 and start.awaited
+        assert h.request("d-1").status.name == "WAITING_FOR_REMOTE_KVS"
+        assert s1.scheduled == {}
+        # Waiting: nothing is relayed twice.
+        assert not meta_of(h.step()).recv_start
+        h.step(finished_recving={"d-1"})
+        results = h.run_until_idle()
+        finished = {rid for r in results for rid in r.finished}
+        assert "d-1" in finished
+        assert h.free_blocks() == free0
+        drained(h)
+
+
+def test_decode_partial_local_prefix_hit_reads_only_the_missing_blocks() -> None:
+    with harness("kv_consumer") as h:
+        prompt = h.make_prompt(40)
+        h.add_request(prompt, max_tokens=1, request_id="local")  # caches 2 full blocks of the prompt
+        h.run_until_idle()
+        params = remote_prefill_params(remote_block_ids=[7, 8, 9], remote_request_id="p-2", remote_num_tokens=40)
+        h.add_request(prompt, kv_transfer_params=params, max_tokens=1, request_id="d-2")
+        start = meta_of(h.step()).recv_start[0]
+        assert start.num_tokens == 8  # 40 - 32 cached locally
+        assert start.remote_block_ids == (9,) and len(start.local_block_ids) == 1
+        h.step(finished_recving={"d-2"})
+        h.run_until_idle()
+        drained(h)
+
+
+def test_decode_full_local_hit_only_notifies_and_is_not_awaited() -> None:
+    with harness("kv_consumer") as h:
+        prompt = h.make_prompt(40)
+        h.add_request(prompt, max_tokens=1, request_id="local")
+        h.run_until_idle()
+        # The prefill side computed only 32 tokens, all of them cached here already.
+        params = remote_prefill_params(remote_block_ids=[7, 8], remote_request_id="p-3", remote_num_tokens=32)
+        h.add_request(prompt, kv_transfer_params=params, max_tokens=2, request_id="d-3")
+        s = h.step()
+        start = meta_of(s).recv_start[0]
+        assert start.local_block_ids == () and start.remote_block_ids == () and not start.awaited
+        assert "d-3" in s.scheduled  # runs at once: vLLM does not wait for it
+        h.run_until_idle()
+        drained(h)
+
+
+def test_several_decode_requests_in_one_step() -> None:
+    with harness("kv_consumer") as h:
+        free0 = h.free_blocks()
+        for i in range(5):
+            params = remote_prefill_params(remote_block_ids=[10 + i, 20 + i], remote_request_id=f"p-{i}",
+                                           remote_num_tokens=20)
+            h.add_request(20, kv_transfer_params=params, request_id=f"d-{i}")
+        meta = meta_of(h.step())
+        assert sorted(r.req for r in meta.recv_start) == [f"d-{i}" for i in range(5)]
+        assert {r.remote_req for r in meta.recv_start} == {f"p-{i}" for i in range(5)}
+        h.step(finished_recving={f"d-{i}" for i in range(5)})
+        h.run_until_idle()
+        assert h.free_blocks() == free0
+        drained(h)
+
+
+def test_abort_while_loading_is_relayed_and_blocks_wait_for_the_worker() -> None:
+    with harness("kv_consumer") as h:
+        free0 = h.free_blocks()
+        params = remote_prefill_params(remote_block_ids=[1, 2, 3], remote_request_id="p-a", remote_num_tokens=40)
+        h.add_request(40, kv_transfer_params=params, request_id="d-a")
+        h.step()
+        h.abort("d-a")
+        meta = meta_of(h.step())
+        assert [(a.req, a.awaited) for a in meta.recv_abort] == [("d-a", True)]
+        assert h.free_blocks() == free0 - 3  # vLLM holds them until the worker says no read can write
+        h.step(finished_recving={"d-a"})
+        assert h.free_blocks() == free0
+        drained(h)
+
+
+def test_abort_before_allocation_tells_the_prefill_side() -> None:
+    with harness("kv_consumer", max_num_seqs=1) as h:
+        h.add_request(20, max_tokens=50, request_id="busy")
+        params = remote_prefill_params(remote_block_ids=[4], remote_request_id="p-b", remote_num_tokens=20)
+        h.add_request(20, kv_transfer_params=params, request_id="d-b")
+        h.step()
+        assert h.request("d-b").status.name == "WAITING"
+        h.abort("d-b")
+        meta = meta_of(h.step())
+        assert [(a.req, a.remote_req) for a in meta.recv_abandon] == [("d-b", "p-b")]
+        assert not meta.recv_start and not meta.recv_abort
+        h.abort("busy")
+        h.run_until_idle()
+        drained(h)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_load_follows_the_engine_policy(policy: str) -> None:
+    with harness("kv_consumer", kv_load_failure_policy=policy) as h:
+        free0 = h.free_blocks()
+        params = remote_prefill_params(remote_block_ids=[1, 2, 3], remote_request_id="p-f", remote_num_tokens=40)
+        h.add_request(40, kv_transfer_params=params, max_tokens=2, request_id="d-f")
+        h.step()
+        local = set(h.block_ids("d-f")[0])
+        results = [h.step(finished_recving={"d-f"}, failed_recving={"d-f"}, invalid_block_ids=local)]
+        results += h.run_until_idle()
+        finished = {rid: out for r in results for rid, out in r.finished.items()}
+        reason = finished["d-f"].finish_reason.name
+        assert reason == ("LENGTH" if policy == "recompute" else "ERROR")
+        assert h.free_blocks() == free0
+        drained(h)
+
+
+def test_heartbeats_keep_queued_requests_leases_alive() -> None:
+    with harness("kv_consumer", max_num_seqs=1,
+                 extra_config={"heartbeat_interval": 0.001, "kv_lease_duration": 1}) as h:
+        h.add_request(20, max_tokens=30, request_id="busy")
+        params = remote_prefill_params(remote_block_ids=[4], remote_request_id="p-h", remote_num_tokens=20,
+                                       remote_port=6000)
+        h.add_request(20, kv_transfer_params=params, request_id="d-h")
+        beats = []
+        for _ in range(5):
+            import time
+
+            time.sleep(0.002)
+            beats += meta_of(h.step()).heartbeats
+        assert beats, "no heartbeat for a queued remote request"
+        assert all(b.claims == ("p-h",) and b.remote_port == 6000 for b in beats)
+        h.abort("busy")
+        for _ in range(50):
+            time.sleep(0.002)
+            meta = meta_of(h.step())
+            if meta.recv_start:
+                break
+        # Once vLLM allocated its blocks the worker claims it: no more heartbeats.
+        time.sleep(0.002)
+        assert not meta_of(h.step()).heartbeats
+        h.step(finished_recving={"d-h"})
+        h.run_until_idle()
+        drained(h)
+
+
+def test_bad_params_run_the_request_locally_and_say_why(tmp_path: Path) -> None:
+    with harness("kv_consumer", tmp_path) as h:
+        params = remote_prefill_params(remote_block_ids=[1], remote_request_id="p-x")
+        del params["remote_host"]
+        h.add_request(20, kv_transfer_params=params, max_tokens=2, request_id="d-x")
+        s = h.step()
+        assert not meta_of(s).recv_start and "d-x" in s.scheduled
+        assert pending(h)["ignored"] == 1
+        h.run_until_idle()
+        drained(h)
+    h.connector.scheduler_half.log.flush()
+    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    ignored = [r for r in records if r["event"] == "sched.params_ignored"]
+    assert ignored and "remote_host" in ignored[0]["reason"]
+
+
+# ---------------------------------------------------------------- prefill side
+
+
+def test_prefill_finish_pins_blocks_and_returns_upstream_params() -> None:
+    with harness("kv_producer", engine_id="prefill-7") as h:
+        free0 = h.free_blocks()
+        h.add_request(40, kv_transfer_params=remote_decode_params(), max_tokens=1, request_id="p-1")
+        s = h.step()
+        assert [x.req for x in meta_of(s).send_start] == ["p-1"]
+        out = s.finished["p-1"]
+        params = out.kv_transfer_params
+        assert UPSTREAM_PREFILL_KEYS <= set(params)
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        assert params["remote_engine_id"] == "prefill-7" and params["remote_request_id"] == "p-1"
+        assert (params["remote_host"], params["remote_port"], params["tp_size"]) == ("127.0.0.1", 23456, 1)
+        assert params["remote_num_tokens"] == 40
+        blocks = params["remote_block_ids"]
+        assert len(blocks) == 1 and len(blocks[0]) == 3  # one KV cache group, partial last block included
+        # The next step tells the worker to pin exactly those blocks.
+        meta = meta_of(h.step())
+        assert [(f.req, f.ok, list(f.block_ids)) for f in meta.send_finish] == [("p-1", True, blocks[0])]
+        assert h.free_blocks() == free0 - 3
+        h.step(finished_sending={"p-1"})
+        assert h.free_blocks() == free0
+        drained(h)
+
+
+def test_prefill_abort_frees_at_once_and_tells_the_worker() -> None:
+    with harness("kv_producer", max_num_batched_tokens=32, max_num_seqs=4, max_model_len=512) as h:
+        free0 = h.free_blocks()
+        h.add_request(200, kv_transfer_params=remote_decode_params(), max_tokens=1, request_id="p-2")
+        h.step()  # chunked prefill: still running
+        h.abort("p-2")
+        meta = meta_of(h.step())
+        assert [(f.req, f.ok, f.reason) for f in meta.send_finish] == [("p-2", False, "FINISHED_ABORTED")]
+        assert h.free_blocks() == free0
+        drained(h)
+
+
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_each_role_does_only_its_part(kv_role: str) -> None:
+    with harness(kv_role) as h:
+        params = remote_prefill_params(remote_block_ids=[1, 2], remote_request_id="p-r", remote_num_tokens=20)
+        h.add_request(20, kv_transfer_params=params, request_id="recv")
+        h.add_request(20, kv_transfer_params=remote_decode_params(), request_id="send")
+        s = h.step()
+        consumes = kv_role != "kv_producer"
+        produces = kv_role != "kv_consumer"
+        assert bool(meta_of(s).recv_start) == consumes
+        results = [s, *h.run_until_idle(auto_transfers=True)]
+        finished = {rid: out for r in results for rid, out in r.finished.items()}
+        assert (finished["send"].kv_transfer_params is not None) == produces
+        assert "recv" in finished
+        drained(h)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_plugin_entry_point_registers_the_connector_without_module_path() -> None:
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+        "from vllm.config import KVTransferConfig\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+        "cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector='KVSMConnector', "
+        "kv_role='kv_both'))\n"
+        "print(cls.__module__, cls.__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}  # load every installed plugin
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "kvsm.connector KVSMConnector"
+
+
+def test_harness_loads_it_by_name_through_the_plugin() -> None:
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    with make_scheduler(kv_role="kv_both", kv_connector="KVSMConnector", kv_connector_module_path=None,
+                        extra_config={"side_channel_port": 23457}) as h:
+        assert type(h.connector).__name__ == "KVSMConnector"
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"kv_lease_duration": -1}, "kv_lease_duration"),
+    ({"side_channel_port": "http"}, "side_channel_port"),
+    ({"heartbeat_interval": 60, "kv_lease_duration": 30}, "heartbeat_interval"),
+    ({"backends": "UCX"}, "backends"),
+])
+def test_bad_config_is_refused_naming_the_key(extra: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make_scheduler(kv_role="kv_both", extra_config=extra)
