@@ -117,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
                 worker, sched, core = connector_halves()
                 pool = core.scheduler.kv_cache_manager.block_pool
                 reply({"worker": worker.debug_state() if worker else None,
+                       "stats": worker.stats.totals() if worker else None,
                        "scheduler": sched.pending_counts() if sched else None,
                        "free_blocks": pool.get_num_free_blocks(),
                        "requests": len(core.scheduler.requests)})
