@@ -126,6 +126,9 @@ class _Peer:
     engine: str
     address: str
     agent: str | None = None  # NIXL agent name once its metadata is loaded
+    # A read failed: fetch its metadata again with the next claim, in case it
+    # re-registered its memory (add_peer replaces a changed incarnation).
+    stale: bool = False
     dead_until_ns: int = 0
     backoff_ns: int = 0
     failures: int = 0
@@ -501,7 +504,7 @@ class WorkerHalf:
             if not pairs:
                 continue
             claims = [remote for _, remote in pairs]
-            fetch = peer.agent is None
+            fetch = peer.agent is None or peer.stale
             if fetch:
                 rid = self.client.fetch_metadata(peer.address, self.tp_rank, 0, claims, deadline_ns=deadline,
                                                  expected_engine_id=peer.engine)
@@ -578,6 +581,7 @@ class WorkerHalf:
                     self.stats.failure("incompatible")
                     self._apply_if_live(ev.Error(req=req, kind="incompatible", detail=f"{peer.address}: {e}"))
                 return
+            peer.stale = False
             self.stats.handshake_done((self.loop.now_ns() - claim.sent_ns) / _S)
             self._note("worker.peer_added", None, peer=peer.address, engine=peer.engine, agent=peer.agent)
         assert isinstance(outcome, (MetadataReply, ClaimsReply))
@@ -683,6 +687,8 @@ class WorkerHalf:
                 self._apply_recv(ev.Error(req=req, kind="transfer", detail="; ".join(errors)[:500]))
                 if any("Disconnect" in e for e in errors):
                     self._mark_dead(io.peer, errors[0])
+                else:
+                    io.peer.stale = True
                 return
             late_ns = self.loop.now_ns() - (io.claim_granted_ns + self.cfg.lease_ns - LEASE_MARGIN_NS)
             if late_ns > 0:
