@@ -26,7 +26,6 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
     KVConnectorProm,
@@ -51,26 +50,10 @@ LABELNAMES = ["model_name", "engine"]  # what vLLM's PrometheusStatLogger passes
 PER_ENGINE = {0: ["m", "0"], 1: ["m", "1"]}
 
 
-class KVSMStatsProbe(KVConnectorBase_V1):
-    """Stands in for KVSMConnector: only the two class methods vLLM's stat loggers call."""
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVSMStats:
-        return build_stats(data)
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: Any,
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVSMPromMetrics:
-        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
 def probe_config() -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="KVSMStatsProbe", kv_connector_module_path=__name__, kv_role="kv_both")
+    """vLLM's stat loggers find KVSMConnector's stats classes through this config."""
+    return KVTransferConfig(kv_connector="KVSMConnector", kv_connector_module_path="kvsm.connector",
+                            kv_role="kv_both")
 
 
 def busy_recorder(source: str, *, xfers: int = 2, max_samples: int = 100) -> StatsRecorder:
