@@ -1,0 +1,117 @@
+"""KVSMConnector's worker role as vLLM's model runner uses it: registration of
+real KV cache tensors with NIXL, the loop thread's life, and the calls a step
+makes. The transfers themselves are in test_worker_nixl.py and test_pd_offline.py."""
+
+from __future__ import annotations
+
+import resource
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from kvsm.connector import KVSMConnector
+from kvsm.loop import THREAD_NAME_PREFIX
+from kvsm.metadata import KVSMConnectorMetadata
+from kvsm.testing.scheduler import make_scheduler
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_caches(num_blocks: int = 8, layers: int = 2) -> dict[str, torch.Tensor]:
+    # vLLM-CPU's layout for the tiny model: [num_blocks, kv_heads, block_size, 2 * head_size].
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(num_blocks, 2, 16, 64) for i in range(layers)}
+
+
+def worker_connector(kv_role: str = "kv_both", **extra: Any) -> KVSMConnector:
+    cfg = {"side_channel_host": "127.0.0.1", "side_channel_port": _free_port(), **extra}
+    h = make_scheduler(kv_role=kv_role, extra_config=cfg, engine_id=f"w-{kv_role}")
+    h.close()
+    return KVSMConnector(h.vllm_config, KVConnectorRole.WORKER, h.scheduler.kv_cache_config)
+
+
+def loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX)]
+
+
+@pytest.fixture
+def connector() -> Iterator[KVSMConnector]:
+    before = set(loop_threads())
+    c = worker_connector()
+    try:
+        yield c
+    finally:
+        c.shutdown()
+        assert set(loop_threads()) == before, "the connector's loop thread outlived shutdown"
+
+
+def test_registration_starts_the_loop_and_the_side_channel(connector: KVSMConnector) -> None:
+    connector.register_kv_caches(kv_caches())
+    worker = connector.worker_half
+    assert worker is not None and worker.compat is not None
+    assert worker.compat.num_layers == 2 and worker.compat.block_size == 16
+    assert worker.compat.dtype == "float32" and worker.compat.kv_layout == "block-major 2x16x64"
+    state = worker.debug_state()
+    assert state["server"] is not None and state["client"] is not None  # kv_both: serves and reads
+    # The side channel answers on its port.
+    with socket.create_connection(("127.0.0.1", connector.cfg.side_channel_port), timeout=2):
+        pass
+
+
+def test_a_step_with_nothing_to_do_reports_nothing(connector: KVSMConnector) -> None:
+    connector.register_kv_caches(kv_caches())
+    connector.bind_connector_metadata(KVSMConnectorMetadata(1))
+    connector.start_load_kv(None)  # type: ignore[arg-type]
+    results = connector.get_transfer_results(set())
+    assert not (results.finished_sending or results.finished_recving or results.failed_recving)
+    assert connector.get_block_ids_with_load_errors() == set()
+    connector.clear_connector_metadata()
+
+
+def test_idle_loop_burns_no_cpu(connector: KVSMConnector) -> None:
+    connector.register_kv_caches(kv_caches())
+    t0 = time.process_time()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(1.0)
+    used = time.process_time() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    assert used < 0.05, f"{used:.3f} CPU-s in 1 s of idling (busy polling?)"
+    assert r1.ru_nvcsw - r0.ru_nvcsw < 200, "the loop woke up far more than its timers ask for"
+
+
+def test_stats_carry_the_request_state_counts(connector: KVSMConnector) -> None:
+    connector.register_kv_caches(kv_caches())
+    stats = connector.get_kv_connector_stats()
+    assert stats is None or not stats.is_empty()
+    assert type(connector).build_kv_connector_stats(None) is not None
+
+
+def test_kv_buffer_device_must_match_where_the_caches_are() -> None:
+    c = worker_connector(kv_role="kv_consumer")
+    c.cfg = type(c.cfg)(**{**c.cfg.__dict__, "kv_buffer_device": "cuda"})
+    try:
+        with pytest.raises(ValueError, match="kv_buffer_device is 'cuda' but the KV caches are in DRAM"):
+            c.register_kv_caches(kv_caches())
+    finally:
+        c.shutdown()
+
+
+def test_a_layout_that_cannot_be_described_is_refused_naming_the_layer(connector: KVSMConnector) -> None:
+    caches = kv_caches()
+    caches["model.layers.1.self_attn.attn"] = torch.zeros(8, 2, 16, 64)[:, :, ::2]  # not contiguous
+    with pytest.raises(ValueError, match=r"model\.layers\.1"):
+        connector.register_kv_caches(caches)
+
+
+def test_scheduler_side_calls_on_a_worker_instance_say_so(connector: KVSMConnector) -> None:
+    with pytest.raises(RuntimeError, match="scheduler-side method"):
+        connector.build_connector_meta(None)  # type: ignore[arg-type]
