@@ -79,6 +79,8 @@ CLAIM_RETRY_NS = 20 * _MS
 # A read must complete this much inside the lease its claim granted.
 LEASE_MARGIN_NS = 500 * _MS
 _MAX_EARLY_ABANDONS = 4096
+# Slowest notification polling while blocks are pinned and no read is announced.
+NOTIF_POLL_MAX_NS = 50 * _MS
 
 
 class _Results:
@@ -199,6 +201,8 @@ class WorkerHalf:
         self._notif_timer: TimerHandle | None = None
         self._expiry_timer: TimerHandle | None = None
         self._early_abandons: OrderedDict[str, None] = OrderedDict()
+        self._notif_min_ns = max(1, int(cfg.notif_poll_interval_s * _S))
+        self._notif_interval_ns = self._notif_min_ns
         self._recv_effects: Mapping[str, Callable[[str, _RecvIO | None, Outcome], None]] = {
             "take_blocks": self._nothing,
             "arm_handshake_timer": self._arm_handshake_timer,
@@ -736,11 +740,18 @@ class WorkerHalf:
             self._post_event(ev.ReadsQuiesced(req=req), "reads quiesced")
 
     def _send_notif(self, req: str, io: _RecvIO | None, o: Outcome) -> None:
-        """A read carries its notification; nothing_to_read sends one itself."""
-        assert io is not None and self.transport is not None
-        if io.reads_posted or io.peer.agent is None:
+        """A read carries its notification. With nothing to read, tell the prefill
+        side over the side channel instead: acknowledged, and unlike a NIXL
+        notification on an idle agent it does not wait for our next NIXL call
+        to leave."""
+        assert io is not None
+        if io.reads_posted or self.client is None:
             return
-        self.transport.send_notif(io.peer.agent, io.start.remote_req.encode())
+        deadline = self.loop.now_ns() + int(self.cfg.handshake_timeout_s * _S)
+        rid = self.client.abandon(io.peer.address, [io.start.remote_req], deadline_ns=deadline)
+        self._oneway[rid] = io.peer
+        self._on_client_results(self.client.poll_results())
+        self._arm_client_expiry()
 
     def _deliver_blocks(self, req: str, io: _RecvIO | None, o: Outcome) -> None:
         assert io is not None
@@ -825,6 +836,8 @@ class WorkerHalf:
             else:
                 self._apply_send(ev.Heartbeat(req=req, lease_ns=self.cfg.lease_ns))
                 answers[req] = "ok"
+        if kind == "claim" or (kind == "heartbeat" and "ok" in answers.values()):
+            self._arm_notif_poll(soon=True)  # a claimed request is read next
         return answers
 
     def _remember_abandon(self, req: str) -> None:
@@ -891,25 +904,40 @@ class WorkerHalf:
             self.stats.lease_expired()
             log.warning("kvsm worker %s: lease of request %s expired unread; its %d blocks are freed",
                         self.loop.name, req, len(o.block_ids))
-        else:
+        elif o.trigger == "read_notif":
             self.stats.read_served()
         self.results.sent(req)
 
-    def _arm_notif_poll(self) -> None:
+    def _arm_notif_poll(self, *, soon: bool = False) -> None:
+        """Poll NIXL notifications while blocks are pinned: every
+        ``notif_poll_interval`` right after a claim (a read is coming), backing
+        off to NOTIF_POLL_MAX_NS while nothing arrives. No timer when nothing
+        is pinned."""
+        if soon:
+            self._notif_interval_ns = self._notif_min_ns
+            if self._notif_timer is not None and self._notif_timer.deadline_ns > self.loop.now_ns() + \
+                    self._notif_min_ns:
+                self.loop.cancel(self._notif_timer)
+                self._notif_timer = None
         if self._notif_timer is None and self._send_io:
-            self._notif_timer = self.loop.call_later(int(self.cfg.notif_poll_interval_s * _S), self._poll_notifs,
+            self._notif_timer = self.loop.call_later(self._notif_interval_ns, self._poll_notifs,
                                                      label="poll notifications")
 
     def _poll_notifs(self) -> None:
         self._notif_timer = None
         assert self.transport is not None
-        for peer, msg in self.transport.get_notifs():
+        notifs = self.transport.get_notifs()
+        for peer, msg in notifs:
             try:
                 req = msg.decode()
             except UnicodeDecodeError:
                 self._note("worker.bad_notification", None, peer=peer, size=len(msg))
                 continue
             self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer))
+        if notifs:
+            self._notif_interval_ns = self._notif_min_ns
+        else:
+            self._notif_interval_ns = min(self._notif_interval_ns * 2, NOTIF_POLL_MAX_NS)
         self._arm_notif_poll()
 
     # ================================================================ introspection
