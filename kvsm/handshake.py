@@ -31,8 +31,8 @@ metadata_req   protocol, nonce, requester, tp_rank, pp_rank, compat_hash, claims
 heartbeat      protocol, nonce, requester, claims
 abandon        protocol, nonce, requester, claims
 metadata       nonce, engine_id, tp_rank, pp_rank, compat, compat_hash, agent_name,
-               agent_metadata (bin), layout (bin), meta_version, claims {id: status}
-claims         nonce, claims {id: status}       (answers heartbeat and abandon)
+               agent_metadata (bin), layout (bin), meta_version, claims {id: status}, lease_ms
+claims         nonce, claims {id: status}, lease_ms   (answers heartbeat and abandon)
 error          nonce, code, detail, compat, protocol
 ============== ======================================================================
 
@@ -207,6 +207,10 @@ class MetadataReply(_Message, tag="metadata", kw_only=True):
     layout: bytes
     meta_version: int
     claims: ClaimAnswers = {}
+    # How long an "ok" claim keeps the blocks pinned from the moment it was
+    # answered (the server's lease), so the client can tell whether its read
+    # finished in time; 0: not stated.
+    lease_ms: Count = 0
 
 
 class ClaimsReply(_Message, tag="claims", kw_only=True):
@@ -214,6 +218,7 @@ class ClaimsReply(_Message, tag="claims", kw_only=True):
 
     nonce: Nonce = 0
     claims: ClaimAnswers
+    lease_ms: Count = 0
 
 
 class ErrorReply(_Message, tag="error", kw_only=True, forbid_unknown_fields=False):
@@ -435,8 +440,9 @@ class HandshakeServer:
     def __init__(self, engine_id: str, compat: CompatInfo, provide: MetadataProvider,
                  on_claims: ClaimsHandler, *, host: str = "127.0.0.1", port: int = 0,
                  context: zmq.Context | None = None, max_batch: int = 1024,
-                 rcvhwm: int = 16, sndhwm: int = 1000) -> None:
+                 rcvhwm: int = 16, sndhwm: int = 1000, lease_ms: int = 0) -> None:
         self.engine_id = engine_id
+        self.lease_ms = lease_ms
         self.compat = compat
         self.compat_hash = compat_hash(compat)
         self._provide = provide
@@ -612,8 +618,9 @@ class HandshakeServer:
                 nonce=request.nonce, engine_id=self.engine_id, tp_rank=request.tp_rank,
                 pp_rank=request.pp_rank, compat=self.compat, compat_hash=self.compat_hash,
                 agent_name=agent_name, agent_metadata=agent_metadata, layout=layout,
-                meta_version=meta_version, claims=claims)
-        return ClaimsReply(nonce=request.nonce, claims=self._claims(_CLAIM_KIND[type(request)], request))
+                meta_version=meta_version, claims=claims, lease_ms=self.lease_ms)
+        return ClaimsReply(nonce=request.nonce, claims=self._claims(_CLAIM_KIND[type(request)], request),
+                           lease_ms=self.lease_ms)
 
     def _claims(self, kind: str, request: Request) -> dict[str, str]:
         if not request.claims:

@@ -149,6 +149,9 @@ class _RecvIO:
     retry_timer: TimerHandle | None = None
     claim_sent_ns: int = 0
     claim_granted_ns: int = 0  # when the claim that granted the read was sent
+    lease_window_ns: int = 0  # how long the prefill side said that claim pins the blocks
+    notif_sent: bool = False  # a read completed: its notification went to the prefill side
+    settle_timer: TimerHandle | None = None
     posted_ns: int = 0
     reads_posted: bool = False
 
@@ -201,6 +204,9 @@ class WorkerHalf:
         self._notif_timer: TimerHandle | None = None
         self._expiry_timer: TimerHandle | None = None
         self._early_abandons: OrderedDict[str, None] = OrderedDict()
+        # Set once a decode worker fetched our agent: from then on NIXL is driven
+        # (slowly when idle), since a peer's read completes only as we progress.
+        self._has_readers = False
         self._notif_min_ns = max(1, int(cfg.notif_poll_interval_s * _S))
         self._notif_interval_ns = self._notif_min_ns
         self._recv_effects: Mapping[str, Callable[[str, _RecvIO | None, Outcome], None]] = {
@@ -277,7 +283,7 @@ class WorkerHalf:
             self.server = HandshakeServer(
                 self.cfg.engine_id, self.compat, self._provide, self._on_claims,
                 host=self._bind_host(), port=self.cfg.port_of_rank(self.tp_rank),
-                context=self.loop.context)
+                context=self.loop.context, lease_ms=int(self.cfg.lease_s * 1000))
             for sock in self.server.sockets():
                 self.loop.add_reader(sock, self.server.on_readable, label="handshake server")
         if self.cfg.consumes:
@@ -309,7 +315,7 @@ class WorkerHalf:
     def _timers(self) -> list[TimerHandle | None]:
         out: list[TimerHandle | None] = [self._poll_timer, self._notif_timer, self._expiry_timer]
         for io in self._recv_io.values():
-            out += [io.handshake_timer, io.transfer_timer, io.retry_timer]
+            out += [io.handshake_timer, io.transfer_timer, io.retry_timer, io.settle_timer]
         out += [s.lease_timer for s in self._send_io.values()]
         return out
 
@@ -599,6 +605,9 @@ class WorkerHalf:
             status = outcome.claims.get(remote_req, "unknown")
             if status == "ok":
                 io.claim_granted_ns = claim.sent_ns
+                # The prefill side's lease decides how long the claim pins the blocks
+                # (a peer that does not say is assumed to run ours).
+                io.lease_window_ns = outcome.lease_ms * _MS if outcome.lease_ms else self.cfg.lease_ns
                 self._apply_recv(ev.HandshakeOk(req=req, remote_engine=peer.engine))
             elif status == "expired":
                 self.stats.failure("lease_expired")
@@ -694,12 +703,15 @@ class WorkerHalf:
                 else:
                     io.peer.stale = True
                 return
-            late_ns = self.loop.now_ns() - (io.claim_granted_ns + self.cfg.lease_ns - LEASE_MARGIN_NS)
+            io.notif_sent = True  # the notification rode on the completed read
+            window = io.lease_window_ns or self.cfg.lease_ns
+            margin = min(LEASE_MARGIN_NS, window // 4)
+            late_ns = self.loop.now_ns() - (io.claim_granted_ns + window - margin)
             if late_ns > 0:
                 self.stats.failure("lease_expired")
                 self._apply_recv(ev.Error(req=req, kind="lease_expired", detail=(
                     f"the reads completed {late_ns / _S:.3f} s past the lease the claim granted "
-                    f"({self.cfg.lease_s} s, less a {LEASE_MARGIN_NS / _S} s margin): the prefill side may have "
+                    f"({window / _S:.3f} s, less a {margin / _S:.3f} s margin): the prefill side may have "
                     f"reused the blocks, so they are not served")))
                 return
             self._apply_recv(ev.AllReadsDone(req=req, num_bytes=self._bytes_of(io)))
@@ -728,6 +740,8 @@ class WorkerHalf:
         if io is None:
             return
         assert self.transport is not None
+        if any(self.transport.check(h) is TransferState.DONE for h in io.handles):
+            io.notif_sent = True
         keep = [h for h in io.handles if not self.transport.release(h)]
         io.handles = keep
         m = self.recv.get(req)
@@ -736,8 +750,25 @@ class WorkerHalf:
         if keep:  # still in flight: they may write; wait until they settle
             self._polling.add(req)
             self._arm_poll()
+            if io.settle_timer is None:
+                io.settle_timer = self.loop.call_later(int(self.cfg.transfer_timeout_s * _S),
+                                                       lambda: self._unsettled(req), req=req,
+                                                       label="reads settle deadline")
         else:
             self._post_event(ev.ReadsQuiesced(req=req), "reads quiesced")
+
+    def _unsettled(self, req: str) -> None:
+        """Reads that neither finish nor fail for another transfer timeout: the
+        peer is treated as dead, which removes its NIXL agent and so settles
+        every read to it (none can write afterwards), and the request ends."""
+        io = self._recv_io.get(req)
+        if io is None:
+            return
+        io.settle_timer = None
+        if io.handles:
+            self._mark_dead(io.peer, f"reads of {req} did not settle within {self.cfg.transfer_timeout_s} s "
+                                     f"after the request gave up on them")
+            self._settle(req)
 
     def _send_notif(self, req: str, io: _RecvIO | None, o: Outcome) -> None:
         """A read carries its notification. With nothing to read, tell the prefill
@@ -776,6 +807,8 @@ class WorkerHalf:
     def _notify_abandon(self, req: str, io: _RecvIO | None, o: Outcome) -> None:
         assert io is not None
         peer = io.peer
+        if io.notif_sent:
+            return  # the completed read already told it; a second message would be a second release
         if peer.dead_until_ns > self.loop.now_ns() or self.client is None:
             return  # nobody to tell; its lease will free the blocks
         deadline = self.loop.now_ns() + int(self.cfg.handshake_timeout_s * _S)
@@ -787,9 +820,9 @@ class WorkerHalf:
     def _cancel_recv_timers(self, req: str, io: _RecvIO | None, o: Outcome) -> None:
         if io is None:
             return
-        for h in (io.handshake_timer, io.transfer_timer, io.retry_timer):
+        for h in (io.handshake_timer, io.transfer_timer, io.retry_timer, io.settle_timer):
             self.loop.cancel(h)
-        io.handshake_timer = io.transfer_timer = io.retry_timer = None
+        io.handshake_timer = io.transfer_timer = io.retry_timer = io.settle_timer = None
 
     def _send_heartbeat(self, target: HeartbeatTarget) -> None:
         if self.client is None or not target.claims:
@@ -808,6 +841,8 @@ class WorkerHalf:
     def _provide(self, tp_rank: int, pp_rank: int) -> tuple[str, bytes, bytes, int] | None:
         if tp_rank != self.tp_rank or pp_rank != 0 or self.transport is None:
             return None
+        self._has_readers = True
+        self._arm_notif_poll()
         return self.agent_name, self.transport.metadata(), b"", 1
 
     def _on_claims(self, kind: str, requester: str, claims: list[str]) -> dict[str, str]:
@@ -909,17 +944,18 @@ class WorkerHalf:
         self.results.sent(req)
 
     def _arm_notif_poll(self, *, soon: bool = False) -> None:
-        """Poll NIXL notifications while blocks are pinned: every
-        ``notif_poll_interval`` right after a claim (a read is coming), backing
-        off to NOTIF_POLL_MAX_NS while nothing arrives. No timer when nothing
-        is pinned."""
+        """Poll NIXL notifications (which also drives our side of every NIXL
+        connection): every ``notif_poll_interval`` right after a claim (a read
+        is coming), backing off to NOTIF_POLL_MAX_NS while nothing arrives. No
+        timer until a decode worker has fetched our agent: a prefill engine
+        that never served anyone never wakes."""
         if soon:
             self._notif_interval_ns = self._notif_min_ns
             if self._notif_timer is not None and self._notif_timer.deadline_ns > self.loop.now_ns() + \
                     self._notif_min_ns:
                 self.loop.cancel(self._notif_timer)
                 self._notif_timer = None
-        if self._notif_timer is None and self._send_io:
+        if self._notif_timer is None and (self._send_io or self._has_readers):
             self._notif_timer = self.loop.call_later(self._notif_interval_ns, self._poll_notifs,
                                                      label="poll notifications")
 
@@ -932,6 +968,12 @@ class WorkerHalf:
                 req = msg.decode()
             except UnicodeDecodeError:
                 self._note("worker.bad_notification", None, peer=peer, size=len(msg))
+                continue
+            if req not in self.send and self.send.final_state(req) == "released":
+                # Released already (e.g. the reader's abandon overtook its read's
+                # notification): nothing is pinned, nothing to do. A read after
+                # *expiry* is still applied, and recorded as the violation it is.
+                self._note("worker.late_read_notif", req, reader=peer)
                 continue
             self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer))
         if notifs:

@@ -1,0 +1,952 @@
+"""WorkerHalf end to end: real NIXL (UCX, DRAM), real side channel, two processes.
+
+The decode side runs in this process: a ``WorkerHalf`` (kv_consumer) over its
+own zeroed KV caches, fed ``KVSMConnectorMetadata`` built by hand exactly as
+the scheduler half would. The prefill side runs in ``tests/worker_peer.py``
+subprocesses: ``WorkerHalf`` (kv_producer) workers over caches filled with a
+seeded pattern, driven by JSON lines. Every wait has a deadline; results are
+accumulated across ``take_results`` calls, as vLLM's model runner does.
+
+Processes (started once per module, in parallel):
+
+* ``main``: workers A (lease 30 s), S (lease 0.3 s), and X (lease 0.3 s) and
+  Y (lease 2 s), which only the regression tests use, so that what they leave behind
+  (late reads, requests still pinned) stays out of the clean replay;
+* ``k``: worker K, which scenario 5 kills with SIGKILL;
+* ``k2``: worker K again (same engine id, same agent name, another pattern),
+  built but not bound until scenario 5 "restarts" the engine with it.
+
+The last test replays every clean log with ``kvsm.replay.analyse``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl._api")
+torch = pytest.importorskip("torch")
+
+import zmq
+from worker_peer import (
+    GEOMETRY,
+    agent_name,
+    compat_fields,
+    config_fields,
+    make_caches,
+    pattern,
+)
+
+from kvsm.config import KVSMConfig
+from kvsm.eventlog.log import EventLog
+from kvsm.handshake import PROTOCOL_VERSION, CompatInfo, MetadataRequest, encode
+from kvsm.metadata import (
+    HeartbeatTarget,
+    KVSMConnectorMetadata,
+    RecvAbandon,
+    RecvAbort,
+    RecvStart,
+)
+from kvsm.replay import analyse
+from kvsm.transport.layout import describe_kv_caches
+from kvsm.transport.nixl import NixlTransport
+from kvsm.worker import WorkerHalf
+
+PEER_SCRIPT = Path(__file__).with_name("worker_peer.py")
+REPO = PEER_SCRIPT.parent.parent
+HOST = "127.0.0.1"
+NUM_BLOCKS = GEOMETRY["num_blocks"]
+BLOCK_TOKENS = GEOMETRY["block_size"]
+SEEDS = {"A": 101, "S": 102, "X": 103, "Y": 104, "K": 201, "K2": 202}
+ENGINES = {"A": "prefill-A", "S": "prefill-S", "X": "prefill-X", "Y": "prefill-Y", "K": "prefill-K"}
+POLL_S = 0.002
+
+# Decode logs of the clean scenarios (the regression tests keep theirs apart).
+CLEAN_DECODE_LOGS: list[Path] = []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+class PeerProc:
+    """A worker_peer.py process: spawn now, ``ready()`` later (so several start at once)."""
+
+    def __init__(self, label: str, workers: list[dict[str, Any]], log_dir: Path, defer_start: bool = False) -> None:
+        self.label = label
+        self.err_path = log_dir / f"peer-{label}.stderr"
+        self._err = open(self.err_path, "wb")  # noqa: SIM115 - closed in close()
+        spec = {"defer_start": defer_start, "workers": workers}
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, env=env, cwd=REPO, text=True,
+                                     bufsize=1)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"peer-{label}-stdout", daemon=True).start()
+        self.pid = self.proc.pid
+        self.hello: dict[str, Any] = {}
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def stderr_tail(self) -> str:
+        self._err.flush()
+        return self.err_path.read_text(errors="replace")[-3000:]
+
+    def _next(self, timeout: float, what: str) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"peer {self.label}: no reply to {what} within {timeout} s; "
+                                 f"stderr:\n{self.stderr_tail()}") from None
+        if line is None:
+            raise AssertionError(f"peer {self.label} exited ({self.proc.poll()}) during {what}; "
+                                 f"stderr:\n{self.stderr_tail()}")
+        return json.loads(line)
+
+    def ready(self, timeout: float = 60.0) -> PeerProc:
+        self.hello = self._next(timeout, "start-up")
+        assert self.hello.get("ready"), self.hello
+        return self
+
+    def call(self, op: str, timeout: float = 10.0, **kw: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._next(timeout + 5.0, op)
+        assert reply.get("ok"), f"peer {self.label}: {op} failed: {reply}"
+        return reply
+
+    # Conveniences.
+    def finish(self, w: str, reqs: dict[str, list[int]], start: tuple[str, ...] = ()) -> None:
+        """The scheduler's SendStart (optional) and SendFinish(ok) for ``reqs`` in one step."""
+        self.call("submit", w=w, send_start=list(start), send_finish=[[r, b] for r, b in reqs.items()])
+
+    def wait_sent(self, w: str, reqs: list[str], timeout: float = 5.0) -> dict[str, float]:
+        sent = self.call("wait_sent", timeout=timeout, w=w, reqs=reqs, within=timeout)["sent"]
+        missing = [r for r in reqs if r not in sent]
+        assert not missing, f"worker {w} never reported finished_sending for {missing} within {timeout} s"
+        return sent
+
+    def sent(self, w: str) -> dict[str, float]:
+        return self.call("sent")["sent"][w]
+
+    def state(self, w: str) -> dict[str, Any]:
+        return self.call("state", w=w)["state"]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("quit", timeout=10.0)
+                self.proc.wait(timeout=10)
+            except (AssertionError, OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._err.close()
+
+
+class Peers:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.port = {w: free_port() for w in ENGINES}
+        self.log = {w: log_dir / f"{ENGINES[w]}.jsonl" for w in ENGINES}
+        self.log["K2"] = log_dir / "prefill-K-restarted.jsonl"
+
+        def spec(w: str, lease_s: float, seed_key: str | None = None, log_key: str | None = None) -> dict[str, Any]:
+            return {"name": w, "engine_id": ENGINES[w], "port": self.port[w], "lease_s": lease_s,
+                    "seed": SEEDS[seed_key or w], "log": str(self.log[log_key or w])}
+
+        self.procs: list[PeerProc] = []
+        try:
+            self.main = self._spawn("main", [spec("A", 30.0), spec("S", 0.3), spec("X", 0.3), spec("Y", 2.0)])
+            self.k = self._spawn("k", [spec("K", 30.0)])
+            self.k2 = self._spawn("k2", [spec("K", 30.0, seed_key="K2", log_key="K2")], defer_start=True)
+            for p in self.procs:
+                p.ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, label: str, workers: list[dict[str, Any]], defer_start: bool = False) -> PeerProc:
+        self.procs.append(PeerProc(label, workers, self.log_dir, defer_start))
+        return self.procs[-1]
+
+    def coords(self, w: str) -> dict[str, Any]:
+        """The RecvStart fields that say where worker ``w`` is."""
+        return {"remote_engine": ENGINES[w], "remote_host": HOST, "remote_port": self.port[w], "remote_tp_size": 1}
+
+    def flush(self) -> None:
+        """Every live peer writes out its event logs."""
+        for p in self.procs:
+            if p.proc.poll() is None:
+                p.call("flush")
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.close()
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("worker-nixl-logs")
+
+
+@pytest.fixture(scope="module")
+def peers(log_dir: Path):
+    p = Peers(log_dir)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def silent_port():
+    """A TCP listener that accepts connections and never says a word."""
+    srv = socket.socket()
+    srv.bind((HOST, 0))
+    srv.listen(64)
+    srv.settimeout(0.2)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            held.append(conn)
+
+    t = threading.Thread(target=accept, name="silent-listener", daemon=True)
+    t.start()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        stop.set()
+        t.join(timeout=2)
+        for c in held:
+            c.close()
+        srv.close()
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+class Decode:
+    """A decode-side WorkerHalf over zeroed caches, with vLLM's view of its results."""
+
+    def __init__(self, name: str, log_dir: Path, *, compat: dict[str, Any] | None = None, **cfg: Any) -> None:
+        self.engine_id = f"decode-{name}"
+        self.caches = make_caches(None)
+        self.transport = NixlTransport(agent_name(self.engine_id), describe_kv_caches(self.caches))
+        self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_consumer", 1, **cfg))
+        self.log_path = log_dir / f"{self.engine_id}.jsonl"
+        self.log = EventLog(self.log_path, role="worker", engine_id=self.engine_id)
+        self.half = WorkerHalf(self.cfg, 0, event_log=self.log)
+        self.half.start(self.transport, CompatInfo(**compat_fields(**(compat or {}))))
+        self.recving: dict[str, float] = {}  # req -> when first seen in finished_recving
+        self.failed: dict[str, float] = {}
+        self.invalid: set[int] = set()
+        self.reports: Counter[str] = Counter()  # times each req appeared in finished_recving
+        self.sending: set[str] = set()
+        self.local_of: dict[str, tuple[int, ...]] = {}
+        self._step = 0
+        self._next_block = 0
+        self._closed = False
+
+    # -- inputs
+    def blocks(self, n: int) -> tuple[int, ...]:
+        """``n`` local blocks no other request of this worker was given."""
+        out = tuple(range(self._next_block, self._next_block + n))
+        self._next_block += n
+        assert self._next_block <= NUM_BLOCKS, "test bug: out of decode blocks"
+        return out
+
+    def start(self, req: str, coords: dict[str, Any], remote_req: str, remote_blocks: tuple[int, ...] | list[int],
+              *, local: tuple[int, ...] | None = None, awaited: bool = True) -> RecvStart:
+        remote_blocks = tuple(remote_blocks)
+        local = self.blocks(len(remote_blocks)) if local is None else local
+        self.local_of[req] = local
+        return RecvStart(req=req, remote_req=remote_req, remote_block_ids=remote_blocks, local_block_ids=local,
+                         num_tokens=max(1, len(remote_blocks)) * BLOCK_TOKENS, awaited=awaited, **coords)
+
+    def submit(self, *, recv_start=(), recv_abort=(), recv_abandon=(), heartbeats=()) -> float:
+        self._step += 1
+        meta = KVSMConnectorMetadata(self._step)
+        meta.recv_start = list(recv_start)
+        meta.recv_abort = list(recv_abort)
+        meta.recv_abandon = list(recv_abandon)
+        meta.heartbeats = list(heartbeats)
+        t = time.monotonic()
+        self.half.submit(meta)
+        return t
+
+    # -- outputs
+    def poll(self) -> None:
+        sending, recving, failed = self.half.take_results()
+        invalid = self.half.take_invalid_blocks()
+        now = time.monotonic()
+        # What vLLM relies on: a failed request is also finished in the same step,
+        # and its blocks are reported invalid no later than that step.
+        assert failed <= recving, f"failed_recving {failed - recving} without finished_recving"
+        self.invalid |= invalid
+        for r in failed:
+            assert set(self.local_of.get(r, ())) <= self.invalid, f"{r} failed before its blocks were invalid"
+        self.failed.update((r, now) for r in failed if r not in self.failed)
+        for r in recving:
+            self.reports[r] += 1
+            self.recving.setdefault(r, now)
+        self.sending |= sending
+
+    def wait(self, reqs: list[str], timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            missing = [r for r in reqs if r not in self.recving]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.engine_id}: {missing} not in finished_recving within {timeout} s; "
+                                     f"state {self.half.debug_state()}")
+            time.sleep(POLL_S)
+
+    def quiet(self, seconds: float) -> None:
+        """Keep polling for ``seconds`` (to see that nothing more arrives)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.poll()
+            time.sleep(POLL_S)
+
+    def wait_state(self, req: str, state: str, timeout: float = 3.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (got := self.half.debug_state()["recv"].get(req)) != state:
+            assert time.monotonic() < deadline, f"{req} is in {got!r}, never reached {state!r}"
+            time.sleep(0.005)
+
+    # -- the bytes
+    def layer(self, i: int) -> np.ndarray:
+        return self.caches[f"model.layers.{i}.self_attn.attn"].view(torch.int32).numpy()
+
+    def holds(self, local: tuple[int, ...], remote: tuple[int, ...], seed: int) -> bool:
+        """Every layer's local blocks equal the prefill's ``remote`` blocks, pairwise."""
+        want = pattern(seed)
+        return all(np.array_equal(self.layer(i)[list(local)], want[i][list(remote)])
+                   for i in range(GEOMETRY["layers"]))
+
+    def zero_except(self, written: set[int]) -> bool:
+        others = [b for b in range(NUM_BLOCKS) if b not in written]
+        return all(not self.layer(i)[others].any() for i in range(GEOMETRY["layers"]))
+
+    # -- the log
+    def records(self, req: str | None = None) -> list[dict[str, Any]]:
+        self.log.flush()
+        recs = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        return [r for r in recs if req is None or r.get("req") == req]
+
+    def transitions(self, req: str) -> list[tuple[str, str, str, dict[str, Any]]]:
+        return [(r["event"], r["src"], r["dst"], r.get("input", {})) for r in self.records(req)
+                if r["kind"] == "transition"]
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.half.shutdown()
+
+
+@pytest.fixture
+def decode(log_dir: Path):
+    """Factory of decode workers (closed at the end of the test); ``clean=False`` keeps
+    the log out of the final replay."""
+    made: list[Decode] = []
+
+    def make(name: str, *, clean: bool = True, **kw: Any) -> Decode:
+        d = Decode(name, log_dir, **kw)
+        made.append(d)
+        if clean:
+            CLEAN_DECODE_LOGS.append(d.log_path)
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in made:
+            d.close()
+
+
+def replay(peers: Peers, decodes: list[Decode], reqs: set[str], prefill: tuple[str, ...] = ("A",)):
+    """analyse() over these decode logs and the prefill logs: the findings about
+    ``reqs`` (and any that name no request), and every machine's final state."""
+    peers.flush()
+    for d in decodes:
+        d.log.flush()
+    report = analyse([d.log_path for d in decodes] + [peers.log[w] for w in prefill])
+    findings = [(f.kind, f.req) for f in report.findings if f.req is None or f.req in reqs]
+    finals = {(m.lifecycle, m.req): m.final_state for m in report.machines if m.req in reqs}
+    return findings, finals
+
+
+def pick(rng: random.Random, n: int) -> list[int]:
+    return rng.sample(range(NUM_BLOCKS), n)
+
+
+# ============================================================================ scenarios
+
+
+def test_happy_path_moves_the_exact_bytes(peers: Peers, decode) -> None:
+    """Several requests in one step (one of a single block) arrive intact; a permuted
+    mapping is caught by the byte comparison."""
+    d = decode("s1")
+    rng = random.Random(1)
+    sizes = {"s1-one": 1, "s1-three": 3, "s1-eight": 8, "s1-perm": 4}
+    remote = {r: pick(rng, n) for r, n in sizes.items()}
+    peers.main.finish("A", {f"p-{r}": b for r, b in remote.items()})
+    # s1-perm asks for the prefill's blocks in another order than they were pinned.
+    asked = dict(remote, **{"s1-perm": remote["s1-perm"][1:] + remote["s1-perm"][:1]})
+    starts = {r: d.start(r, peers.coords("A"), f"p-{r}", asked[r]) for r in sizes}
+    d.submit(recv_start=starts.values())
+    d.wait(list(sizes))
+    assert not d.failed and not d.invalid
+    assert all(d.reports[r] == 1 for r in sizes)
+    for r, s in starts.items():
+        assert d.holds(s.local_block_ids, s.remote_block_ids, SEEDS["A"]), f"{r}: wrong bytes"
+    written = {b for s in starts.values() for b in s.local_block_ids}
+    assert d.zero_except(written), "a read wrote outside its local blocks"
+    # The comparison can fail: s1-perm's blocks do not hold the blocks in pinned order,
+    # and no request's blocks hold another engine's pattern.
+    perm = starts["s1-perm"]
+    assert not d.holds(perm.local_block_ids, tuple(remote["s1-perm"]), SEEDS["A"])
+    assert not d.holds(starts["s1-eight"].local_block_ids, starts["s1-eight"].remote_block_ids, SEEDS["S"])
+    peers.main.wait_sent("A", [f"p-{r}" for r in sizes])
+    findings, finals = replay(peers, [d], set(sizes) | {f"p-{r}" for r in sizes})
+    assert findings == []
+    assert finals == {**{("recv", r): "done" for r in sizes}, **{("send", f"p-{r}"): "released" for r in sizes}}
+
+
+def test_claim_before_send_finish_is_retried(peers: Peers, decode) -> None:
+    """The decode side's claim reaches the prefill ~200 ms before its SendFinish: the
+    claim is answered "unknown" and retried until the blocks are pinned."""
+    d = decode("s2")
+    rng = random.Random(2)
+    remote = {"s2-prefilling": pick(rng, 2), "s2-unheard": pick(rng, 3)}
+    peers.main.call("submit", w="A", send_start=["p-s2-prefilling"])  # known there, still prefilling
+    starts = [d.start(r, peers.coords("A"), f"p-{r}", b) for r, b in remote.items()]
+    t0 = d.submit(recv_start=starts)
+    d.quiet(0.2)
+    assert not d.recving, "finished before the prefill side had the blocks"
+    assert {r: d.half.debug_state()["recv"][r] for r in remote} == dict.fromkeys(remote, "pending_handshake")
+    peers.main.finish("A", {f"p-{r}": b for r, b in remote.items()})
+    d.wait(list(remote), timeout=3.0)
+    assert not d.failed and not d.invalid
+    assert min(d.recving.values()) - t0 >= 0.2
+    for s in starts:
+        assert d.holds(s.local_block_ids, s.remote_block_ids, SEEDS["A"])
+    assert d.half.debug_state()["client"]["sent"] >= 3, "no claim was retried"
+    peers.main.wait_sent("A", [f"p-{r}" for r in remote])
+    findings, finals = replay(peers, [d], set(remote) | {f"p-{r}" for r in remote})
+    assert findings == []
+    assert set(finals.values()) == {"done", "released"}
+
+
+def test_lease_expiry_fails_the_late_read(peers: Peers, decode) -> None:
+    """Prefill lease 0.3 s, the decode's RecvStart 1 s later: the claim is answered
+    "expired", the request fails and its blocks are reported invalid."""
+    d = decode("s3")
+    blocks = pick(random.Random(3), 3)
+    t0 = time.monotonic()
+    peers.main.finish("S", {"p-s3": blocks})
+    sent = peers.main.wait_sent("S", ["p-s3"], timeout=3.0)
+    assert 0.25 <= sent["p-s3"] - t0 <= 1.0, f"lease expired after {sent['p-s3'] - t0:.3f} s"
+    time.sleep(max(0.0, t0 + 1.0 - time.monotonic()))
+    start = d.start("s3", peers.coords("S"), "p-s3", blocks)
+    d.submit(recv_start=[start])
+    d.wait(["s3"])
+    assert "s3" in d.failed
+    assert d.invalid == set(start.local_block_ids)
+    assert d.zero_except(set()), "blocks of an expired lease were read"
+    errors = [inp for ev, _, dst, inp in d.transitions("s3") if ev == "error"]
+    assert [e["kind"] for e in errors] == ["lease_expired"]
+    findings, finals = replay(peers, [d], {"s3", "p-s3"}, prefill=("S",))
+    # Nothing was read after the expiry, so replay finds nothing wrong: the decode
+    # machine failed cleanly and the prefill machine expired.
+    assert findings == []
+    assert finals == {("recv", "s3"): "failed", ("send", "p-s3"): "expired"}
+
+
+def test_heartbeats_keep_a_short_lease_alive(peers: Peers, decode) -> None:
+    """Prefill lease 0.3 s; the decode side heartbeats every 50 ms for 1 s, then reads."""
+    d = decode("s3b")
+    blocks = pick(random.Random(33), 2)
+    t0 = time.monotonic()
+    peers.main.finish("S", {"p-s3b": blocks})
+    target = HeartbeatTarget(claims=("p-s3b",), **peers.coords("S"))
+    while time.monotonic() < t0 + 1.0:
+        d.submit(heartbeats=[target])
+        time.sleep(0.05)
+    assert "p-s3b" not in peers.main.sent("S"), "the lease expired despite the heartbeats"
+    start = d.start("s3b", peers.coords("S"), "p-s3b", blocks)
+    d.submit(recv_start=[start])
+    d.wait(["s3b"])
+    assert not d.failed and not d.invalid
+    assert d.holds(start.local_block_ids, start.remote_block_ids, SEEDS["S"])
+    peers.main.wait_sent("S", ["p-s3b"])
+    findings, finals = replay(peers, [d], {"s3b", "p-s3b"}, prefill=("S",))
+    assert findings == []
+    assert finals == {("recv", "s3b"): "done", ("send", "p-s3b"): "released"}
+
+
+def test_incompatible_peer_fails_naming_the_field(peers: Peers, decode) -> None:
+    d = decode("s4", compat={"block_size": 2 * BLOCK_TOKENS})
+    blocks = pick(random.Random(4), 2)
+    peers.main.finish("A", {"p-s4": blocks})
+    start = d.start("s4", peers.coords("A"), "p-s4", blocks)
+    d.submit(recv_start=[start])
+    d.wait(["s4"])
+    assert "s4" in d.failed and d.invalid == set(start.local_block_ids)
+    errors = [inp for ev, _, _, inp in d.transitions("s4") if ev == "error"]
+    assert len(errors) == 1 and errors[0]["kind"] == "incompatible"
+    assert "block_size: 32 here, 16 on the peer" in errors[0]["detail"], errors[0]
+    # The failure tells the prefill side at once (abandon): no wait for the 30 s lease.
+    sent = peers.main.wait_sent("A", ["p-s4"], timeout=3.0)
+    assert sent["p-s4"] - d.failed["s4"] < 2.0
+    findings, finals = replay(peers, [d], {"s4", "p-s4"})
+    assert findings == []
+    assert finals == {("recv", "s4"): "failed", ("send", "p-s4"): "released"}
+
+
+def test_dead_peer_fails_fast_and_a_restart_is_picked_up(peers: Peers, decode) -> None:
+    d = decode("s5", handshake_timeout_s=0.5, peer_backoff_s=1.0)
+    rng = random.Random(5)
+    coords = peers.coords("K")
+    # A first request: the agent of incarnation 1 is loaded.
+    b1 = pick(rng, 2)
+    peers.k.finish("K", {"p-s5-1": b1})
+    s1 = d.start("s5-1", coords, "p-s5-1", b1)
+    d.submit(recv_start=[s1])
+    d.wait(["s5-1"])
+    assert not d.failed and d.holds(s1.local_block_ids, s1.remote_block_ids, SEEDS["K"])
+    peers.k.wait_sent("K", ["p-s5-1"])
+    peers.k.call("flush")  # its log is complete before the SIGKILL
+    peers.k.kill()
+
+    # Its claim goes unanswered: the request fails at the handshake timeout.
+    b2 = pick(rng, 2)
+    s2 = d.start("s5-2", coords, "p-s5-2", b2)
+    t2 = d.submit(recv_start=[s2])
+    d.wait(["s5-2"], timeout=3.0)
+    took = d.recving["s5-2"] - t2
+    assert 0.45 <= took <= 0.5 + 0.4, f"dead peer detected after {took:.3f} s"
+    assert "s5-2" in d.failed and set(s2.local_block_ids) <= d.invalid
+    peer = d.half.debug_state()["peers"][f"prefill-K@tcp://{HOST}:{peers.port['K']}"]
+    assert peer["agent"] is None and peer["failures"] == 1, peer
+
+    # Known dead: the next request fails without waiting.
+    s3 = d.start("s5-3", coords, "p-s5-3", pick(rng, 1))
+    t3 = d.submit(recv_start=[s3])
+    d.wait(["s5-3"], timeout=1.0)
+    assert d.recving["s5-3"] - t3 < 0.2
+    assert "s5-3" in d.failed and set(s3.local_block_ids) <= d.invalid
+    assert d.zero_except(set(s1.local_block_ids))
+
+    # The engine restarts on the same port (same engine id and agent name, new agent).
+    peers.k2.call("start")
+    b4 = pick(rng, 3)
+    peers.k2.finish("K", {"p-s5-4": b4})
+    time.sleep(max(0.0, (peer["dead_until_ns"] - time.monotonic_ns()) / 1e9 + 0.05))
+    s4 = d.start("s5-4", coords, "p-s5-4", b4)
+    d.submit(recv_start=[s4])
+    d.wait(["s5-4"], timeout=3.0)
+    assert "s5-4" not in d.failed
+    assert d.holds(s4.local_block_ids, s4.remote_block_ids, SEEDS["K2"]), "not the new incarnation's bytes"
+    assert not d.holds(s4.local_block_ids, s4.remote_block_ids, SEEDS["K"])
+    peers.k2.wait_sent("K", ["p-s5-4"])
+    assert d.half.debug_state()["peers"][f"prefill-K@tcp://{HOST}:{peers.port['K']}"]["failures"] == 0
+    reqs = {"s5-1", "s5-2", "s5-3", "s5-4", "p-s5-1", "p-s5-4"}
+    findings, finals = replay(peers, [d], reqs, prefill=("K", "K2"))
+    assert findings == []
+    assert finals == {("recv", "s5-1"): "done", ("recv", "s5-2"): "failed", ("recv", "s5-3"): "failed",
+                      ("recv", "s5-4"): "done", ("send", "p-s5-1"): "released", ("send", "p-s5-4"): "released"}
+    fails = {r: [(ev, inp.get("peer") or inp.get("what")) for ev, _, dst, inp in d.transitions(r) if dst == "failed"]
+             for r in ("s5-2", "s5-3")}
+    dead = ("peer_dead", f"prefill-K@tcp://{HOST}:{peers.port['K']}")
+    # s5-2's own handshake timer and the claim's deadline fall due together: either wins.
+    assert fails["s5-2"] in ([dead], [("timeout", "handshake")]), fails
+    assert fails["s5-3"] == [dead]
+
+
+def test_silent_peer_does_not_delay_a_healthy_one(peers: Peers, decode, silent_port: int) -> None:
+    d = decode("s6", handshake_timeout_s=1.0)
+    blocks = pick(random.Random(6), 2)
+    peers.main.finish("A", {"p-s6-ok": blocks})
+    silent = {"remote_engine": "silent", "remote_host": HOST, "remote_port": silent_port, "remote_tp_size": 1}
+    s_silent = d.start("s6-silent", silent, "p-s6-silent", [1, 2])
+    s_ok = d.start("s6-ok", peers.coords("A"), "p-s6-ok", blocks)
+    t0 = d.submit(recv_start=[s_silent, s_ok])  # silent first: it is asked first
+    d.wait(["s6-ok"], timeout=1.0)
+    healthy = d.recving["s6-ok"] - t0
+    assert healthy < 0.3, f"the healthy peer's request took {healthy:.3f} s"
+    assert "s6-silent" not in d.recving
+    d.wait(["s6-silent"], timeout=3.0)
+    failed_after = d.recving["s6-silent"] - t0
+    assert 0.95 <= failed_after <= 1.5, f"the silent peer's request failed after {failed_after:.3f} s"
+    assert "s6-silent" in d.failed and "s6-ok" not in d.failed
+    assert d.invalid == set(s_silent.local_block_ids)
+    assert d.holds(s_ok.local_block_ids, s_ok.remote_block_ids, SEEDS["A"])
+    peers.main.wait_sent("A", ["p-s6-ok"])
+    findings, finals = replay(peers, [d], {"s6-ok", "s6-silent", "p-s6-ok"})
+    assert findings == []
+    assert finals == {("recv", "s6-ok"): "done", ("recv", "s6-silent"): "failed", ("send", "p-s6-ok"): "released"}
+
+
+def test_abort_while_pending_handshake(peers: Peers, decode, silent_port: int) -> None:
+    """vLLM waits for an aborted request's finished_recving: reported, not as a failure."""
+    d = decode("s7a", handshake_timeout_s=0.5)
+    silent = {"remote_engine": "silent", "remote_host": HOST, "remote_port": silent_port, "remote_tp_size": 1}
+    start = d.start("s7a", silent, "p-s7a", [3, 4, 5])
+    d.submit(recv_start=[start])
+    d.wait_state("s7a", "pending_handshake")
+    t0 = d.submit(recv_abort=[RecvAbort(req="s7a", awaited=True)])
+    d.wait(["s7a"], timeout=1.0)
+    assert d.recving["s7a"] - t0 < 0.2
+    assert not d.failed and not d.invalid
+    d.quiet(0.7)  # past the handshake timeout it no longer has
+    assert d.reports["s7a"] == 1 and not d.failed and not d.invalid
+    assert [(ev, src, dst) for ev, src, dst, _ in d.transitions("s7a")] == [
+        ("matched", "new", "awaiting_blocks"), ("allocated", "awaiting_blocks", "pending_handshake"),
+        ("abort", "pending_handshake", "aborted")]
+    findings, finals = replay(peers, [d], {"s7a"})
+    assert findings == [] and finals == {("recv", "s7a"): "aborted"}
+
+
+def test_abandon_releases_the_prefill_at_once(peers: Peers, decode) -> None:
+    """RecvAbandon (aborted before allocation): the prefill side unpins now, not at lease
+    expiry (30 s), also when the abandon arrives before its own SendFinish."""
+    d = decode("s7b")
+    blocks = pick(random.Random(7), 2)
+    peers.main.finish("A", {"p-s7b": blocks})
+    ab = RecvAbandon(req="s7b", remote_req="p-s7b", **peers.coords("A"))
+    t0 = d.submit(recv_abandon=[ab])
+    sent = peers.main.wait_sent("A", ["p-s7b"], timeout=3.0)
+    assert sent["p-s7b"] - t0 < 1.0
+    # Abandoned before the prefill finished: released as soon as it does.
+    early = RecvAbandon(req="s7b-early", remote_req="p-s7b-early", **peers.coords("A"))
+    d.submit(recv_abandon=[early])
+    deadline = time.monotonic() + 3.0
+    while "s7b-early" in d.half.debug_state()["recv"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    t1 = time.monotonic()
+    peers.main.finish("A", {"p-s7b-early": blocks})
+    sent = peers.main.wait_sent("A", ["p-s7b-early"], timeout=3.0)
+    assert sent["p-s7b-early"] - t1 < 1.0
+    d.quiet(0.1)
+    assert not d.recving and not d.failed and not d.invalid, "an unallocated request was reported to vLLM"
+    reqs = {"s7b", "s7b-early", "p-s7b", "p-s7b-early"}
+    findings, finals = replay(peers, [d], reqs)
+    assert findings == []
+    assert finals == {("recv", "s7b"): "aborted", ("recv", "s7b-early"): "aborted",
+                      ("send", "p-s7b"): "released", ("send", "p-s7b-early"): "released"}
+
+
+def test_abort_after_the_request_finished(peers: Peers, decode) -> None:
+    d = decode("s7c")
+    blocks = pick(random.Random(77), 2)
+    peers.main.finish("A", {"p-s7c": blocks})
+    start = d.start("s7c", peers.coords("A"), "p-s7c", blocks)
+    d.submit(recv_start=[start])
+    d.wait(["s7c"])
+    d.submit(recv_abort=[RecvAbort(req="s7c", awaited=True)])
+    d.quiet(0.3)
+    assert d.reports["s7c"] == 1 and not d.failed and not d.invalid
+    assert any(r["event"] == "worker.abort_after_end" and r.get("final") == "done" for r in d.records("s7c"))
+    assert not [r for r in d.records() if r["kind"] == "violation"]
+    peers.main.wait_sent("A", ["p-s7c"])
+    findings, finals = replay(peers, [d], {"s7c", "p-s7c"})
+    assert findings == []
+    assert finals == {("recv", "s7c"): "done", ("send", "p-s7c"): "released"}
+
+
+def test_full_local_prefix_hit_releases_the_prefill(peers: Peers, decode) -> None:
+    """Nothing to read (awaited=False): nothing is reported to vLLM, and the prefill's
+    blocks are released at once, not by the 30 s lease. (The connection is warm:
+    see test_full_local_prefix_hit_on_a_fresh_connection for a cold one.)"""
+    d = decode("s8")
+    warm = pick(random.Random(80), 1)
+    peers.main.finish("A", {"p-s8-warm": warm, "p-s8": pick(random.Random(8), 2)})
+    s_warm = d.start("s8-warm", peers.coords("A"), "p-s8-warm", warm)
+    d.submit(recv_start=[s_warm])
+    d.wait(["s8-warm"])
+    start = d.start("s8", peers.coords("A"), "p-s8", (), local=(), awaited=False)
+    t0 = d.submit(recv_start=[start])
+    sent = peers.main.wait_sent("A", ["p-s8"], timeout=3.0)
+    assert sent["p-s8"] - t0 < 1.0
+    d.quiet(0.1)
+    assert set(d.recving) == {"s8-warm"} and not d.failed and not d.invalid
+    assert d.reports["s8-warm"] == 1
+    findings, finals = replay(peers, [d], {"s8", "p-s8", "s8-warm", "p-s8-warm"})
+    assert findings == []
+    assert finals == {("recv", "s8"): "done", ("send", "p-s8"): "released",
+                      ("recv", "s8-warm"): "done", ("send", "p-s8-warm"): "released"}
+
+
+def test_full_local_prefix_hit_on_a_fresh_connection(peers: Peers, decode) -> None:
+    """The same as the decode worker's first contact with the peer. (This once left the
+    prefill's blocks pinned until its lease ran out: the NIXL notification sat in a
+    connection still wiring up, which nothing progressed on the decode side.)"""
+    d = decode("s8-fresh")
+    peers.main.finish("A", {"p-s8-fresh": pick(random.Random(81), 2)})
+    start = d.start("s8-fresh", peers.coords("A"), "p-s8-fresh", (), local=(), awaited=False)
+    t0 = d.submit(recv_start=[start])
+    sent = peers.main.wait_sent("A", ["p-s8-fresh"], timeout=3.0)
+    assert sent["p-s8-fresh"] - t0 < 1.0
+    d.quiet(0.05)
+    assert not d.recving and not d.failed and not d.invalid
+    findings, finals = replay(peers, [d], {"s8-fresh", "p-s8-fresh"})
+    assert findings == []
+    assert finals == {("recv", "s8-fresh"): "done", ("send", "p-s8-fresh"): "released"}
+
+
+def _storm(port: int, stop: threading.Event, counts: Counter[str]) -> None:
+    """Malformed traffic at the side channel: ZMQ garbage, truncated msgpack, bad
+    framing, and raw TCP connections spraying random bytes."""
+    rng = random.Random(9)
+    ctx = zmq.Context()
+    valid = encode(MetadataRequest(protocol=PROTOCOL_VERSION, requester="storm", tp_rank=0, compat_hash="x" * 64,
+                                   claims=["p-s9-storm"]))
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://{HOST}:{port}")
+        for i in range(300):
+            kind = i % 3
+            if kind == 0:
+                dealer.send(rng.randbytes(rng.randint(0, 96)))
+            elif kind == 1:
+                dealer.send(valid[: rng.randint(1, len(valid) - 1)])
+            else:
+                dealer.send_multipart([b"x", b"y", rng.randbytes(8)])
+            counts["zmq"] += 1
+            if i % 50 == 0:
+                with socket.create_connection((HOST, port), timeout=2) as raw:
+                    raw.sendall(rng.randbytes(512))
+                counts["raw"] += 1
+            if i % 10 == 0:
+                time.sleep(0.001)
+        stop.wait(5)
+        dealer.close(linger=0)
+    finally:
+        ctx.term()
+
+
+def test_hostile_side_channel_during_a_real_handshake(peers: Peers, decode) -> None:
+    d = decode("s9")
+    rng = random.Random(99)
+    before = peers.main.state("A")["server"]
+    b1, b2 = pick(rng, 3), pick(rng, 2)
+    peers.main.finish("A", {"p-s9-1": b1, "p-s9-2": b2})
+    stop, counts = threading.Event(), Counter()
+    storm = threading.Thread(target=_storm, args=(peers.port["A"], stop, counts), daemon=True)
+    storm.start()
+    s1 = d.start("s9-1", peers.coords("A"), "p-s9-1", b1)
+    d.submit(recv_start=[s1])
+    d.wait(["s9-1"], timeout=5.0)
+    assert "s9-1" not in d.failed and d.holds(s1.local_block_ids, s1.remote_block_ids, SEEDS["A"])
+    stop.set()
+    storm.join(timeout=10)
+    assert counts["zmq"] == 300 and counts["raw"] == 6
+
+    def refused(stats: dict[str, Any]) -> int:
+        return sum(stats["errors"].values())
+
+    deadline = time.monotonic() + 5.0
+    while refused(after := peers.main.state("A")["server"]) - refused(before) < counts["zmq"]:
+        assert time.monotonic() < deadline, f"server stats {after}"
+        time.sleep(0.02)
+    assert after["errors"].get("malformed", 0) - before["errors"].get("malformed", 0) >= counts["zmq"]
+    assert after["connections"].get("accepted", 0) - before["connections"].get("accepted", 0) >= 1 + counts["raw"]
+    assert after["served"]["MetadataRequest"] > before["served"].get("MetadataRequest", 0)
+    # After the storm the side channel still serves.
+    s2 = d.start("s9-2", peers.coords("A"), "p-s9-2", b2)
+    d.submit(recv_start=[s2])
+    d.wait(["s9-2"])
+    assert not d.failed and d.holds(s2.local_block_ids, s2.remote_block_ids, SEEDS["A"])
+    peers.main.wait_sent("A", ["p-s9-1", "p-s9-2"])
+    findings, finals = replay(peers, [d], {"s9-1", "s9-2", "p-s9-1", "p-s9-2"})
+    assert findings == []
+    assert set(finals.values()) == {"done", "released"}
+
+
+def test_exception_in_a_loop_handler_fails_only_its_request(peers: Peers, decode) -> None:
+    d = decode("s10")
+    rng = random.Random(10)
+    remote = {"s10-victim": pick(rng, 2), "s10-ok": pick(rng, 3), "s10-after": pick(rng, 2)}
+    peers.main.finish("A", {f"p-{r}": b for r, b in remote.items()})
+    real = d.transport.post_read
+
+    def post_read(peer, local, remote_blocks, notif, tag=""):
+        if tag == "s10-victim":
+            raise RuntimeError("injected failure")
+        return real(peer, local, remote_blocks, notif, tag=tag)
+
+    d.transport.post_read = post_read  # the loop calls it through the instance
+    starts = {r: d.start(r, peers.coords("A"), f"p-{r}", b) for r, b in remote.items()}
+    d.submit(recv_start=[starts["s10-victim"], starts["s10-ok"]])
+    d.wait(["s10-victim", "s10-ok"])
+    assert set(d.failed) == {"s10-victim"}
+    assert d.invalid == set(starts["s10-victim"].local_block_ids)
+    assert d.holds(starts["s10-ok"].local_block_ids, starts["s10-ok"].remote_block_ids, SEEDS["A"])
+    internal = [inp for ev, _, dst, inp in d.transitions("s10-victim") if ev == "internal_error"]
+    assert internal == [{"where": "post reads", "detail": "RuntimeError: injected failure"}]
+    # The loop keeps serving.
+    d.submit(recv_start=[starts["s10-after"]])
+    d.wait(["s10-after"])
+    assert set(d.failed) == {"s10-victim"}
+    assert d.holds(starts["s10-after"].local_block_ids, starts["s10-after"].remote_block_ids, SEEDS["A"])
+    # The victim's prefill request is abandoned (released at once), the others read.
+    peers.main.wait_sent("A", [f"p-{r}" for r in remote], timeout=3.0)
+    reqs = set(remote) | {f"p-{r}" for r in remote}
+    findings, finals = replay(peers, [d], reqs)
+    assert findings == []
+    assert finals == {("recv", "s10-victim"): "failed", ("recv", "s10-ok"): "done", ("recv", "s10-after"): "done",
+                      **{("send", f"p-{r}"): "released" for r in remote}}
+
+
+# ============================================================================ regressions
+# Bugs these tests found (each was a strict xfail until fixed): a fixed lease
+# margin that failed every read under short leases; reads judged against the
+# decode engine's lease instead of the one the prefill side granted; a prefill
+# worker that stopped driving NIXL when nothing was pinned, so a late read never
+# settled; and an abandon sent after a read whose notification already released
+# the blocks.
+
+
+def test_short_lease_reads_succeed(peers: Peers, decode) -> None:
+    d = decode("bug-margin", clean=False, lease_s=0.4)  # the prefill side (Y) grants 2 s
+    blocks = pick(random.Random(11), 2)
+    peers.main.finish("Y", {"p-bug-margin": blocks})
+    start = d.start("bug-margin", peers.coords("Y"), "p-bug-margin", blocks)
+    d.submit(recv_start=[start])
+    d.wait(["bug-margin"])
+    peers.main.wait_sent("Y", ["p-bug-margin"])
+    assert "bug-margin" not in d.failed, [inp for ev, _, _, inp in d.transitions("bug-margin") if ev == "error"]
+
+
+def _stall_post_read(d: Decode, seconds: float) -> None:
+    """The decode loop stalls ``seconds`` (GC, a big copy, a busy core) just before posting its reads."""
+    real = d.transport.post_read
+
+    def stalled(*args: Any, **kw: Any) -> Any:
+        time.sleep(seconds)
+        return real(*args, **kw)
+
+    d.transport.post_read = stalled
+
+
+def test_read_after_prefill_lease_expired_is_not_delivered(peers: Peers, decode) -> None:
+    """Worker Y grants 2 s leases, this decode engine is configured with 30 s. Its loop
+    stalls 2.3 s between the claim and the read; meanwhile Y's lease expires (the blocks
+    are free for reuse). Another request pinned on Y keeps Y's NIXL agent progressing,
+    so the late read completes, and it must not be delivered as good KV."""
+    d = decode("bug-lease", clean=False)
+    blocks = pick(random.Random(12), 2)
+    t0 = time.monotonic()
+    peers.main.finish("Y", {"p-bug-lease": blocks})
+    _stall_post_read(d, 2.3)
+    start = d.start("bug-lease", peers.coords("Y"), "p-bug-lease", blocks)
+    d.submit(recv_start=[start])
+    time.sleep(max(0.0, t0 + 1.0 - time.monotonic()))
+    peers.main.finish("Y", {"p-bug-lease-keepalive": [7]})  # pinned until t0 + 3 s
+    d.wait(["bug-lease"], timeout=6.0)
+    sent = peers.main.wait_sent("Y", ["p-bug-lease"])
+    assert sent["p-bug-lease"] - t0 < 2.3, "the lease did not expire before the read"
+    findings, finals = replay(peers, [d], {"bug-lease", "p-bug-lease"}, prefill=("Y",))
+    assert finals[("send", "p-bug-lease")] == "expired"
+    assert "read_after_lease_expiry" in {k for k, _ in findings}, findings
+    assert "bug-lease" in d.failed, f"delivered as done after the prefill's lease expired; replay: {findings}"
+
+
+def test_late_read_to_an_idle_prefill_ends(peers: Peers, decode) -> None:
+    """Worker X (lease 0.3 s, nothing else pinned); the decode loop stalls 0.6 s before
+    its read; transfer timeout 0.5 s. The request must end (failed) within a bound."""
+    d = decode("bug-hang", clean=False, transfer_timeout_s=0.5)
+    blocks = pick(random.Random(14), 2)
+    peers.main.finish("X", {"p-bug-hang": blocks})
+    _stall_post_read(d, 0.6)
+    start = d.start("bug-hang", peers.coords("X"), "p-bug-hang", blocks)
+    t0 = d.submit(recv_start=[start])
+    deadline = t0 + 3.0
+    while "bug-hang" not in d.recving and time.monotonic() < deadline:
+        d.poll()
+        time.sleep(0.01)
+    state = d.half.debug_state()["recv"]
+    assert "bug-hang" in d.recving, f"still not reported to vLLM after 3 s: {state}"
+    assert "bug-hang" in d.failed and d.invalid == set(start.local_block_ids)
+
+
+def test_failure_after_the_reads_sends_no_conflicting_abandon(peers: Peers, decode) -> None:
+    """Prefill (Y) lease 2 s, so the decode side accepts reads that complete within
+    1.5 s of the claim (a quarter of the lease, at most 0.5 s, is kept as margin). Its
+    loop stalls 1.6 s before the read: it rightly refuses the bytes after the read, and
+    with it its notification, completed. Y sees the notification late (held until
+    1.8 s: a notification is not ordered against the side channel), still inside its
+    lease, and must see nothing else from the decode side."""
+    d = decode("bug-dup", clean=False)
+    blocks = pick(random.Random(15), 2)
+    t0 = time.monotonic()
+    peers.main.finish("Y", {"p-bug-dup": blocks, "p-bug-dup-keepalive": [9]})
+    peers.main.call("hold_notifs", w="Y", seconds=1.8)
+    _stall_post_read(d, 1.6)
+    start = d.start("bug-dup", peers.coords("Y"), "p-bug-dup", blocks)
+    d.submit(recv_start=[start])
+    d.wait(["bug-dup"], timeout=4.0)
+    assert "bug-dup" in d.failed
+    assert [inp["kind"] for ev, _, _, inp in d.transitions("bug-dup") if ev == "error"] == ["lease_expired"]
+    peers.main.wait_sent("Y", ["p-bug-dup"])
+    time.sleep(max(0.0, t0 + 2.1 - time.monotonic()))  # the held notification is delivered
+    findings, finals = replay(peers, [d], {"bug-dup", "p-bug-dup"}, prefill=("Y",))
+    assert finals == {("recv", "bug-dup"): "failed", ("send", "p-bug-dup"): "released"}
+    assert findings == [], "the prefill logged a violation for a request the decode side handled correctly"
+
+
+# ============================================================================ replay of everything
+
+
+def test_replay_of_every_clean_log(peers: Peers) -> None:
+    """Every request of the clean scenarios is terminal, on both sides, and replay finds
+    nothing wrong (the regression scenarios' logs and worker X are left out)."""
+    peers.flush()
+    logs = [*CLEAN_DECODE_LOGS, *(peers.log[w] for w in ("A", "S", "K", "K2") if peers.log[w].exists())]
+    report = analyse(logs)
+    assert report.findings == [], "\n".join(map(str, report.findings))
+    assert report.exit_code == 0
+    not_terminal = [m.label() for m in report.machines if not m.terminal]
+    assert not_terminal == []
+    # Every machine of the clean scenarios on the prefill side was created by a scenario.
+    send = {m.req: m.final_state for m in report.machines if m.lifecycle == "send"}
+    assert send.get("p-s3") == "expired"
+    assert {s for r, s in send.items() if r != "p-s3"} == {"released"}

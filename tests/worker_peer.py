@@ -1,0 +1,318 @@
+"""Prefill-side kvsm workers in their own process, for tests/test_worker_nixl.py.
+
+Run as ``python tests/worker_peer.py SPEC_JSON``. SPEC is::
+
+    {"defer_start": false,            # true: build everything, bind only on "start"
+     "workers": [{"name": "A", "engine_id": "prefill-A", "port": 5601,
+                  "lease_s": 30.0, "seed": 1, "log": "/tmp/x.jsonl"}, ...]}
+
+Each worker is a real ``kvsm.worker.WorkerHalf`` (role ``kv_producer``) over
+its own ``NixlTransport`` and its own vLLM-CPU-layout KV caches
+(``GEOMETRY``), filled with ``pattern(seed)`` so that the decode side can check
+every byte it read. The process is driven by JSON lines: one command on stdin,
+one reply on stdout. Commands (``w`` names a worker):
+
+``start``                   start the deferred workers (bind their side channels)
+``submit``  w, step, send_start [req], send_finish [[req, [blocks]]],
+            send_abort [req]                        post one step's metadata
+``sent``                    {w: {req: t_monotonic}} of every finished_sending so far
+``wait_sent`` w, reqs, within                        block until all reqs are sent
+``state``   w               WorkerHalf.debug_state()
+``hold_notifs`` w, seconds  deliver NIXL notifications to the loop only after ``seconds``
+``flush``                   flush every event log
+``quit``                    shut every worker down and exit
+
+Start-up prints ``{"ready": true, "pid": ..., "workers": {name: {"agent", "port"}}}``.
+A background thread drains every worker's ``take_results`` every 2 ms and
+stamps each finished_sending with ``time.monotonic()`` (system-wide on
+Linux, so the test process can compare it with its own clock).
+
+vLLM is *not* imported: ``kvsm.metadata`` and ``kvsm.stats`` only need a few
+base classes from it, and importing vLLM costs ~6 s of CPU per process on the
+test machine. ``_stub_vllm`` serves every ``vllm.*`` import with stand-ins
+(set ``KVSM_PEER_REAL_VLLM=1`` to import the real package instead).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+import numpy as np
+
+# vLLM-CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size] per layer.
+GEOMETRY = {"num_blocks": 64, "layers": 2, "kv_heads": 2, "block_size": 16, "head_size": 32}
+
+
+def layer_names(layers: int = GEOMETRY["layers"]) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+
+
+def shape() -> tuple[int, int, int, int]:
+    g = GEOMETRY
+    return (g["num_blocks"], g["kv_heads"], g["block_size"], 2 * g["head_size"])
+
+
+def pattern(seed: int) -> np.ndarray:
+    """The bytes of every layer of a cache filled with ``seed``: ``[layers, *shape]`` int32.
+
+    Random per (layer, block, element), so a block read from the wrong remote
+    block, the wrong layer or the wrong engine never compares equal."""
+    return np.random.default_rng(seed).integers(-(2**31), 2**31, size=(GEOMETRY["layers"], *shape()),
+                                                dtype=np.int32)
+
+
+def make_caches(seed: int | None) -> dict[str, Any]:
+    """Per-layer float32 KV caches: ``pattern(seed)`` (prefill) or zeros (``seed=None``, decode)."""
+    import torch
+
+    caches = {}
+    pat = pattern(seed) if seed is not None else None
+    for i, name in enumerate(layer_names()):
+        t = torch.zeros(shape(), dtype=torch.float32)
+        if pat is not None:
+            t.view(torch.int32).numpy()[...] = pat[i]
+        caches[name] = t
+    return caches
+
+
+def compat_fields(**overrides: Any) -> dict[str, Any]:
+    """The CompatInfo both sides use (overrides make an incompatible one)."""
+    g = GEOMETRY
+    fields = {"model": "kvsm-test-tiny", "dtype": "float32", "num_layers": g["layers"],
+              "num_kv_heads": g["kv_heads"], "head_size": g["head_size"], "block_size": g["block_size"],
+              "kv_layout": f"block-major {g['kv_heads']}x{g['block_size']}x{2 * g['head_size']}"}
+    fields.update(overrides)
+    return fields
+
+
+def config_fields(engine_id: str, kv_role: str, port: int, **overrides: Any) -> dict[str, Any]:
+    """KVSMConfig keyword arguments for a test worker."""
+    fields: dict[str, Any] = {
+        "engine_id": engine_id, "kv_role": kv_role, "kv_buffer_device": "cpu", "side_channel_host": "127.0.0.1",
+        "side_channel_port": port, "lease_s": 30.0, "heartbeat_interval_s": 5.0, "handshake_timeout_s": 2.0,
+        "transfer_timeout_s": 5.0, "peer_backoff_s": 1.0, "peer_backoff_max_s": 4.0,
+        "notif_poll_interval_s": 0.001, "event_log_dir": None, "backends": ("UCX",), "tp_size": 1, "dp_rank": 0,
+        "pp_size": 1, "dcp_size": 1, "block_size": GEOMETRY["block_size"], "kv_load_failure_policy": "fail"}
+    fields.update(overrides)
+    return fields
+
+
+def agent_name(engine_id: str) -> str:
+    """The agent name kvsm.connector gives rank 0 of ``engine_id`` (a restart keeps it)."""
+    return f"kvsm-{engine_id}-dp0-tp0"
+
+
+# --------------------------------------------------------------------- vLLM stand-ins
+
+
+class _StubModule(types.ModuleType):
+    """A ``vllm.*`` module whose every attribute is a fresh placeholder class."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__init__": lambda self, *a, **k: None, "__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "vllm" or fullname.startswith("vllm."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StubModule(spec.name)
+        module.__path__ = []  # a package: submodules resolve through this finder too
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def _stub_vllm() -> None:
+    if os.environ.get("KVSM_PEER_REAL_VLLM") == "1":
+        return
+    sys.meta_path.insert(0, _StubFinder())
+
+
+# --------------------------------------------------------------------- the process
+
+
+class _Worker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from kvsm.config import KVSMConfig
+        from kvsm.eventlog.log import EventLog
+        from kvsm.handshake import CompatInfo
+        from kvsm.transport.layout import describe_kv_caches
+        from kvsm.transport.nixl import NixlTransport
+        from kvsm.worker import WorkerHalf
+
+        self.name = spec["name"]
+        self.engine_id = spec["engine_id"]
+        self.port = spec["port"]
+        self.caches = make_caches(spec["seed"])
+        self.transport = NixlTransport(agent_name(self.engine_id), describe_kv_caches(self.caches))
+        self.compat = CompatInfo(**compat_fields(**spec.get("compat", {})))
+        self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_producer", self.port,
+                                              lease_s=spec.get("lease_s", 30.0)))
+        self.log = EventLog(spec["log"], role="worker", engine_id=self.engine_id, rank=0) if spec.get("log") else None
+        self.half = WorkerHalf(self.cfg, 0, event_log=self.log)
+        self.started = False
+        self.sent: dict[str, float] = {}
+        self.other: dict[str, list[str]] = {"recving": [], "failed": [], "invalid": []}
+
+    def start(self) -> None:
+        if not self.started:
+            self.half.start(self.transport, self.compat)
+            self.started = True
+
+    def hold_notifs(self, seconds: float) -> None:
+        """For ``seconds``, NIXL notifications still arrive (the agent progresses) but
+        reach the worker's loop only afterwards: a notification slower than the side
+        channel, which nothing orders them against."""
+        real = self.transport.get_notifs
+        until = time.monotonic() + seconds
+        held: list[tuple[str, bytes]] = []
+
+        def get_notifs() -> list[tuple[str, bytes]]:
+            got = real()
+            if time.monotonic() < until:
+                held.extend(got)
+                return []
+            out = held + got
+            held.clear()
+            return out
+
+        self.transport.get_notifs = get_notifs  # the loop calls it through the instance
+
+    def drain(self) -> None:
+        if not self.started:
+            return
+        sending, recving, failed = self.half.take_results()
+        now = time.monotonic()
+        for req in sending:
+            self.sent.setdefault(req, now)
+        self.other["recving"] += sorted(recving)
+        self.other["failed"] += sorted(failed)
+        self.other["invalid"] += sorted(self.half.take_invalid_blocks())
+
+
+class Peer:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.workers = {w["name"]: _Worker(w) for w in spec["workers"]}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        if not spec.get("defer_start"):
+            self.start()
+        self.poller = threading.Thread(target=self._poll, name="peer-results", daemon=True)
+        self.poller.start()
+
+    def start(self) -> None:
+        with self.lock:
+            for w in self.workers.values():
+                w.start()
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.002):
+            with self.lock:
+                for w in self.workers.values():
+                    w.drain()
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "start":
+            self.start()
+            return {}
+        if op == "submit":
+            from kvsm.metadata import KVSMConnectorMetadata, SendFinish, SendStart
+
+            meta = KVSMConnectorMetadata(cmd.get("step", 0))
+            meta.send_start = [SendStart(req=r) for r in cmd.get("send_start", [])]
+            meta.send_finish = [SendFinish(req=r, ok=True, block_ids=tuple(b)) for r, b in cmd.get("send_finish", [])]
+            meta.send_finish += [SendFinish(req=r, ok=False, reason="FINISHED_ABORTED")
+                                 for r in cmd.get("send_abort", [])]
+            self.workers[cmd["w"]].half.submit(meta)
+            return {}
+        if op == "sent":
+            with self.lock:
+                return {"sent": {n: dict(w.sent) for n, w in self.workers.items()},
+                        "other": {n: w.other for n, w in self.workers.items()}}
+        if op == "wait_sent":
+            w = self.workers[cmd["w"]]
+            deadline = time.monotonic() + cmd["within"]
+            while True:
+                with self.lock:
+                    sent = dict(w.sent)
+                if all(r in sent for r in cmd["reqs"]) or time.monotonic() > deadline:
+                    return {"sent": sent}
+                time.sleep(0.002)
+        if op == "state":
+            return {"state": self.workers[cmd["w"]].half.debug_state()}
+        if op == "hold_notifs":
+            self.workers[cmd["w"]].hold_notifs(cmd["seconds"])
+            return {}
+        if op == "flush":
+            for w in self.workers.values():
+                if w.log is not None:
+                    w.log.flush()
+            return {}
+        if op == "quit":
+            self.shutdown()
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.poller.join(timeout=5)
+        for w in self.workers.values():
+            if w.started:
+                w.half.shutdown()  # closes the transport and the event log
+            else:
+                w.transport.close()
+                if w.log is not None:
+                    w.log.close()
+
+
+def main(argv: list[str]) -> int:
+    # stdout carries the protocol only: whatever a library prints goes to stderr.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _stub_vllm()
+    spec = json.loads(argv[0])
+    peer = Peer(spec)
+
+    def reply(msg: dict[str, Any]) -> None:
+        proto.write(json.dumps(msg, default=str) + "\n")
+        proto.flush()
+
+    reply({"ready": True, "pid": os.getpid(), "vllm_stubbed": not hasattr(sys.modules.get("vllm"), "__version__"),
+           "workers": {n: {"agent": w.transport.name, "port": w.port} for n, w in peer.workers.items()}})
+    try:
+        for line in sys.stdin:  # EOF: the test process is gone, do not outlive it
+            cmd = json.loads(line)
+            try:
+                out = {"ok": True, **peer.handle(cmd)}
+            except Exception as e:  # noqa: BLE001 - report it to the test
+                out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            reply(out)
+            if cmd["op"] == "quit":
+                return 0
+    finally:
+        if not peer.stop.is_set():
+            peer.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
