@@ -81,6 +81,8 @@ LEASE_MARGIN_NS = 500 * _MS
 _MAX_EARLY_ABANDONS = 4096
 # Slowest notification polling while blocks are pinned and no read is announced.
 NOTIF_POLL_MAX_NS = 50 * _MS
+# How long after a claim the prefill side polls at full speed.
+NOTIF_FAST_WINDOW_NS = 200 * _MS
 
 
 class _Results:
@@ -209,6 +211,7 @@ class WorkerHalf:
         self._has_readers = False
         self._notif_min_ns = max(1, int(cfg.notif_poll_interval_s * _S))
         self._notif_interval_ns = self._notif_min_ns
+        self._notif_fast_until_ns = 0
         self._recv_effects: Mapping[str, Callable[[str, _RecvIO | None, Outcome], None]] = {
             "take_blocks": self._nothing,
             "arm_handshake_timer": self._arm_handshake_timer,
@@ -842,7 +845,7 @@ class WorkerHalf:
         if tp_rank != self.tp_rank or pp_rank != 0 or self.transport is None:
             return None
         self._has_readers = True
-        self._arm_notif_poll()
+        self._arm_notif_poll(soon=True)  # a new reader connects: its first read needs us
         return self.agent_name, self.transport.metadata(), b"", 1
 
     def _on_claims(self, kind: str, requester: str, claims: list[str]) -> dict[str, str]:
@@ -950,6 +953,9 @@ class WorkerHalf:
         timer until a decode worker has fetched our agent: a prefill engine
         that never served anyone never wakes."""
         if soon:
+            # A claimed request is read next, and on a fresh connection the read
+            # needs our side to progress too: poll at full speed for a while.
+            self._notif_fast_until_ns = self.loop.now_ns() + NOTIF_FAST_WINDOW_NS
             self._notif_interval_ns = self._notif_min_ns
             if self._notif_timer is not None and self._notif_timer.deadline_ns > self.loop.now_ns() + \
                     self._notif_min_ns:
@@ -976,7 +982,7 @@ class WorkerHalf:
                 self._note("worker.late_read_notif", req, reader=peer)
                 continue
             self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer))
-        if notifs:
+        if notifs or self.loop.now_ns() < self._notif_fast_until_ns:
             self._notif_interval_ns = self._notif_min_ns
         else:
             self._notif_interval_ns = min(self._notif_interval_ns * 2, NOTIF_POLL_MAX_NS)
