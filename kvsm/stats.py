@@ -368,14 +368,7 @@ class StatsRecorder:
                 "xfer_bytes": self._xfer_bytes,
                 "xfer_descs": self._xfer_descs,
                 "handshake_s": self._handshake_s,
-                "num_xfers": self._num_xfers,
-                "xfer_bytes_total": self._bytes,
-                "xfer_descs_total": self._descs,
-                "num_handshakes": self._num_handshakes,
-                "dropped_samples": self._dropped,
-                "failures": self._failures,
-                "leases_expired": self._leases_expired,
-                "reads_served": self._reads_served,
+                **self._interval_counters(),
             }
             states = self._states
             self._xfer_s, self._xfer_bytes, self._xfer_descs, self._handshake_s = [], [], [], []
@@ -388,24 +381,25 @@ class StatsRecorder:
         data["states"] = {self.source: states} if states else {}
         return KVSMStats(data=data)
 
+    def _interval_counters(self) -> dict[str, Any]:
+        """The counters since the last take (call with the lock held)."""
+        return {
+            "num_xfers": self._num_xfers,
+            "xfer_bytes_total": self._bytes,
+            "xfer_descs_total": self._descs,
+            "num_handshakes": self._num_handshakes,
+            "dropped_samples": self._dropped,
+            "failures": self._failures,
+            "leases_expired": self._leases_expired,
+            "reads_served": self._reads_served,
+        }
+
     def totals(self) -> dict[str, Any]:
         """Cumulative counts since creation (``take`` does not reset them), and the current states."""
         with self._lock:
             out = {key: self._taken[key] for key in _COUNTER_KEYS}
             out["failures"] = dict(self._taken["failures"])
-            _add_counts(
-                out,
-                {
-                    "num_xfers": self._num_xfers,
-                    "xfer_bytes_total": self._bytes,
-                    "xfer_descs_total": self._descs,
-                    "num_handshakes": self._num_handshakes,
-                    "dropped_samples": self._dropped,
-                    "failures": self._failures,
-                    "leases_expired": self._leases_expired,
-                    "reads_served": self._reads_served,
-                },
-            )
+            _add_counts(out, self._interval_counters())
             out["states"] = {lc: dict(counts) for lc, counts in self._states.items()}
             out["takes"] = self._takes
         out["source"] = self.source
