@@ -312,3 +312,24 @@ def test_harness_loads_it_by_name_through_the_plugin() -> None:
 def test_bad_config_is_refused_naming_the_key(extra: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         make_scheduler(kv_role="kv_both", extra_config=extra)
+
+
+def test_side_channel_and_event_log_fall_back_to_the_environment() -> None:
+    from kvsm.config import KVSMConfig
+
+    with make_scheduler(kv_role="kv_both", extra_config={}) as h:
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "7100",
+               "KVSM_EVENT_LOG_DIR": "/tmp/kvsm-logs"}
+        cfg = KVSMConfig.from_vllm(h.vllm_config, env=env)
+        assert (cfg.side_channel_host, cfg.side_channel_port, cfg.event_log_dir) == ("10.1.2.3", 7100,
+                                                                                      "/tmp/kvsm-logs")
+        bare = KVSMConfig.from_vllm(h.vllm_config, env={})
+        assert (bare.side_channel_host, bare.side_channel_port, bare.event_log_dir) == ("localhost", 5600, None)
+        assert bare.lease_s == 30 and bare.heartbeat_interval_s == 5
+        with pytest.raises(ValueError, match="VLLM_NIXL_SIDE_CHANNEL_PORT"):
+            KVSMConfig.from_vllm(h.vllm_config, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "99999"})
+    with make_scheduler(kv_role="kv_both", extra_config={"side_channel_host": "h", "side_channel_port": 6000,
+                                                        "event_log_dir": "/x"}) as h:
+        cfg = KVSMConfig.from_vllm(h.vllm_config, env=env)
+        assert (cfg.side_channel_host, cfg.side_channel_port, cfg.event_log_dir) == ("h", 6000, "/x")
+        assert cfg.event_log_path("worker", 1).startswith(f"/x/{cfg.engine_id}.worker.rank1.")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from kvsm.testing import build_tiny_model
 from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine
 
+REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 12
 BLOCK = 128
 
@@ -201,6 +204,14 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
         finals[m.lifecycle][m.final_state] += 1
     assert set(finals) == {"recv", "send"}
     assert set(finals["recv"]) == {"done"} and set(finals["send"]) == {"released"}
+    # One request's whole story across both engines, from the CLI.
+    decode_req = next(m.req for m in report.machines if m.lifecycle == "recv")
+    cli = subprocess.run([sys.executable, str(REPO / "tools" / "replay.py"), str(pair.logs), "--request",
+                          decode_req], capture_output=True, text=True, timeout=120, check=False)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    for needle in ("prefill-pd/scheduler", "prefill-pd/worker", "decode-pd/scheduler", "decode-pd/worker",
+                   "--finished_ok-->", "--handshake_ok-->", "--all_reads_done--> done", "--read_notif--> released"):
+        assert needle in cli.stdout, f"{needle!r} missing from the timeline:\n{cli.stdout}"
     # 4 + 1 + 1 (notify only) + 1 + 2 requests, each once on each side.
     assert finals["recv"]["done"] == finals["send"]["released"] == 9
     # The connectors' own counters agree (what vLLM's stats and Prometheus get).
