@@ -128,10 +128,8 @@ run_tests() {
 
 run_demo() {
     cd "$ROOT"
-    say "placeholder demo: replaying the clean sample logs (the prefill/decode demo will replace this)"
-    local logs=(tests/data/sample-clean/*.jsonl)
-    [[ -e "${logs[0]}" ]] || die "no sample logs found under tests/data/sample-clean/"
-    "$PY" tools/replay.py "${logs[@]}" "$@"
+    say "prefill/decode demo: two vLLM servers with KVSMConnector, the kvsm router, a prompt mix, replay"
+    "$PY" tools/pd_demo.py "$@"
 }
 
 usage() {

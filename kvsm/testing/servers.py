@@ -35,6 +35,19 @@ from kvsm.testing.engine import engine_env
 __all__ = ["ServerSpec", "VLLMServer", "free_port", "free_ports", "pd_specs"]
 
 
+def _kill_group(pgid: int, grace: float = 5.0) -> None:
+    """SIGKILL every process left in the group, and wait until none is."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,23 +185,20 @@ class VLLMServer:
         return f"{self.spec.name}: {lines[-1][-120:] if lines else 'starting'}"
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM the whole process group, SIGKILL what is left after ``timeout``."""
+        """Ask the API server to shut down (SIGTERM to it alone, so it stops its
+        engine core in order and the connector can close its logs), then SIGKILL
+        whatever is left of its process group."""
         proc = self.proc
         if proc is not None:
-            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
                 try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait)
-                    # The group may outlive its leader (the engine core): make sure.
-                    os.killpg(proc.pid, 0)
+                    proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
-                    continue
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
+                    pass
+            _kill_group(proc.pid)
+            if proc.poll() is None:
+                proc.wait(timeout=10)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -221,7 +231,7 @@ class VLLMServer:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             return r.read().decode()
 
-    def __enter__(self) -> VLLMServer:
+    def __enter__(self) -> VLLMServer:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:

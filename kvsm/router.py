@@ -1,0 +1,348 @@
+"""A prefill/decode router for disaggregated serving with kvsm (or any pull-mode connector).
+
+::
+
+    python -m kvsm.router --prefill http://p1:8100 [--prefill URL ...] \\
+                          --decode http://d1:8200 [--decode URL ...] --port 8000
+
+It speaks the contract of vLLM's toy disaggregated proxy (pull mode, as used
+with ``NixlConnector``), so clients talk to it as to one OpenAI server:
+
+1. ``POST /v1/completions`` or ``/v1/chat/completions`` goes first to a
+   prefill backend (round robin) with ``kv_transfer_params.do_remote_decode``,
+   ``max_tokens=1`` and ``stream=false``; its response carries the
+   ``kv_transfer_params`` that say where the KV blocks are.
+2. The client's original request goes to a decode backend (round robin) with
+   those ``kv_transfer_params``; the decode engine pulls the blocks and
+   generates. Its response goes back to the client as it comes: JSON, or
+   server-sent events passed through chunk by chunk.
+
+Every failure is a JSON error naming the backend (``{"error": {"message",
+"type", "backend", "code"}}``): 502 for a backend that cannot be reached or a
+prefill backend without a KV connector, the backend's own status for its
+errors, 504 for a timeout, 400 for a malformed client body. A client that
+disconnects mid-stream closes the decode connection, and vLLM aborts the
+request. Both backends get the same ``X-Request-Id`` so their logs correlate;
+one log line per request says where it went and how long each step took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["create_app", "main"]
+
+logger = logging.getLogger("kvsm.router")
+
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+# What the prefill engine is asked for: compute the prompt's KV and keep it for
+# a remote decode (the keys NixlConnector's routers send; kvsm reads the same).
+PREFILL_KV_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                     "remote_engine_id": None, "remote_block_ids": None,
+                                     "remote_host": None, "remote_port": None}
+
+class BackendError(Exception):
+    """A failure to be answered to the client as an OpenAI-style JSON error."""
+
+    def __init__(self, status: int, message: str, type_: str, backend: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.backend = status, message, type_, backend
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "backend": self.backend,
+                          "code": self.status}}
+
+    def response(self, request_id: str) -> web.Response:
+        return web.json_response(self.payload(), status=self.status, headers={"X-Request-Id": request_id})
+
+
+@dataclass
+class Trace:
+    """What the per-request log line reports."""
+
+    request_id: str
+    path: str
+    stream: bool = False
+    prefill: str | None = None
+    decode: str | None = None
+    prefill_ms: float | None = None
+    decode_ttfb_ms: float | None = None
+    decode_ms: float | None = None
+    status: int = 500
+    error: str | None = None
+    t0: float = field(default_factory=time.monotonic)
+
+    def line(self) -> str:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.1f}"
+        text = (f"req={self.request_id} {self.path} stream={int(self.stream)} status={self.status} "
+                f"prefill={self.prefill or '-'} prefill_ms={ms(self.prefill_ms)} "
+                f"decode={self.decode or '-'} decode_ttfb_ms={ms(self.decode_ttfb_ms)} "
+                f"decode_ms={ms(self.decode_ms)} total_ms={ms((time.monotonic() - self.t0) * 1e3)}")
+        return f"{text} error={self.error!r}" if self.error else text
+
+
+def _since_ms(t: float) -> float:
+    return (time.monotonic() - t) * 1e3
+
+
+def _error_text(body: bytes) -> tuple[str, str | None]:
+    """The message (and type) of a backend's error body: vLLM's/OpenAI's JSON or plain text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode(errors="replace").strip()[:2000] or "(empty body)", None
+    err = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(err, dict):
+        message = err.get("message") or err.get("detail") or json.dumps(err)
+        return str(message), err.get("type") if isinstance(err.get("type"), str) else None
+    return str(err), None
+
+
+class Router:
+    """Backends, their round-robin order, and the one client session (connection pool) to them."""
+
+    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float) -> None:
+        if not prefill_urls or not decode_urls:
+            raise ValueError("the router needs at least one prefill and one decode backend")
+        self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
+        self.decode_urls = [u.rstrip("/") for u in decode_urls]
+        self._next_prefill = itertools.cycle(self.prefill_urls)
+        self._next_decode = itertools.cycle(self.decode_urls)
+        self.timeout_s = timeout
+        # No total limit: a long stream is fine as long as the backend keeps talking.
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        """One session for the app's lifetime: connections to the backends are reused."""
+        # limit=0: the backends do their own admission; a pool cap would queue requests here unseen.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout,
+                                              auto_decompress=False)
+        yield
+        await self._session.close()
+
+    # -- calling a backend -------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def call(self, role: str, url: str, method: str, path: str, headers: dict[str, str],
+                   body: dict[str, Any] | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A request to one backend, with its failures turned into errors that name it."""
+        assert self._session is not None, "the app is not running"
+        try:
+            async with self._session.request(method, url + path, json=body, headers=headers) as resp:
+                try:
+                    yield resp
+                except BaseException:
+                    resp.close()  # not back to the pool: vLLM aborts a request whose connection closes
+                    raise
+        except TimeoutError as e:
+            raise BackendError(504, f"{role} backend {url} did not answer within {self.timeout_s:g} s",
+                               "backend_timeout", url) from e
+        except aiohttp.ClientConnectorError as e:
+            raise BackendError(502, f"cannot connect to {role} backend {url}: {e}",
+                               "backend_unreachable", url) from e
+        except aiohttp.ClientError as e:
+            raise BackendError(502, f"{role} backend {url} failed: {type(e).__name__}: {e}",
+                               "backend_connection_error", url) from e
+
+    @staticmethod
+    async def check_status(role: str, url: str, resp: aiohttp.ClientResponse) -> None:
+        """Pass a backend's error on with its status, saying which backend it was."""
+        if resp.status < 400:
+            return
+        message, type_ = _error_text(await resp.read())
+        raise BackendError(resp.status, f"{role} backend {url} returned {resp.status}: {message}",
+                           type_ or "backend_error", url)
+
+    # -- handlers -----------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """The router's own liveness (it does not probe the backends)."""
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """What the decode engines serve (the first one answers for all)."""
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        url = self.decode_urls[0]
+        try:
+            async with self.call("decode", url, "GET", "/v1/models", self._headers(request, rid)) as resp:
+                await self.check_status("decode", url, resp)
+                return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
+        except BackendError as e:
+            return e.response(rid)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """Prefill on one backend, then decode on another with the KV it left behind."""
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        trace = Trace(rid, request.path)
+        try:
+            body = await self._client_body(request)
+            trace.stream = bool(body.get("stream"))
+            headers = self._headers(request, rid)
+            trace.prefill = next(self._next_prefill)
+            t = time.monotonic()
+            kv_params = await self._prefill(trace.prefill, request.path, body, headers)
+            trace.prefill_ms = _since_ms(t)
+            trace.decode = next(self._next_decode)
+            return await self._decode(request, trace, {**body, "kv_transfer_params": kv_params}, headers)
+        except BackendError as e:
+            trace.status, trace.error = e.status, e.message
+            return e.response(rid)
+        except asyncio.CancelledError:
+            trace.status, trace.error = 499, "client disconnected"
+            raise
+        finally:
+            logger.info("%s", trace.line())
+
+    # -- the two steps ----------------------------------------------------------------------
+
+    @staticmethod
+    async def _client_body(request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            raise BackendError(400, f"request body is not valid JSON: {e}", "invalid_request_error") from e
+        if not isinstance(body, dict):
+            raise BackendError(400, "request body must be a JSON object", "invalid_request_error")
+        needed = "messages" if request.path.endswith("/chat/completions") else "prompt"
+        if needed not in body:
+            raise BackendError(400, f"request body has no {needed!r}", "invalid_request_error")
+        return body
+
+    @staticmethod
+    def _headers(request: web.Request, rid: str) -> dict[str, str]:
+        headers = {"X-Request-Id": rid}
+        if "Authorization" in request.headers:  # backends started with --api-key
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
+    async def _prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        """Compute the prompt's KV on a prefill backend; return where the decode side finds it."""
+        prefill_body = {**body, "kv_transfer_params": dict(PREFILL_KV_PARAMS), "max_tokens": 1, "stream": False}
+        if "max_completion_tokens" in prefill_body:
+            prefill_body["max_completion_tokens"] = 1
+        # Meaningless for a one-token, non-streamed answer (min_tokens > 1 would be refused).
+        for key in ("stream_options", "min_tokens"):
+            prefill_body.pop(key, None)
+        async with self.call("prefill", url, "POST", path, headers, prefill_body) as resp:
+            await self.check_status("prefill", url, resp)
+            raw = await resp.read()
+        try:
+            kv_params = json.loads(raw).get("kv_transfer_params")
+        except (ValueError, AttributeError) as e:
+            raise BackendError(502, f"prefill backend {url} returned no JSON object: {raw[:200]!r}",
+                               "backend_error", url) from e
+        if not isinstance(kv_params, dict) or not kv_params:
+            raise BackendError(502, f"prefill backend {url} returned no kv_transfer_params: it does not appear "
+                               "to run a KV connector with kv_role kv_producer or kv_both",
+                               "no_kv_transfer_params", url)
+        return kv_params
+
+    @staticmethod
+    def _trace_headers(trace: Trace) -> dict[str, str]:
+        """Where the request went and how long its prefill took, for clients that
+        measure (tools/pd_demo.py splits TTFT into prefill and decode with it)."""
+        headers = {"X-Request-Id": trace.request_id, "X-KVSM-Prefill-Backend": trace.prefill or "",
+                   "X-KVSM-Decode-Backend": trace.decode or ""}
+        if trace.prefill_ms is not None:
+            headers["X-KVSM-Prefill-Ms"] = f"{trace.prefill_ms:.3f}"
+        return headers
+
+    async def _decode(self, request: web.Request, trace: Trace, body: dict[str, Any],
+                      headers: dict[str, str]) -> web.StreamResponse:
+        """Generate on a decode backend and hand its answer to the client as it comes."""
+        url = trace.decode
+        assert url is not None
+        t = time.monotonic()
+        async with self.call("decode", url, "POST", request.path, headers, body) as resp:
+            await self.check_status("decode", url, resp)
+            if not trace.stream:
+                data = await resp.read()
+                trace.decode_ms, trace.status = _since_ms(t), resp.status
+                return web.Response(body=data, status=resp.status, content_type=resp.content_type,
+                                    headers=self._trace_headers(trace))
+            trace.decode_ttfb_ms = _since_ms(t)  # headers are out; refined at the first chunk below
+            out = web.StreamResponse(status=resp.status, headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache", **self._trace_headers(trace)})
+            trace.status = resp.status
+            first = True
+            try:
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    if first:
+                        trace.decode_ttfb_ms, first = _since_ms(t), False
+                    await out.write(chunk)
+            except ConnectionResetError:
+                # The client went away (aiohttp's reset error on writing is also a ClientError,
+                # so this comes first, and the backend is not blamed for it).
+                trace.status, trace.error = 499, "client disconnected"
+                resp.close()  # vLLM aborts a request whose connection closes
+                return out
+            except (TimeoutError, aiohttp.ClientError) as e:
+                # Too late for an error status: end the stream with an error event.
+                trace.status = 504 if isinstance(e, TimeoutError) else 502
+                err = BackendError(trace.status, f"decode backend {url} broke off the stream: "
+                                   f"{type(e).__name__}: {e}", "backend_stream_error", url)
+                trace.error = err.message
+                resp.close()
+                with contextlib.suppress(ConnectionResetError):
+                    await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())
+            trace.decode_ms = _since_ms(t)
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
+        return out
+
+
+def create_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 300.0) -> web.Application:
+    """The router as an aiohttp application (run it with ``web.run_app`` or an ``AppRunner``)."""
+    router = Router(prefill_urls, decode_urls, timeout)
+    app = web.Application(client_max_size=64 * 2**20)  # long prompts, or images as data URLs
+    app.cleanup_ctx.append(router.session_ctx)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/v1/models", router.models)
+    for path in GENERATE_PATHS:
+        app.router.add_post(path, router.generate)
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvsm.router",
+                                     description="Route OpenAI completion requests to a prefill, then a decode vLLM "
+                                     "backend (disaggregated serving, pull mode).")
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
+                        help="a prefill backend (vLLM with a KV connector, kv_role kv_producer or kv_both); repeat for more")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="a decode backend (kv_role kv_consumer or kv_both); repeat for more")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a backend may take to connect or stay silent (default 300) before a 504")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(args.prefill, args.decode, args.timeout)
+    logger.info("routing prefill=%s decode=%s on http://%s:%d", args.prefill, args.decode, args.host, args.port)
+    # handler_cancellation: a client that goes away cancels its handler at once, which closes
+    # the backend connection even while the backend is silent (vLLM then aborts the request).
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""The main job: prefill/decode disaggregation with kvsm on real vLLM servers.
+
+Starts a prefill and a decode vLLM OpenAI server on 127.0.0.1 with
+KVSMConnector (each pinned to its own core), the kvsm router in front of
+them, sends a mix of prompts through the router and compares every output
+with a single engine's (the prefill server asked directly, without KV
+transfer), then replays both engines' event logs. Prints a table and a
+summary, writes a Perfetto trace, and exits 1 on any mismatch or violation.
+Every process it starts is stopped on success, failure and Ctrl-C.
+
+    python tools/pd_demo.py [--requests 50] [--workdir DIR] [--keep]
+
+(``bash tools/dev.sh demo`` sets up the venv and runs this.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _reexec_in_venv() -> None:
+    venv_python = REPO / ".venv" / "bin" / "python"
+    if venv_python.exists() and Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
+        os.execv(str(venv_python), [str(venv_python), *sys.argv])
+
+
+if __name__ == "__main__":
+    _reexec_in_venv()
+    sys.path.insert(0, str(REPO))
+
+MAX_TOKENS = 16
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@dataclass
+class Case:
+    """One request of the demo and what became of it."""
+
+    name: str
+    prompt: list[int]
+    stream: bool = False
+    request_id: str = ""
+    text: str = ""
+    reference: str = ""
+    ttft_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    total_s: float = 0.0
+    transferred: int | None = None
+    error: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def match(self) -> bool:
+        return not self.error and self.text == self.reference
+
+
+# ----------------------------------------------------------------------- HTTP
+
+
+def post_json(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+              timeout: float = 120.0) -> tuple[dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read()), dict(r.headers)
+
+
+def run_case(router: str, model: str, case: Case) -> Case:
+    body = {"model": model, "prompt": case.prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": case.stream}
+    headers = {"X-Request-Id": case.request_id}
+    t0 = time.perf_counter()
+    try:
+        if case.stream:
+            req = urllib.request.Request(router + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json", **headers})
+            parts: list[str] = []
+            with urllib.request.urlopen(req, timeout=120) as r:
+                hdrs = dict(r.headers)
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    text = "".join(c.get("text", "") for c in chunk.get("choices", []))
+                    if text and case.ttft_s is None:
+                        case.ttft_s = time.perf_counter() - t0
+                    parts.append(text)
+            case.text = "".join(parts)
+        else:
+            out, hdrs = post_json(router + "/v1/completions", body, headers)
+            case.text = out["choices"][0]["text"]
+        case.total_s = time.perf_counter() - t0
+        prefill_ms = {k.lower(): v for k, v in hdrs.items()}.get("x-kvsm-prefill-ms")
+        if prefill_ms is not None:
+            case.prefill_s = float(prefill_ms) / 1000
+            case.decode_s = case.total_s - case.prefill_s
+    except urllib.error.HTTPError as e:
+        case.error = f"HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        case.error = f"{type(e).__name__}: {e}"
+    return case
+
+
+def reference(prefill_url: str, model: str, case: Case) -> None:
+    """The same request on one engine, no KV transfer: what the pair must reproduce."""
+    out, _ = post_json(prefill_url + "/v1/completions", {
+        "model": model, "prompt": case.prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    case.reference = out["choices"][0]["text"]
+
+
+# ----------------------------------------------------------------------- event logs
+
+
+def transferred_tokens(log_dir: Path) -> dict[str, int]:
+    """decode request id -> prompt tokens it read from the prefill engine (its ``matched`` input)."""
+    out: dict[str, int] = {}
+    for f in sorted(log_dir.glob("decode.worker*.jsonl")):
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("kind") == "transition" and r.get("event") == "matched":
+                out[r["req"]] = int(r["input"].get("num_tokens", 0))
+    return out
+
+
+def match_ids(cases: list[Case], transferred: dict[str, int]) -> None:
+    for case in cases:
+        hits = [n for req, n in transferred.items() if case.request_id in req]
+        if hits:
+            case.transferred = hits[-1]
+
+
+# ----------------------------------------------------------------------- the run
+
+
+def prompts(rng: random.Random, vocab: int) -> list[Case]:
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    long = ids(300)
+    cases = [
+        Case("one token", ids(1)),
+        Case("under one block", ids(60)),
+        Case("several blocks", long),
+        # Shares the first two 128-token blocks of "several blocks": those come
+        # from the decode engine's own prefix cache, only the rest is read.
+        Case("prefix-cache repeat", long[:256] + ids(40)),
+        Case("streamed", ids(200), stream=True),
+    ]
+    cases += [Case(f"batch {i}", ids(rng.randrange(80, 400))) for i in range(6)]
+    return cases
+
+
+def fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:7.1f}"
+
+
+def print_table(cases: list[Case]) -> None:
+    say("")
+    say(f"{'request':<20} {'prompt':>6} {'by transfer':>11} {'TTFT ms':>8} {'prefill ms':>10} {'decode ms':>9}  match")
+    for c in cases:
+        transferred = "-" if c.transferred is None else str(c.transferred)
+        mark = "yes" if c.match else ("ERROR " + c.error[:60] if c.error else "NO")
+        say(f"{c.name:<20} {len(c.prompt):>6} {transferred:>11} {fmt_s(c.ttft_s):>8} {fmt_s(c.prefill_s):>10} "
+            f"{fmt_s(c.decode_s):>9}  {mark}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+    return values[k]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=50, help="requests in the latency run (default 50)")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--workdir", help="where logs go (default: a fresh temporary directory)")
+    parser.add_argument("--keep", action="store_true", help="keep the servers' logs after a clean run")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    from kvsm.replay import analyse
+    from kvsm.testing import build_tiny_model
+    from kvsm.testing.servers import VLLMServer, free_port, pd_specs
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvsm-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_dir = workdir / "event-logs"
+    say(f"kvsm prefill/decode demo; logs in {workdir}")
+    say("building the tiny local model (cached after the first run)...")
+    model = str(build_tiny_model())
+    vocab = 1100
+
+    specs = pd_specs(event_log_dir=str(log_dir))
+    servers = [VLLMServer(s, model, workdir) for s in specs]
+    prefill, decode = servers
+    router_port = free_port()
+    router_url = f"http://127.0.0.1:{router_port}"
+    router: subprocess.Popen | None = None
+    router_log = open(workdir / "router.log", "w")  # noqa: SIM115 - closed below
+
+    def stop_all(*_: object) -> None:
+        if router is not None and router.poll() is None:
+            router.terminate()
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+        for s in servers:
+            s.stop()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        say(f"\ninterrupted (signal {signum}): stopping every process started...")
+        stop_all()
+        sys.exit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    failures: list[str] = []
+    try:
+        t0 = time.monotonic()
+        say(f"starting the prefill server (core 0, :{prefill.spec.port}) and the decode server "
+            f"(core 1, :{decode.spec.port}) with KVSMConnector...")
+        for s in servers:
+            s.start()
+        shown: set[str] = set()
+
+        def progress(line: str) -> None:
+            if line not in shown:  # one line per new message, not one per poll
+                shown.add(line)
+                say(f"  .. {line}")
+
+        for s in servers:
+            s.wait_ready(timeout=600, progress=progress)
+        say(f"servers ready after {time.monotonic() - t0:.0f} s; starting the router on :{router_port}")
+        router = subprocess.Popen(
+            [sys.executable, "-m", "kvsm.router", "--prefill", prefill.url, "--decode", decode.url,
+             "--port", str(router_port), "--host", "127.0.0.1"],
+            cwd=str(REPO), stdout=router_log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(router_url + "/health", timeout=1).read()
+                break
+            except (urllib.error.URLError, OSError) as e:
+                if router.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the router did not start: {e}\n"
+                                       f"{(workdir / 'router.log').read_text()[-3000:]}") from e
+                time.sleep(0.2)
+
+        rng = random.Random(args.seed)
+        cases = prompts(rng, vocab)
+        for i, c in enumerate(cases):
+            c.request_id = f"demo-{i}-{rng.randrange(1 << 30):08x}"
+        say(f"sending {len(cases)} requests through the router (the batch concurrently)...")
+        for c in cases[:5]:
+            run_case(router_url, model, c)
+        with cf.ThreadPoolExecutor(len(cases) - 5) as ex:
+            list(ex.map(lambda c: run_case(router_url, model, c), cases[5:]))
+        for c in cases:
+            reference(prefill.url, model, c)
+
+        say(f"latency run: {args.requests} requests, {args.concurrency} at a time...")
+        lat_cases = [Case(f"load {i}", [rng.randrange(10, vocab) for _ in range(rng.randrange(16, 400))],
+                          request_id=f"load-{i}-{rng.randrange(1 << 30):08x}") for i in range(args.requests)]
+        with cf.ThreadPoolExecutor(args.concurrency) as ex:
+            list(ex.map(lambda c: run_case(router_url, model, c), lat_cases))
+        for c in lat_cases:
+            reference(prefill.url, model, c)
+        time.sleep(0.5)  # the last read notifications and log lines land
+    except KeyboardInterrupt:
+        say("interrupted: stopping every process started...")
+        stop_all()
+        return 130
+    except Exception as e:  # noqa: BLE001 - report, clean up, fail
+        say(f"demo failed: {type(e).__name__}: {e}")
+        stop_all()
+        return 1
+    finally:
+        stop_all()
+        router_log.close()
+
+    match_ids(cases + lat_cases, transferred_tokens(log_dir))
+    print_table(cases)
+    bad = [c for c in cases + lat_cases if not c.match]
+    if bad:
+        failures.append(f"{len(bad)} of {len(cases) + len(lat_cases)} outputs differ from the single engine's "
+                        f"(first: {bad[0].name}: {bad[0].error or 'wrong text'})")
+    not_transferred = [c for c in cases + lat_cases if c.match and not c.transferred and len(c.prompt) > 1]
+    if not_transferred:
+        failures.append(f"{len(not_transferred)} requests show no transferred tokens in the decode event log")
+
+    decode_times = [c.decode_s for c in lat_cases if c.decode_s is not None]
+    totals = [c.total_s for c in lat_cases if not c.error]
+    say("")
+    if decode_times:
+        say(f"latency run ({len(lat_cases)} requests, {args.concurrency} concurrent, {MAX_TOKENS} tokens each): "
+            f"decode p50 {percentile(decode_times, 0.5) * 1000:.0f} ms, p99 {percentile(decode_times, 0.99) * 1000:.0f}"
+            f" ms, max {max(decode_times) * 1000:.0f} ms; end to end p50 {statistics.median(totals) * 1000:.0f} ms")
+    else:
+        say(f"latency run: end to end p50 {statistics.median(totals) * 1000:.0f} ms, "
+            f"max {max(totals) * 1000:.0f} ms" if totals else "latency run: no successful request")
+
+    say("")
+    say("replay of both engines' event logs:")
+    logs = sorted(log_dir.glob("*.jsonl"))
+    report = analyse(logs)
+    trace = workdir / "trace.json"
+    replay_cli = subprocess.run([sys.executable, str(REPO / "tools" / "replay.py"), *map(str, logs),
+                                 "--trace", str(trace)], capture_output=True, text=True, check=False)
+    # Its summary (up to the first blank line) and its verdict (after the request list).
+    blocks = replay_cli.stdout.strip().split("\n\n")
+    for line in [*blocks[0].splitlines(), *(blocks[-1].splitlines() if len(blocks) > 1 else [])]:
+        say("  " + line)
+    if report.exit_code != 0:
+        failures.append(f"the replay found {len(report.findings)} violation(s): "
+                        + "; ".join(str(f) for f in report.findings[:3]))
+    say(f"Perfetto / chrome://tracing trace: {trace}")
+    say(f"state diagrams: {REPO / 'statecharts' / 'recv.mmd'}, {REPO / 'statecharts' / 'send.mmd'} "
+        f"(tables: {REPO / 'statecharts' / 'README.md'})")
+    say("")
+    if failures:
+        for f in failures:
+            say(f"FAIL: {f}")
+        say(f"logs kept in {workdir}")
+        return 1
+    say(f"OK: {len(cases) + len(lat_cases)} requests, every output equal to a single engine's, "
+        "every request's KV taken by transfer, no violation in the event logs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
