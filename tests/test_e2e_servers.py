@@ -1,0 +1,133 @@
+"""End to end on real vLLM API servers with KVSMConnector: the demo itself, a
+transfer the comparison must catch, and no request waiting on any timer.
+
+(The router's own behaviour, chat, streaming and errors are in test_router.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvsm.replay import analyse
+from kvsm.testing import build_tiny_model
+from kvsm.testing.servers import VLLMServer, pd_specs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_demo_runs_green(tmp_path: Path) -> None:
+    """README's main job, shortened: every output equal, every request's KV transferred,
+    replay clean, every process it started gone."""
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "pd_demo.py"), "--requests", "12",
+                          "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900, check=False)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    rows = [ln for ln in out.stdout.splitlines() if re.search(r"\s(yes|NO|ERROR)\b", ln)]
+    assert len(rows) == 11 and all(ln.rstrip().endswith("yes") for ln in rows), "\n".join(rows)
+    repeat = next(ln for ln in rows if ln.startswith("prefix-cache repeat"))
+    assert repeat.split()[3] == "40", repeat  # only the tokens past the locally cached blocks came over
+    assert re.search(r"decode p50 \d+ ms, p99 \d+ ms, max \d+ ms", out.stdout)
+    assert "no violations" in out.stdout and (tmp_path / "trace.json").exists()
+    # Nothing it started is left: its servers' ports are closed again.
+    ports = [int(p) for p in re.findall(r"core \d, :(\d+)\)", out.stdout)]
+    assert len(ports) == 2, out.stdout[:2000]
+    for port in ports:
+        with socket.socket() as s, pytest.raises(OSError):
+            s.settimeout(2)
+            s.connect(("127.0.0.1", port))
+
+
+class Pair:
+    def __init__(self, tmp: Path) -> None:
+        self.model = str(build_tiny_model())
+        self.logs = tmp / "logs"
+        specs = pd_specs(event_log_dir=str(self.logs))
+        self.prefill, self.decode = (VLLMServer(s, self.model, tmp) for s in specs)
+        for s in (self.prefill, self.decode):
+            s.start()
+        for s in (self.prefill, self.decode):
+            s.wait_ready(timeout=600)
+
+    def complete(self, server: VLLMServer, prompt: list[int], max_tokens: int,
+                 kv: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                "ignore_eos": True}
+        if kv is not None:
+            body["kv_transfer_params"] = kv
+        return server.post("/v1/completions", body)
+
+    def stop(self) -> None:
+        for s in (self.prefill, self.decode):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = Pair(tmp_path_factory.mktemp("e2e"))
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 1100) for _ in range(n)]
+
+
+def test_reading_the_wrong_blocks_is_caught_by_the_comparison(pair: Pair) -> None:
+    rng = random.Random(5)
+    a = _ids(rng, 250)
+    ref_a = pair.complete(pair.prefill, a, 12)["choices"][0]["text"]
+    kv_a = pair.complete(pair.prefill, a, 1, {"do_remote_decode": True})["kv_transfer_params"]
+    # The honest transfer: equal.
+    assert pair.complete(pair.decode, a, 12, kv_a)["choices"][0]["text"] == ref_a
+    # A router that mixed up two requests' blocks (two blocks each, prompts the
+    # decode engine has never cached, so nothing hides it): the reads succeed,
+    # into the wrong places, and the outputs must show it.
+    c, d = _ids(rng, 250), _ids(rng, 250)
+    ref_cd = [pair.complete(pair.prefill, p, 12)["choices"][0]["text"] for p in (c, d)]
+    kv = [pair.complete(pair.prefill, p, 1, {"do_remote_decode": True})["kv_transfer_params"] for p in (c, d)]
+    kv[0]["remote_block_ids"], kv[1]["remote_block_ids"] = kv[1]["remote_block_ids"], kv[0]["remote_block_ids"]
+    swapped = [pair.complete(pair.decode, p, 12, k)["choices"][0]["text"] for p, k in zip((c, d), kv)]
+    assert swapped[0] != ref_cd[0] and swapped[1] != ref_cd[1], "a misdirected transfer went unnoticed"
+
+
+def test_healthy_transfers_never_wait_on_a_timer(pair: Pair) -> None:
+    """40 requests, 4 at a time: no handshake or transfer timeout, no lease expiry, no
+    dead peer; every request done on both sides (upstream stalls here waiting for
+    leases, DESIGN.md)."""
+    import concurrent.futures as cf
+
+    rng = random.Random(6)
+    prompts = [_ids(rng, rng.randrange(20, 400)) for _ in range(40)]
+
+    def one(p: list[int]) -> bool:
+        kv = pair.complete(pair.prefill, p, 1, {"do_remote_decode": True})["kv_transfer_params"]
+        kv.pop("remote_prefill_cached_tokens", None)
+        out = pair.complete(pair.decode, p, 8, kv)
+        return len(out["choices"][0]["text"]) >= 0
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(one, prompts))
+    import time
+
+    time.sleep(0.5)
+    records = [json.loads(line) for f in pair.logs.glob("*.jsonl") for line in f.read_text().splitlines()
+               if line.strip()]
+    events = {r["event"] for r in records}
+    assert not events & {"timeout", "lease_expired", "peer_dead", "error", "internal_error", "worker.peer_dead",
+                         "worker.loop_error"}, sorted(events)
+    report = analyse(sorted(pair.logs.glob("*.jsonl")))
+    assert not report.findings, [str(f) for f in report.findings]
+    recv = [m for m in report.machines if m.lifecycle == "recv"]
+    assert len(recv) >= 40 and all(m.final_state == "done" for m in recv)
