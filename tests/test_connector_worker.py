@@ -115,3 +115,16 @@ def test_a_layout_that_cannot_be_described_is_refused_naming_the_layer(connector
 def test_scheduler_side_calls_on_a_worker_instance_say_so(connector: KVSMConnector) -> None:
     with pytest.raises(RuntimeError, match="scheduler-side method"):
         connector.build_connector_meta(None)  # type: ignore[arg-type]
+
+
+def test_the_worker_carries_out_every_effect_the_table_names(connector: KVSMConnector) -> None:
+    """A table change that adds an effect must come with the I/O that does it."""
+    from kvsm.lifecycle.table import RECV, SEND
+
+    def effects(spec: object) -> set[str]:
+        return {e for rules in spec.rules.values() for r in rules for e in r.effects}  # type: ignore[attr-defined]
+
+    worker = connector.worker_half
+    assert worker is not None
+    assert set(worker._recv_effects) == effects(RECV)
+    assert set(worker._send_effects) == effects(SEND)
