@@ -227,19 +227,21 @@ def main(argv: list[str] | None = None) -> int:
     router: subprocess.Popen | None = None
     router_log = open(workdir / "router.log", "w")  # noqa: SIM115 - closed below
 
-    def stop_all(*_: object) -> None:
+    def stop_all(timeout: float = 20.0) -> None:
         if router is not None and router.poll() is None:
             router.terminate()
             try:
                 router.wait(10)
             except subprocess.TimeoutExpired:
                 router.kill()
+        for s in servers:  # all at once, then wait for each
+            s.terminate()
         for s in servers:
-            s.stop()
+            s.stop(timeout=timeout)
 
     def on_signal(signum: int, _frame: object) -> None:
         say(f"\ninterrupted (signal {signum}): stopping every process started...")
-        stop_all()
+        stop_all(timeout=5.0)
         sys.exit(130)
 
     signal.signal(signal.SIGINT, on_signal)

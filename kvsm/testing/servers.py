@@ -191,7 +191,7 @@ class VLLMServer:
         proc = self.proc
         if proc is not None:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                self.terminate()
                 try:
                     proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
@@ -203,6 +203,11 @@ class VLLMServer:
             self._log.close()
             self._log = None
         return proc.returncode if proc is not None else None
+
+    def terminate(self) -> None:
+        """SIGTERM to the API server alone (no wait): lets several servers shut down at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         """kill -9 the whole server (reliability tests)."""
