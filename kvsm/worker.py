@@ -726,7 +726,7 @@ class WorkerHalf:
         if layout is None:
             return 0
         per_block = sum(r.block_bytes for r in layout.regions)
-        return per_block * sum(len(h.local_blocks) for h in io.handles)
+        return per_block * len(io.start.local_block_ids)
 
     def _arm_poll(self) -> None:
         if self._poll_timer is None and self._polling:

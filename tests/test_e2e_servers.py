@@ -52,6 +52,8 @@ class Pair:
         self.model = str(build_tiny_model())
         self.logs = tmp / "logs"
         specs = pd_specs(event_log_dir=str(self.logs))
+        for spec in specs:
+            spec.log_stats = True  # /metrics: vLLM's prompt-token sources and kvsm's own metrics
         self.prefill, self.decode = (VLLMServer(s, self.model, tmp) for s in specs)
         for s in (self.prefill, self.decode):
             s.start()
@@ -131,3 +133,37 @@ def test_healthy_transfers_never_wait_on_a_timer(pair: Pair) -> None:
     assert not report.findings, [str(f) for f in report.findings]
     recv = [m for m in report.machines if m.lifecycle == "recv"]
     assert len(recv) >= 40 and all(m.final_state == "done" for m in recv)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_show_the_prompts_came_over_the_transfer(pair: Pair) -> None:
+    """vLLM's own accounting of where the decode engine's prompt tokens came from,
+    and kvsm's Prometheus metrics, on the real servers after the tests above."""
+    import time
+
+    deadline = time.monotonic() + 20
+    while True:
+        decode = pair.decode.metrics()
+        if _metric(decode, "vllm:kvsm_transfers_total") >= 43 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert _metric(decode, "vllm:kvsm_transfers_total") >= 43  # 40 + 3 above
+    assert _metric(decode, "vllm:kvsm_transfer_bytes_total") > 0
+    assert _metric(decode, "vllm:kvsm_handshake_time_seconds_count") >= 1
+    assert _metric(decode, "vllm:kvsm_failures_total") == 0
+    by_source = {src: _metric(decode, "vllm:prompt_tokens_by_source_total", source=src)
+                 for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    # Every prompt token the decode engine did not have cached came over the transfer.
+    assert by_source["external_kv_transfer"] > 0 and by_source["local_compute"] == 0, by_source
+    assert _metric(decode, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == \
+        by_source["external_kv_transfer"]
+    prefill = pair.prefill.metrics()
+    assert _metric(prefill, "vllm:kvsm_reads_served_total") >= 43
+    assert _metric(prefill, "vllm:kvsm_leases_expired_total") == 0

@@ -216,6 +216,8 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
     assert finals["recv"]["done"] == finals["send"]["released"] == 9
     # The connectors' own counters agree (what vLLM's stats and Prometheus get).
     assert dstate["stats"]["num_xfers"] == 8 and dstate["stats"]["num_handshakes"] == 1
+    # 13 blocks read (1+1+1+3, 1, 2, 2+2), each 2 layers x [2 heads, 128 tokens, 64] float32.
+    assert dstate["stats"]["xfer_bytes_total"] == 13 * 2 * (2 * 128 * 64 * 4)
     # The notify-only request was released by its side-channel message, not a read.
     assert pstate["stats"]["reads_served"] == 8 and not pstate["stats"]["failures"]
     assert not dstate["stats"]["failures"]

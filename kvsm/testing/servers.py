@@ -77,6 +77,7 @@ class ServerSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)
     max_model_len: int = 512
     block_size: int = 128
+    log_stats: bool = False  # vLLM's stats (and so /metrics) cost CPU; on for metric checks
     extra_args: Sequence[str] = ()
 
     def kv_transfer_config(self) -> dict[str, Any]:
@@ -127,8 +128,8 @@ class VLLMServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "float32", "--enforce-eager",
                "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
-               "--disable-log-stats", "--kv-transfer-config", json.dumps(spec.kv_transfer_config()),
-               *spec.extra_args]
+               "--kv-transfer-config", json.dumps(spec.kv_transfer_config()),
+               *([] if spec.log_stats else ["--disable-log-stats"]), *spec.extra_args]
         ncpu = os.cpu_count() or 1
         if spec.cpu is not None and ncpu > 1 and shutil.which("taskset"):
             cmd = ["taskset", "-c", str(spec.cpu % ncpu), *cmd]
