@@ -17,7 +17,11 @@ What it must remember, and why:
   not waiting for, so the worker must know exactly which.
 * ``_sending``: prefill requests whose worker-side machine was started.
 
-Per-request cost is a few dict operations and one log record per hook.
+Per-request cost is a few dict operations. What a hook decides reaches a
+worker as an event its machine records (``matched``, ``allocated``,
+``finished_ok``, ``abort``...), so this process's log carries only the
+decisions no machine sees (parameters ignored, a finish before allocation or
+during the load, an abnormal prefill finish): the hot path writes nothing.
 """
 
 from __future__ import annotations
@@ -91,8 +95,6 @@ class SchedulerHalf:
         key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
         self._claims[key].add(remote.remote_req)
         self._claim_key[req] = (key, remote.remote_req)
-        self._note("sched.new_remote_prefill", req, remote_engine=remote.remote_engine,
-                   remote_req=remote.remote_req, remote_blocks=len(remote.remote_block_ids))
 
     def _ignore(self, req: str, why: str) -> None:
         """Bad kv_transfer_params: the request runs as a plain local one (as upstream
@@ -131,7 +133,6 @@ class SchedulerHalf:
             if req not in self._sending:
                 self._sending.add(req)
                 self._meta.send_start.append(SendStart(req))
-                self._note("sched.prefill_started", req)
             return
         remote = self._remote.pop(req, None)
         if remote is None:
@@ -156,8 +157,6 @@ class SchedulerHalf:
             local_block_ids=local, num_tokens=num_external_tokens, awaited=awaited))
         # Only one transfer per request (vLLM may call again once it is loaded).
         params["do_remote_prefill"] = False
-        self._note("sched.allocated", req, num_external_tokens=num_external_tokens, num_blocks=len(local),
-                   awaited=awaited)
 
     # -- prefill side and finishing -------------------------------------------
 
@@ -200,7 +199,6 @@ class SchedulerHalf:
             return False, None
         blocks = tuple(block_ids)
         self._meta.send_finish.append(SendFinish(req=req, ok=True, block_ids=blocks))
-        self._note("sched.prefill_finished", req, ok=True, status=status, num_blocks=len(blocks))
         cfg = self.cfg
         return True, {
             "do_remote_prefill": True,
