@@ -71,6 +71,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvsm.testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports no vLLM
+
 # --------------------------------------------------------------------------- results
 
 
@@ -276,15 +278,7 @@ def _rotated(items: Sequence[Any], k: int) -> list[Any]:
 
 # --------------------------------------------------------------------------- 1. scheduler
 
-SCHED_HOOKS = (
-    "on_new_request",
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-)
+SCHED_HOOKS = CONNECTOR_SCHEDULER_HOOKS
 PROMPT_TOKENS = 40
 BLOCK_SIZE = 16
 

@@ -120,8 +120,9 @@ _FIRST_PLAIN_TOKEN = 16
 # generated prompt, so two generated prompts never share a first block.
 _ID_DIGITS = 3
 
-# Scheduler-side connector methods that trace_hooks() records.
-_TRACED_HOOKS = (
+# The connector's scheduler-side hooks that do its per-request work (what a
+# benchmark of the connector's scheduler-side cost times).
+CONNECTOR_SCHEDULER_HOOKS = (
     "on_new_request",
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -129,6 +130,10 @@ _TRACED_HOOKS = (
     "update_connector_output",
     "request_finished",
     "request_finished_all_groups",
+)
+# Scheduler-side connector methods that trace_hooks() records.
+_TRACED_HOOKS = (
+    *CONNECTOR_SCHEDULER_HOOKS,
     "register_finished_partial_tail",
     "has_pending_block_frees",
     "has_pending_push_work",
