@@ -21,9 +21,8 @@ import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
-class RecvStart(msgspec.Struct, frozen=True):
-    """Decode side: vLLM matched ``num_tokens`` remote tokens and allocated
-    ``local_block_ids`` for them (empty: a full local prefix hit, notify only)."""
+class _RemoteRequest(msgspec.Struct, frozen=True):
+    """A local decode request and the prefill request (and engine) it reads from."""
 
     req: str
     remote_engine: str
@@ -31,6 +30,12 @@ class RecvStart(msgspec.Struct, frozen=True):
     remote_host: str
     remote_port: int
     remote_tp_size: int
+
+
+class RecvStart(_RemoteRequest, frozen=True):
+    """Decode side: vLLM matched ``num_tokens`` remote tokens and allocated
+    ``local_block_ids`` for them (empty: a full local prefix hit, notify only)."""
+
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     num_tokens: int
@@ -47,16 +52,9 @@ class RecvAbort(msgspec.Struct, frozen=True):
     awaited: bool
 
 
-class RecvAbandon(msgspec.Struct, frozen=True):
+class RecvAbandon(_RemoteRequest, frozen=True):
     """Decode side: a remote-prefill request ended before any block was
     allocated; the prefill side must be told so it can unpin at once."""
-
-    req: str
-    remote_engine: str
-    remote_req: str
-    remote_host: str
-    remote_port: int
-    remote_tp_size: int
 
 
 class SendStart(msgspec.Struct, frozen=True):
