@@ -896,6 +896,10 @@ class HandshakeClient:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def socket_count(self) -> int:
+        """Sockets open to peers (one per peer address; a timed-out one is replaced)."""
+        return len(self._by_socket)
+
     def stats(self) -> dict[str, int]:
         """sent, replies, stale_replies, malformed_replies, timeouts, socket_resets..."""
         return dict(self._stats)

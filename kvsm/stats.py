@@ -86,6 +86,8 @@ _COUNTER_KEYS: Final = (
     "reads_served",
     "dropped_samples",
 )
+_KEYED_KEYS: Final = ("failures", "side_channel")
+"""Counters broken down by a label: ``{key: {label value: count}}``."""
 
 StateCounts = dict[str, dict[str, int]]
 """``{lifecycle: {state: number of requests}}``, zero counts left out."""
@@ -106,6 +108,8 @@ def _empty_data() -> dict[str, Any]:
         "num_handshakes": 0,
         "dropped_samples": 0,
         "failures": {},  # kind -> count
+        # Prefill side: side-channel messages by outcome ("served", or the refusal's error code).
+        "side_channel": {},
         "leases_expired": 0,  # prefill side
         "reads_served": 0,  # prefill side: requests whose blocks a decode peer read and released
         "states": {},  # source -> StateCounts (a gauge: latest snapshot per source)
@@ -125,7 +129,8 @@ def _normalized(data: Mapping[str, Any] | None) -> dict[str, Any]:
         out[key] = list(data.get(key, ()))
     for key in _COUNTER_KEYS:
         out[key] = int(data.get(key, 0))
-    out["failures"] = {str(k): int(v) for k, v in data.get("failures", {}).items()}
+    for key in _KEYED_KEYS:
+        out[key] = {str(k): int(v) for k, v in data.get(key, {}).items()}
     out["states"] = {
         str(src): {str(lc): {str(st): int(n) for st, n in counts.items()} for lc, counts in snap.items()}
         for src, snap in data.get("states", {}).items()
@@ -171,7 +176,7 @@ class KVSMStats(KVConnectorStats):
     def is_empty(self) -> bool:
         """True when there is nothing to log: no event counted and no state snapshot."""
         d = self.data
-        return not (d["failures"] or d["states"] or any(d[k] for k in _COUNTER_KEYS))
+        return not (d["states"] or any(d[k] for k in _KEYED_KEYS) or any(d[k] for k in _COUNTER_KEYS))
 
     def aggregate(self, other: KVConnectorStats) -> KVSMStats:
         """Merge ``other`` into this object and return it.
@@ -192,9 +197,7 @@ class KVSMStats(KVConnectorStats):
             mine[key] += theirs[key]
         mine["dropped_samples"] += _extend_capped(mine, theirs, ("xfer_s", "xfer_bytes", "xfer_descs"))
         mine["dropped_samples"] += _extend_capped(mine, theirs, ("handshake_s",))
-        failures = mine["failures"]
-        for kind, n in theirs["failures"].items():
-            failures[kind] = failures.get(kind, 0) + n
+        _add_keyed(mine, theirs)
         mine["states"].update(theirs["states"])
         return self
 
@@ -223,6 +226,8 @@ class KVSMStats(KVConnectorStats):
             out[f"Failures {kind}"] = d["failures"][kind]
         out["Leases expired"] = d["leases_expired"]
         out["Reads served"] = d["reads_served"]
+        for outcome in sorted(d["side_channel"]):
+            out[f"Side channel {outcome}"] = d["side_channel"][outcome]
         if d["dropped_samples"]:
             out["Dropped samples"] = d["dropped_samples"]
         for lifecycle, counts in sorted(_sum_states(d["states"]).items()):
@@ -287,6 +292,7 @@ class StatsRecorder:
         self._num_handshakes = 0
         self._dropped = 0
         self._failures: dict[str, int] = {}
+        self._side_channel: dict[str, int] = {}
         self._leases_expired = 0
         self._reads_served = 0
         # The gauge: replaced (never mutated) on change, so ``take`` may share it.
@@ -294,7 +300,8 @@ class StatsRecorder:
         self._states_changed = False
         # Everything handed over by ``take`` so far.
         self._taken: dict[str, Any] = {key: 0 for key in _COUNTER_KEYS}
-        self._taken["failures"] = {}
+        for key in _KEYED_KEYS:
+            self._taken[key] = {}
         self._takes = 0
 
     # -- recording (event-loop thread) ------------------------------------------------
@@ -336,6 +343,14 @@ class StatsRecorder:
         with self._lock:
             self._reads_served += 1
 
+    def side_channel(self, counts: Mapping[str, int]) -> None:
+        """Side-channel messages handled since the last call, by outcome."""
+        with self._lock:
+            mine = self._side_channel
+            for outcome, n in counts.items():
+                if n:
+                    mine[outcome] = mine.get(outcome, 0) + n
+
     def set_states(self, lifecycle: str, counts: Mapping[str, int]) -> None:
         """Replace the snapshot of how many requests of ``lifecycle`` are in each state."""
         snap = {str(state): int(n) for state, n in counts.items() if n}
@@ -358,6 +373,7 @@ class StatsRecorder:
                 self._num_xfers
                 or self._num_handshakes
                 or self._failures
+                or self._side_channel
                 or self._leases_expired
                 or self._reads_served
                 or self._states_changed
@@ -374,6 +390,7 @@ class StatsRecorder:
             self._xfer_s, self._xfer_bytes, self._xfer_descs, self._handshake_s = [], [], [], []
             self._num_xfers = self._bytes = self._descs = self._num_handshakes = self._dropped = 0
             self._failures = {}
+            self._side_channel = {}
             self._leases_expired = self._reads_served = 0
             self._states_changed = False
             _add_counts(self._taken, data)
@@ -390,6 +407,7 @@ class StatsRecorder:
             "num_handshakes": self._num_handshakes,
             "dropped_samples": self._dropped,
             "failures": self._failures,
+            "side_channel": self._side_channel,
             "leases_expired": self._leases_expired,
             "reads_served": self._reads_served,
         }
@@ -398,7 +416,8 @@ class StatsRecorder:
         """Cumulative counts since creation (``take`` does not reset them), and the current states."""
         with self._lock:
             out = {key: self._taken[key] for key in _COUNTER_KEYS}
-            out["failures"] = dict(self._taken["failures"])
+            for key in _KEYED_KEYS:
+                out[key] = dict(self._taken[key])
             _add_counts(out, self._interval_counters())
             out["states"] = {lc: dict(counts) for lc, counts in self._states.items()}
             out["takes"] = self._takes
@@ -409,9 +428,14 @@ class StatsRecorder:
 def _add_counts(acc: dict[str, Any], data: Mapping[str, Any]) -> None:
     for key in _COUNTER_KEYS:
         acc[key] += data[key]
-    failures = acc["failures"]
-    for kind, n in data["failures"].items():
-        failures[kind] = failures.get(kind, 0) + n
+    _add_keyed(acc, data)
+
+
+def _add_keyed(acc: dict[str, Any], data: Mapping[str, Any]) -> None:
+    for key in _KEYED_KEYS:
+        mine = acc[key]
+        for label, n in data[key].items():
+            mine[label] = mine.get(label, 0) + n
 
 
 class KVSMPromMetrics(KVConnectorPromMetrics):
@@ -484,6 +508,12 @@ class KVSMPromMetrics(KVConnectorPromMetrics):
             documentation="kvsm failures by kind (handshake, timeout, peer_dead, transfer, lease_expired, ...).",
             labelnames=[*labels, "kind"],
         )
+        self._side_channel_parent = counter(
+            name="vllm:kvsm_side_channel_messages",
+            documentation="Prefill side: side-channel messages by outcome (served, or the refusal's error "
+                          "code: malformed, too_large, unknown_rank, ...) (kvsm).",
+            labelnames=[*labels, "outcome"],
+        )
         self._states_parent = self._gauge_cls(
             name="vllm:kvsm_requests",
             documentation="Requests per kvsm lifecycle and state, summed over the engine's workers.",
@@ -491,6 +521,7 @@ class KVSMPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labels, "lifecycle", "state"],
         )
         self._failure_children: dict[tuple[int, str], Any] = {}
+        self._side_channel_children: dict[tuple[int, str], Any] = {}
         self._state_children: dict[tuple[int, str, str], Any] = {}
         self._states_by_source: dict[int, dict[str, StateCounts]] = {}
 
@@ -521,16 +552,21 @@ class KVSMPromMetrics(KVConnectorPromMetrics):
                 metric[engine_idx].inc(n)
         for kind, n in d.get("failures", {}).items():
             if n:
-                self._failure_child(engine_idx, kind).inc(n)
+                self._labelled_child(self._failures_parent, self._failure_children, engine_idx, kind).inc(n)
+        for outcome, n in d.get("side_channel", {}).items():
+            if n:
+                self._labelled_child(self._side_channel_parent, self._side_channel_children, engine_idx,
+                                     outcome).inc(n)
         if states := d.get("states"):
             self._observe_states(engine_idx, states)
 
-    def _failure_child(self, engine_idx: int, kind: str) -> Any:
-        key = (engine_idx, kind)
-        child = self._failure_children.get(key)
+    def _labelled_child(self, parent: Any, children: dict[tuple[int, str], Any], engine_idx: int,
+                        label: str) -> Any:
+        key = (engine_idx, label)
+        child = children.get(key)
         if child is None:
             labelvalues = self.per_engine_labelvalues[engine_idx]
-            child = self._failure_children[key] = self._failures_parent.labels(*labelvalues, kind)
+            child = children[key] = parent.labels(*labelvalues, label)
         return child
 
     def _observe_states(self, engine_idx: int, states: Mapping[str, StateCounts]) -> None:

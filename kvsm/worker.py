@@ -206,6 +206,7 @@ class WorkerHalf:
         self._notif_timer: TimerHandle | None = None
         self._expiry_timer: TimerHandle | None = None
         self._early_abandons: OrderedDict[str, None] = OrderedDict()
+        self._side_channel_seen: dict[str, int] = {}
         # Set once a decode worker fetched our agent: from then on NIXL is driven
         # (slowly when idle), since a peer's read completes only as we progress.
         self._has_readers = False
@@ -288,17 +289,37 @@ class WorkerHalf:
                 host=self._bind_host(), port=self.cfg.port_of_rank(self.tp_rank),
                 context=self.loop.context, lease_ms=int(self.cfg.lease_s * 1000))
             for sock in self.server.sockets():
-                self.loop.add_reader(sock, self.server.on_readable, label="handshake server")
+                self.loop.add_reader(sock, self._on_side_channel, label="handshake server")
         if self.cfg.consumes:
             self.client = HandshakeClient(
                 self.compat, requester=f"{self.cfg.engine_id}/tp{self.tp_rank}", context=self.loop.context,
                 on_socket_added=self._watch_client_socket, on_socket_removed=self.loop.remove_reader)
+
+    def _on_side_channel(self) -> None:
+        """Serve what arrived, then count it by outcome for the stats (a few dict
+        operations per batch of messages, not per message)."""
+        assert self.server is not None
+        self.server.on_readable()
+        now = _side_channel_outcomes(self.server.stats())
+        last = self._side_channel_seen
+        delta = {k: n - last.get(k, 0) for k, n in now.items() if n != last.get(k, 0)}
+        if delta:
+            self._side_channel_seen = now
+            self.stats.side_channel(delta)
 
     def _bind_host(self) -> str:
         host = self.cfg.side_channel_host
         return "127.0.0.1" if host == "localhost" else host
 
     def _close_on_loop(self) -> None:
+        # The log's last record says what was still live and what was still held, so
+        # replay can tell a clean stop from a crash and a leak check has its figures.
+        self._note("worker.shutdown", None, clean=True,
+                   live={"recv": {m.req: m.state for m in self.recv.live()},
+                         "send": {m.req: m.state for m in self.send.live()}},
+                   resources=self.resources(),
+                   side_channel=self.server.stats() if self.server else None,
+                   client=self.client.stats() if self.client else None)
         for h in self._timers():
             self.loop.cancel(h)
         if self.client is not None:
@@ -311,9 +332,32 @@ class WorkerHalf:
             close = getattr(self.transport, "close", None)
             if close is not None:
                 close()
-        live = len(self.recv) + len(self.send)
-        if live:
-            self._note("worker.shutdown_with_live_requests", None, recv=len(self.recv), send=len(self.send))
+
+    def resources(self) -> dict[str, int]:
+        """How much per-request state this worker holds (loop thread): every count
+        but ``peers``/``transport_peers`` and the loop's ``readers`` returns to 0 once
+        the requests it served have ended, so a growing count is a leak."""
+        out = {
+            "recv_machines": len(self.recv),
+            "send_machines": len(self.send),
+            "recv_io": len(self._recv_io),
+            "send_io": len(self._send_io),
+            "claims": len(self._claims),
+            "claim_queue": sum(len(q) for q in self._claim_queue.values()),
+            "oneway": len(self._oneway),
+            "polling": len(self._polling),
+            "early_abandons": len(self._early_abandons),
+            "peers": len(self._peers),
+        }
+        if self.transport is not None:
+            out.update({f"transport_{k}": v for k, v in self.transport.resources().items()})
+        if self.client is not None:
+            out["client_pending"] = self.client.pending_count()
+            out["client_sockets"] = self.client.socket_count()
+        loop = self.loop.stats()
+        out["loop_timers"] = loop["timers_pending"]
+        out["loop_readers"] = loop["readers"]
+        return out
 
     def _timers(self) -> list[TimerHandle | None]:
         out: list[TimerHandle | None] = [self._poll_timer, self._notif_timer, self._expiry_timer]
@@ -1005,6 +1049,18 @@ class WorkerHalf:
                 "server": self.server.stats() if self.server else None,
                 "client": self.client.stats() if self.client else None,
                 "loop": self.loop.stats(),
+                "resources": self.resources(),
             }
 
         return self.loop.call(snap, timeout=10.0, label="debug_state")
+
+
+def _side_channel_outcomes(server_stats: dict[str, Any]) -> dict[str, int]:
+    """``HandshakeServer.stats()`` flattened to cumulative counts by outcome:
+    ``served``, each refusal's error code, and replies that could not be sent."""
+    out = {"served": sum(server_stats.get("served", {}).values())}
+    out.update(server_stats.get("errors", {}))
+    for key in ("reply_dropped_full", "reply_unroutable", "reply_failed"):
+        if server_stats.get(key):
+            out[key] = server_stats[key]
+    return out

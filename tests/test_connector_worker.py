@@ -128,3 +128,67 @@ def test_the_worker_carries_out_every_effect_the_table_names(connector: KVSMConn
     assert worker is not None
     assert set(worker._recv_effects) == effects(RECV)
     assert set(worker._send_effects) == effects(SEND)
+
+
+def test_side_channel_refusals_are_counted_in_the_stats(connector: KVSMConnector) -> None:
+    """Every message the side channel handles shows up in the stats by outcome
+    (hence in ``vllm:kvsm_side_channel_messages``), refusals by error code."""
+    import zmq
+
+    connector.register_kv_caches(kv_caches())
+    connector.get_kv_connector_stats()  # start from an empty interval
+    ctx = zmq.Context()
+    try:
+        for payload in (b"\x00garbage", b"\xc1", b"x" * 10):
+            req = ctx.socket(zmq.REQ)
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect(f"tcp://127.0.0.1:{connector.cfg.side_channel_port}")
+            req.send(payload)
+            assert req.poll(5000), "the side channel did not answer a malformed message"
+            req.recv()
+            req.close()
+    finally:
+        ctx.term()
+    deadline = time.monotonic() + 5.0
+    counted: dict[str, int] = {}
+    while sum(counted.values()) < 3:
+        assert time.monotonic() < deadline, f"side-channel outcomes counted: {counted}"
+        stats = connector.get_kv_connector_stats()
+        for outcome, n in (stats.data["side_channel"] if stats else {}).items():
+            counted[outcome] = counted.get(outcome, 0) + n
+        time.sleep(0.02)
+    assert counted.get("served", 0) == 0 and sum(counted.values()) == 3, counted
+    rebuilt = type(connector).build_kv_connector_stats({"side_channel": counted})
+    assert rebuilt is not None and not rebuilt.is_empty()
+    line = rebuilt.reduce()  # vLLM's periodic log line
+    assert all(line[f"Side channel {outcome}"] == n for outcome, n in counted.items()), line
+
+
+def test_a_clean_shutdown_ends_the_log_with_what_was_live(tmp_path: Any) -> None:
+    """The worker's last record names the requests still live and the per-request
+    state still held, so replay can tell a clean stop from a crash."""
+    import json
+
+    from kvsm.metadata import SendFinish, SendStart
+
+    c = worker_connector(event_log_dir=str(tmp_path), kv_lease_duration=60)
+    try:
+        c.register_kv_caches(kv_caches())
+        meta = KVSMConnectorMetadata(1)
+        meta.send_start.append(SendStart("pinned-1"))
+        meta.send_finish.append(SendFinish("pinned-1", ok=True, block_ids=(1, 2)))
+        c.worker_half.submit(meta)  # type: ignore[union-attr]
+        deadline = time.monotonic() + 5.0
+        while c.worker_half.debug_state()["send"] != {"pinned-1": "awaiting_pull"}:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        held = c.worker_half.debug_state()["resources"]  # type: ignore[union-attr]
+        assert held["send_machines"] == 1 and held["send_io"] == 1, held
+    finally:
+        c.shutdown()
+    (path,) = [p for p in tmp_path.iterdir() if ".worker." in p.name]
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert last["event"] == "worker.shutdown" and last["clean"] is True, last
+    assert last["live"] == {"recv": {}, "send": {"pinned-1": "awaiting_pull"}}
+    assert last["resources"]["send_machines"] == 1 and last["resources"]["recv_io"] == 0
+    assert last["side_channel"]["served"] == {} and last["side_channel"]["errors"] == {}, last["side_channel"]

@@ -616,3 +616,25 @@ def test_prometheus_through_vllms_kvconnectorprom() -> None:
     finally:
         unregister_vllm_metrics()
     assert REGISTRY.get_sample_value("vllm:kvsm_transfer_bytes_total", {"model_name": "m", "engine": "1"}) is None
+
+
+def test_side_channel_outcomes_add_up_across_workers_takes_and_prometheus(
+    prom: tuple[KVSMPromMetrics, CollectorRegistry],
+) -> None:
+    metrics, registry = prom
+    w0, w1 = StatsRecorder("w0"), StatsRecorder("w1")
+    w0.side_channel({"served": 2, "malformed": 1})
+    w0.side_channel({"served": 1, "too_large": 0})
+    w1.side_channel({"malformed": 4})
+    a, b = w0.take(), w1.take()
+    assert a is not None and b is not None, "side-channel counts alone make a take non-empty"
+    assert a.data["side_channel"] == {"served": 3, "malformed": 1}
+    merged = build_stats(a.to_dict()).aggregate(b)
+    assert merged.data["side_channel"] == {"served": 3, "malformed": 5}
+    assert merged.reduce()["Side channel malformed"] == 5
+    assert w0.take() is None and w0.totals()["side_channel"] == {"served": 3, "malformed": 1}
+    metrics.observe(merged.to_dict(), engine_idx=0)
+    metrics.observe(b.to_dict(), engine_idx=0)
+    assert value(registry, "vllm:kvsm_side_channel_messages_total", outcome="served") == 3
+    assert value(registry, "vllm:kvsm_side_channel_messages_total", outcome="malformed") == 9
+    assert value(registry, "vllm:kvsm_side_channel_messages_total", outcome="too_large") is None

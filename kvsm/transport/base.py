@@ -71,3 +71,8 @@ class Transport(ABC):
     @abstractmethod
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """Notifications received since the last call: (peer name, message)."""
+
+    def resources(self) -> dict[str, int]:
+        """How many peers and unreleased transfer handles this transport holds
+        (for leak checks: both return to their idle values once requests end)."""
+        return {}

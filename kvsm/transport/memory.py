@@ -173,3 +173,7 @@ class InMemoryAgent(Transport):
     def get_notifs(self) -> list[tuple[str, bytes]]:
         out, self.inbox = self.inbox, []
         return out
+
+    def resources(self) -> dict[str, int]:
+        return {"peers": len(self.peers),
+                "handles": sum(1 for t in self.fabric._transfers.values() if t.reader == self.name)}

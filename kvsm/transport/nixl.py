@@ -144,6 +144,9 @@ class NixlTransport(Transport):
             self.close()
             raise
 
+    def resources(self) -> dict[str, int]:
+        return {"peers": len(self._peers), "handles": sum(len(p.handles) for p in self._peers.values())}
+
     # -- peers -------------------------------------------------------------------
 
     def metadata(self) -> bytes:
