@@ -137,6 +137,9 @@ class _Peer:
     backoff_ns: int = 0
     failures: int = 0
     last_error: str = ""
+    # When we last learned whether it is alive (marked dead, or it answered a claim): a
+    # message sent before then that times out tells nothing new about it.
+    news_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -200,7 +203,8 @@ class WorkerHalf:
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._claims: dict[int, _Claim] = {}
         self._claim_queue: dict[tuple[str, str], list[str]] = {}
-        self._oneway: dict[int, _Peer] = {}  # heartbeats and abandons: only failures matter
+        # Heartbeats and abandons in flight (peer, when sent): only failures matter.
+        self._oneway: dict[int, tuple[_Peer, int]] = {}
         self._polling: set[str] = set()
         self._poll_timer: TimerHandle | None = None
         self._notif_timer: TimerHandle | None = None
@@ -536,6 +540,7 @@ class WorkerHalf:
         peer = io.peer
         if peer.dead_until_ns > self.loop.now_ns():
             # Known dead: fail now rather than wait out another timeout.
+            self.stats.failure("peer_dead")
             self._post_event(ev.PeerDead(req=req, peer=f"{peer.engine}@{peer.address}"), "peer known dead")
             return
         self._claim_queue.setdefault((peer.engine, peer.address), []).append(req)
@@ -611,16 +616,19 @@ class WorkerHalf:
             if claim is not None:
                 self._on_claim_result(claim, result)
                 continue
-            peer = self._oneway.pop(result.request_id, None)
-            if peer is not None and isinstance(result.outcome, HandshakeTimeout):
-                self._mark_dead(peer, f"no answer to a heartbeat/abandon: {result.outcome}")
+            entry = self._oneway.pop(result.request_id, None)
+            if entry is not None and isinstance(result.outcome, HandshakeTimeout):
+                peer, sent_ns = entry
+                if sent_ns >= peer.news_ns:  # else: part of an outage already handled, or outdated
+                    self._mark_dead(peer, f"no answer to a heartbeat/abandon: {result.outcome}")
 
     def _on_claim_result(self, claim: _Claim, result: HandshakeResult) -> None:
         peer = claim.peer
         outcome = result.outcome
         if isinstance(outcome, HandshakeError):
             if isinstance(outcome, HandshakeTimeout):
-                self._mark_dead(peer, str(outcome))
+                if claim.sent_ns >= peer.news_ns:
+                    self._mark_dead(peer, str(outcome))
                 return  # _mark_dead failed every request waiting on this peer
             kind = "incompatible" if isinstance(outcome, HandshakeIncompatible) else "handshake"
             if outcome.code == "engine_mismatch":
@@ -643,6 +651,7 @@ class WorkerHalf:
             self._note("worker.peer_added", None, peer=peer.address, engine=peer.engine, agent=peer.agent)
         assert isinstance(outcome, (MetadataReply, ClaimsReply))
         peer.failures, peer.dead_until_ns = 0, 0
+        peer.news_ns = max(peer.news_ns, claim.sent_ns)
         peer.backoff_ns = int(self.cfg.peer_backoff_s * _S)
         for req, remote_req in claim.reqs:
             m = self.recv.get(req)
@@ -677,6 +686,7 @@ class WorkerHalf:
         peer.failures += 1
         peer.last_error = why
         peer.dead_until_ns = now + peer.backoff_ns
+        peer.news_ns = now
         self._note("worker.peer_dead", None, peer=peer.address, engine=peer.engine, why=why,
                    retry_in_s=peer.backoff_ns / _S, failures=peer.failures)
         log.warning("kvsm worker %s: peer %s (%s) is dead: %s; failing its requests fast for %.1f s",
@@ -707,6 +717,7 @@ class WorkerHalf:
         peer = io.peer
         assert self.transport is not None
         if peer.agent is None:  # dropped meanwhile (found dead, or replaced)
+            self.stats.failure("peer_dead")
             self._apply_recv(ev.PeerDead(req=req, peer=f"{peer.engine}@{peer.address}"))
             return
         h = self.transport.post_read(peer.agent, start.local_block_ids, start.remote_block_ids,
@@ -827,7 +838,7 @@ class WorkerHalf:
             return
         deadline = self.loop.now_ns() + int(self.cfg.handshake_timeout_s * _S)
         rid = self.client.abandon(io.peer.address, [io.start.remote_req], deadline_ns=deadline)
-        self._oneway[rid] = io.peer
+        self._oneway[rid] = (io.peer, self.loop.now_ns())
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
 
@@ -860,7 +871,7 @@ class WorkerHalf:
             return  # nobody to tell; its lease will free the blocks
         deadline = self.loop.now_ns() + int(self.cfg.handshake_timeout_s * _S)
         rid = self.client.abandon(peer.address, [io.start.remote_req], deadline_ns=deadline)
-        self._oneway[rid] = peer
+        self._oneway[rid] = (peer, self.loop.now_ns())
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
 
@@ -879,7 +890,7 @@ class WorkerHalf:
             return
         deadline = self.loop.now_ns() + int(self.cfg.handshake_timeout_s * _S)
         rid = self.client.heartbeat(peer.address, target.claims, deadline_ns=deadline)
-        self._oneway[rid] = peer
+        self._oneway[rid] = (peer, self.loop.now_ns())
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
 

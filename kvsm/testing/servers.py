@@ -79,10 +79,14 @@ class ServerSpec:
     block_size: int = 128
     log_stats: bool = False  # vLLM's stats (and so /metrics) cost CPU; on for metric checks
     extra_args: Sequence[str] = ()
+    # vLLM's kv_load_failure_policy ("fail" | "recompute"); None leaves vLLM's default ("fail").
+    kv_load_failure_policy: str | None = None
 
     def kv_transfer_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {"kv_connector": self.connector, "kv_role": self.kv_role,
                                "engine_id": self.engine_id or self.name, "kv_buffer_device": "cpu"}
+        if self.kv_load_failure_policy is not None:
+            cfg["kv_load_failure_policy"] = self.kv_load_failure_policy
         extra = dict(self.extra_config)
         if self.connector == "KVSMConnector":
             cfg["kv_connector_module_path"] = "kvsm.connector"
