@@ -19,8 +19,17 @@ one reply on stdout. Commands (``w`` names a worker):
 ``wait_sent`` w, reqs, within                        block until all reqs are sent
 ``state``   w               WorkerHalf.debug_state()
 ``hold_notifs`` w, seconds  deliver NIXL notifications to the loop only after ``seconds``
+``inject``  w, path, victim, times, hold, skip   make one loop handler raise (``inject_fault``)
+``faults``  w               {path: times raised} of every fault injected into ``w``
+``clear_faults`` w          restore every handler ``inject`` replaced
+``fill``    w, blocks, seed overwrite those blocks of every layer with ``pattern(seed)``'s
+                            (the prefill engine reusing freed blocks for another request)
 ``flush``                   flush every event log
 ``quit``                    shut every worker down and exit
+
+A worker spec may carry ``"geometry"`` (overrides of ``GEOMETRY``, e.g. bigger
+blocks so that a read takes long enough to kill the process during it); the
+decode side must then use the same overrides.
 
 Start-up prints ``{"ready": true, "pid": ..., "workers": {name: {"agent", "port"}}}``.
 A background thread drains every worker's ``take_results`` every 2 ms and
@@ -55,37 +64,42 @@ def layer_names(layers: int = GEOMETRY["layers"]) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
 
 
-def shape() -> tuple[int, int, int, int]:
-    g = GEOMETRY
+def geometry(overrides: dict[str, int] | None = None) -> dict[str, int]:
+    """``GEOMETRY`` with ``overrides`` (a worker spec's ``"geometry"``)."""
+    return {**GEOMETRY, **(overrides or {})}
+
+
+def shape(geom: dict[str, int] | None = None) -> tuple[int, int, int, int]:
+    g = geometry(geom)
     return (g["num_blocks"], g["kv_heads"], g["block_size"], 2 * g["head_size"])
 
 
-def pattern(seed: int) -> np.ndarray:
+def pattern(seed: int, geom: dict[str, int] | None = None) -> np.ndarray:
     """The bytes of every layer of a cache filled with ``seed``: ``[layers, *shape]`` int32.
 
     Random per (layer, block, element), so a block read from the wrong remote
     block, the wrong layer or the wrong engine never compares equal."""
-    return np.random.default_rng(seed).integers(-(2**31), 2**31, size=(GEOMETRY["layers"], *shape()),
+    return np.random.default_rng(seed).integers(-(2**31), 2**31, size=(geometry(geom)["layers"], *shape(geom)),
                                                 dtype=np.int32)
 
 
-def make_caches(seed: int | None) -> dict[str, Any]:
+def make_caches(seed: int | None, geom: dict[str, int] | None = None) -> dict[str, Any]:
     """Per-layer float32 KV caches: ``pattern(seed)`` (prefill) or zeros (``seed=None``, decode)."""
     import torch
 
     caches = {}
-    pat = pattern(seed) if seed is not None else None
-    for i, name in enumerate(layer_names()):
-        t = torch.zeros(shape(), dtype=torch.float32)
+    pat = pattern(seed, geom) if seed is not None else None
+    for i, name in enumerate(layer_names(geometry(geom)["layers"])):
+        t = torch.zeros(shape(geom), dtype=torch.float32)
         if pat is not None:
             t.view(torch.int32).numpy()[...] = pat[i]
         caches[name] = t
     return caches
 
 
-def compat_fields(**overrides: Any) -> dict[str, Any]:
+def compat_fields(geom: dict[str, int] | None = None, **overrides: Any) -> dict[str, Any]:
     """The CompatInfo both sides use (overrides make an incompatible one)."""
-    g = GEOMETRY
+    g = geometry(geom)
     fields = {"model": "kvsm-test-tiny", "dtype": "float32", "num_layers": g["layers"],
               "num_kv_heads": g["kv_heads"], "head_size": g["head_size"], "block_size": g["block_size"],
               "kv_layout": f"block-major {g['kv_heads']}x{g['block_size']}x{2 * g['head_size']}"}
@@ -93,14 +107,16 @@ def compat_fields(**overrides: Any) -> dict[str, Any]:
     return fields
 
 
-def config_fields(engine_id: str, kv_role: str, port: int, **overrides: Any) -> dict[str, Any]:
+def config_fields(engine_id: str, kv_role: str, port: int, geom: dict[str, int] | None = None,
+                  **overrides: Any) -> dict[str, Any]:
     """KVSMConfig keyword arguments for a test worker."""
     fields: dict[str, Any] = {
         "engine_id": engine_id, "kv_role": kv_role, "kv_buffer_device": "cpu", "side_channel_host": "127.0.0.1",
         "side_channel_port": port, "lease_s": 30.0, "heartbeat_interval_s": 5.0, "handshake_timeout_s": 2.0,
         "transfer_timeout_s": 5.0, "peer_backoff_s": 1.0, "peer_backoff_max_s": 4.0,
         "notif_poll_interval_s": 0.001, "event_log_dir": None, "backends": ("UCX",), "tp_size": 1, "dp_rank": 0,
-        "pp_size": 1, "dcp_size": 1, "block_size": GEOMETRY["block_size"], "kv_load_failure_policy": "fail"}
+        "pp_size": 1, "dcp_size": 1, "block_size": geometry(geom)["block_size"],
+        "kv_load_failure_policy": "fail"}
     fields.update(overrides)
     return fields
 
@@ -108,6 +124,121 @@ def config_fields(engine_id: str, kv_role: str, port: int, **overrides: Any) -> 
 def agent_name(engine_id: str) -> str:
     """The agent name kvsm.connector gives rank 0 of ``engine_id`` (a restart keeps it)."""
     return f"kvsm-{engine_id}-dp0-tp0"
+
+
+# --------------------------------------------------------------------- fault injection
+
+
+class InjectedFault(RuntimeError):
+    """What an injected handler raises (a bug in that handler, as the loop sees it)."""
+
+
+def _mentions(victim: str, value: Any, depth: int = 0) -> bool:
+    """Whether one handler argument (a request id, an event or a RecvStart, a list
+    of claims, a ``_Claim`` with its ``reqs``, notifications) concerns ``victim``."""
+    if depth > 6:
+        return False
+    if isinstance(value, str):
+        return value == victim
+    if isinstance(value, bytes):
+        return value == victim.encode()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_mentions(victim, v, depth + 1) for v in value)
+    if getattr(value, "req", None) == victim:
+        return True
+    reqs = getattr(value, "reqs", None)
+    return reqs is not None and _mentions(victim, reqs, depth + 1)
+
+
+class Fault:
+    """One handler replaced by a wrapper that raises ``InjectedFault``.
+
+    ``path`` names the handler from the WorkerHalf: an attribute chain
+    (``_lease_expired``, ``server._provide``, ``transport.get_notifs``) whose last
+    step may be a key of a dict (``_send_effects.free_blocks``: the effect tables
+    hold bound methods taken at construction, so patching the method would miss
+    them). It raises when an argument concerns ``victim`` (every time, or
+    ``times`` times), or with no victim the next ``times`` calls; the first
+    ``skip`` such calls pass (to reach a later call site). ``hold=True``
+    runs the handler first and, when its result concerns the victim (or, with no
+    victim, is not empty), keeps the result for the next call and raises: a
+    ``get_notifs`` that fails after taking notifications off NIXL, without
+    losing them."""
+
+    def __init__(self, root: Any, path: str, *, victim: str | None = None, times: int | None = None,
+                 hold: bool = False, skip: int = 0) -> None:
+        *parents, self.leaf = path.split(".")
+        obj = root
+        for name in parents:
+            obj = getattr(obj, name)
+        self.path = path
+        self.container = obj
+        self.is_item = isinstance(obj, dict)
+        self.original = obj[self.leaf] if self.is_item else getattr(obj, self.leaf)
+        self.had_own = self.is_item or self.leaf in getattr(obj, "__dict__", {})
+        self.victim = victim
+        self.left = times if times is not None else (None if victim is not None else 1)
+        self.hold = hold
+        self.skip = skip
+        self.held: list[Any] = []
+        self.fired = 0
+        self.calls = 0
+        self._set(self._wrapper())
+
+    def _set(self, fn: Any) -> None:
+        if self.is_item:
+            self.container[self.leaf] = fn
+        else:
+            setattr(self.container, self.leaf, fn)
+
+    def _armed(self, concerned: bool) -> bool:
+        if not concerned or (self.left is not None and self.left <= 0):
+            return False
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def _raise(self) -> None:
+        self.fired += 1
+        if self.left is not None:
+            self.left -= 1
+        who = f" for {self.victim}" if self.victim is not None else ""
+        raise InjectedFault(f"injected into {self.path}{who}")
+
+    def _wrapper(self) -> Any:
+        original = self.original
+
+        def wrapped(*args: Any, **kw: Any) -> Any:
+            self.calls += 1
+            if self.hold:
+                got = self.held + list(original(*args, **kw))
+                self.held = []
+                concerned = bool(got) if self.victim is None else any(
+                    _mentions(self.victim, item) for item in got)
+                if self._armed(concerned):
+                    self.held = got
+                    self._raise()
+                return got
+            concerned = self.victim is None or _mentions(self.victim, (args, tuple(kw.values())))
+            if self._armed(concerned):
+                self._raise()
+            return original(*args, **kw)
+
+        wrapped.__name__ = getattr(original, "__name__", self.leaf)
+        return wrapped
+
+    def restore(self) -> None:
+        if self.had_own:
+            self._set(self.original)
+        else:
+            delattr(self.container, self.leaf)
+
+
+def inject_fault(half: Any, path: str, *, victim: str | None = None, times: int | None = None,
+                 hold: bool = False, skip: int = 0) -> Fault:
+    """Make the handler at ``path`` of WorkerHalf ``half`` raise (see ``Fault``)."""
+    return Fault(half, path, victim=victim, times=times, hold=hold, skip=skip)
 
 
 # --------------------------------------------------------------------- vLLM stand-ins
@@ -160,16 +291,18 @@ class _Worker:
         self.name = spec["name"]
         self.engine_id = spec["engine_id"]
         self.port = spec["port"]
-        self.caches = make_caches(spec["seed"])
+        self.geom = spec.get("geometry")
+        self.caches = make_caches(spec["seed"], self.geom)
         self.transport = NixlTransport(agent_name(self.engine_id), describe_kv_caches(self.caches))
-        self.compat = CompatInfo(**compat_fields(**spec.get("compat", {})))
-        self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_producer", self.port,
+        self.compat = CompatInfo(**compat_fields(self.geom, **spec.get("compat", {})))
+        self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_producer", self.port, self.geom,
                                               lease_s=spec.get("lease_s", 30.0)))
         self.log = EventLog(spec["log"], role="worker", engine_id=self.engine_id, rank=0) if spec.get("log") else None
         self.half = WorkerHalf(self.cfg, 0, event_log=self.log)
         self.started = False
         self.sent: dict[str, float] = {}
         self.other: dict[str, list[str]] = {"recving": [], "failed": [], "invalid": []}
+        self.faults: list[Fault] = []
 
     def start(self) -> None:
         if not self.started:
@@ -194,6 +327,14 @@ class _Worker:
             return out
 
         self.transport.get_notifs = get_notifs  # the loop calls it through the instance
+
+    def fill(self, blocks: list[int], seed: int) -> None:
+        """Overwrite ``blocks`` of every layer with ``pattern(seed)``'s same blocks."""
+        import torch
+
+        new = pattern(seed, self.geom)
+        for i, name in enumerate(layer_names(geometry(self.geom)["layers"])):
+            self.caches[name].view(torch.int32).numpy()[blocks] = new[i][blocks]
 
     def drain(self) -> None:
         if not self.started:
@@ -260,6 +401,22 @@ class Peer:
             return {"state": self.workers[cmd["w"]].half.debug_state()}
         if op == "hold_notifs":
             self.workers[cmd["w"]].hold_notifs(cmd["seconds"])
+            return {}
+        if op == "inject":
+            w = self.workers[cmd["w"]]
+            w.faults.append(inject_fault(w.half, cmd["path"], victim=cmd.get("victim"), times=cmd.get("times"),
+                                         hold=cmd.get("hold", False), skip=cmd.get("skip", 0)))
+            return {}
+        if op == "faults":
+            return {"faults": {f.path: f.fired for f in self.workers[cmd["w"]].faults}}
+        if op == "clear_faults":
+            w = self.workers[cmd["w"]]
+            for f in reversed(w.faults):
+                f.restore()
+            w.faults.clear()
+            return {}
+        if op == "fill":
+            self.workers[cmd["w"]].fill(cmd["blocks"], cmd["seed"])
             return {}
         if op == "flush":
             for w in self.workers.values():
