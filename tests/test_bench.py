@@ -1,10 +1,19 @@
-"""Smoke test of tools/bench.py: the implemented sections run end to end at the
-smallest sizes and print their tables with numbers (about 20 s on 2 cores)."""
+"""Smoke tests of tools/bench.py at the smallest sizes: every implemented
+section runs end to end and prints its table with numbers (the numbers
+themselves are not judged, except where a behaviour is many times the noise).
+
+* ``test_bench_smoke``: sections 1, 4, 5 in process (about 20 s on 2 cores).
+* ``test_bench_servers_smoke``: sections 6 and 7 (7 includes real vLLM server
+  pairs): four pairs of API servers, kvsm and upstream (about 3 min on 2 cores).
+
+Sections 2 and 3 (tools/bench_nixl.py, another module) are not run here.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +24,23 @@ pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "tools" / "bench.py"
-SECTIONS = {1: "scheduler", 4: "eventlog", 5: "replay", 7: "handshake"}
 NUMBER = r"-?[\d,]+(?:\.\d+)?(?:e[-+]?\d+)?"
 
 
-def _table(out: str, number: int, name: str) -> list[list[str]]:
-    """The data rows of one section's table, as lists of cell texts."""
+def _run(tmp_path: Path, only: str, timeout: float) -> tuple[str, dict]:
+    out_json = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--repeat", "1", "--only", only, "--json", str(out_json)],
+        check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-5000:]}"
+    assert re.search(r"^machine: \d+ CPUs .*Python 3\.\d+.*vllm", out, re.MULTILINE), out[:500]
+    return out, json.loads(out_json.read_text())
+
+
+def _table(out: str, number: int, name: str) -> dict[str, list[str]]:
+    """The data rows of one section's table: measure (with unit) -> its 6 cells."""
     m = re.search(rf"^### {number}\. {name}: .*?$(.*?)(?=^### |\Z)", out, re.MULTILINE | re.DOTALL)
     assert m, f"section header '### {number}. {name}' missing from:\n{out}"
     lines = [ln for ln in m.group(1).splitlines() if ln.startswith("|")]
@@ -31,48 +51,103 @@ def _table(out: str, number: int, name: str) -> list[list[str]]:
     for row in rows:
         assert len(row) == 6, row
         assert re.fullmatch(NUMBER, row[1]), f"section {name}: kvsm cell is not a number: {row}"
-    return rows
+    return {row[0]: row for row in rows}
 
 
 def _num(cell: str) -> float:
     return float(cell.replace(",", ""))
 
 
+def _find(rows: dict[str, list[str]], start: str) -> list[str]:
+    hits = [r for m, r in rows.items() if m.startswith(start)]
+    assert len(hits) == 1, f"one row starting {start!r} expected, got {len(hits)} in {list(rows)}"
+    return hits[0]
+
+
+def _side_by_side(row: list[str]) -> None:
+    """Both connectors measured: two numbers and their ratio."""
+    assert re.fullmatch(NUMBER, row[2]), f"upstream cell is not a number: {row}"
+    assert re.fullmatch(r"\d+\.\d+x", row[3]) or (row[3] == "-" and _num(row[2]) == 0), row
+
+
 def test_bench_smoke(tmp_path: Path) -> None:
-    out_json = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--quick", "--repeat", "1",
-         "--only", "scheduler,eventlog,replay,handshake,worker", "--json", str(out_json)],
-        check=False, capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-5000:]}"
-    assert re.search(r"^machine: \d+ CPUs .*Python 3\.\d+.*vllm", out, re.MULTILINE), out[:500]
+    out, data = _run(tmp_path, "scheduler,eventlog,replay", timeout=240)
 
     sched = _table(out, 1, "scheduler")
-    hook_rows = [r for r in sched if "hooks, log on" in r[0]]
-    assert len(hook_rows) == 4, sched  # decode/prefill x 2 sizes
-    for row in sched:
-        assert re.fullmatch(NUMBER, row[2]), f"upstream cell is not a number: {row}"
-        ratio = re.fullmatch(r"(\d+\.\d+)x", row[3])
-        assert ratio, f"ratio cell is not 'N.NNx': {row}"
-    for row in hook_rows:
-        assert _num(row[1]) > 0 and _num(row[2]) > 0, row  # both connectors' hooks were timed
-        assert float(row[3].rstrip("x")) > 0, row
-        assert row[4].startswith("<= 1.0x"), row
+    for log in ("on", "off"):
+        hook_rows = [r for m, r in sched.items() if f"hooks, log {log}" in m]
+        assert len(hook_rows) == 4, sched  # decode/prefill x 2 sizes
+        for row in hook_rows:
+            _side_by_side(row)
+            assert _num(row[1]) > 0 and _num(row[2]) > 0, row  # both connectors' hooks were timed
+            assert row[4].startswith("<= 1.0x"), row
+    for row in sched.values():
+        _side_by_side(row)
 
-    for number, name in ((4, "eventlog"), (5, "replay"), (7, "handshake")):
-        for row in _table(out, number, name):
+    for number, name in ((4, "eventlog"), (5, "replay")):
+        for row in _table(out, number, name).values():
             assert row[2] == "n/a" and row[3] == "n/a", row
-    replay = _table(out, 5, "replay")
+    replay = list(_table(out, 5, "replay").values())
     assert "events/s" in replay[0][0] and _num(replay[0][1]) > 0, replay
-    handshake = _table(out, 7, "handshake")
-    assert _num(handshake[0][1]) > 0, handshake
 
-    assert re.search(r"^### 2\. worker: .*\n\nnot implemented yet", out, re.MULTILINE), out
-
-    data = json.loads(out_json.read_text())
-    assert set(data["sections"]) == {*SECTIONS.values(), "worker"}
-    assert data["sections"]["worker"]["implemented"] is False
+    assert set(data["sections"]) == {"scheduler", "eventlog", "replay"}
     first = data["sections"]["scheduler"]["rows"][0]
     assert first["ratio"] > 0 and first["kvsm"]["values"] and first["upstream"]["values"]
+
+
+def _closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        try:
+            s.connect(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def test_bench_servers_smoke(tmp_path: Path) -> None:
+    """Sections 6 and 7 on real servers, kvsm and upstream pairs one after the other."""
+    out, data = _run(tmp_path, "e2e,handshake", timeout=600)
+
+    e2e = _table(out, 6, "e2e")
+    for start in ("decode TTFT p50", "decode TTFT p99", "end to end p50", "end to end p99", "end to end max",
+                  "decode alone, 4 arriving at once (prefills done before): TTFT p50",
+                  "first request through the fresh pair"):
+        row = _find(e2e, start)
+        _side_by_side(row)
+        assert _num(row[1]) > 0 and _num(row[2]) > 0, row
+    assert _find(e2e, "decode TTFT p50")[4].startswith("<= 1.0x"), e2e
+    assert _find(e2e, "end to end p99")[4].startswith("<= 0.5x"), e2e
+    # Every output equal to the reference, no error, for both connectors.
+    for start in ("outputs different from the reference", "errors, timeouts included"):
+        row = _find(e2e, start)
+        assert row[1] == "0" and row[2] == "0", row
+    assert _num(_find(e2e, "decode engine's prompt tokens that came by KV transfer")[1]) > 50, e2e
+
+    runs = data["sections"]["e2e"]["extra"]["runs"]
+    assert set(runs) == {"kvsm", "upstream"} and all(len(rs) == 1 for rs in runs.values()), runs.keys()
+    for label, (run,) in runs.items():
+        # first + second + the demo's 11 + 4 through the router at once + 4 straight to the decode engine
+        assert len(run["requests"]) == 21, (label, len(run["requests"]))
+        assert not any(r["error"] or r["mismatch"] for r in run["requests"]), (label, run["requests"])
+        assert all(r["total_s"] > 0 for r in run["requests"]), label
+
+    hs = _table(out, 7, "handshake")
+    assert _find(hs, "first request to one fresh peer")[2] == "n/a"  # in process: kvsm only
+    for start in ("servers: first request to a fresh prefill peer", "servers: the next request",
+                  "servers: first request to a fresh peer, a silent dead peer's handshake pending",
+                  "servers: the dead peer's own request"):
+        _side_by_side(_find(hs, start))
+    # The scenario is real: both decode engines gave up on the dead peer at their handshake timeout (5 s) ...
+    dead = _find(hs, "servers: the dead peer's own request")
+    assert _num(dead[1]) >= 4 and _num(dead[2]) >= 4, dead
+    # ... and kvsm's first request to the healthy peer did not wait for it (upstream's queued behind it).
+    behind = _find(hs, "servers: first request to a fresh peer, a silent dead peer's handshake pending")
+    assert _num(behind[1]) < 2500, behind
+
+    # Every server and router the bench started is gone: their ports are closed again.
+    ports = [p for rs in runs.values() for run in rs for p in run["ports"]]
+    ports += [p for rs in data["sections"]["handshake"]["extra"]["server_runs"].values() for run in rs
+              for p in run["ports"]]
+    assert len(ports) >= 2 * 5 + 2 * 7, ports
+    assert all(_closed(p) for p in ports), [p for p in ports if not _closed(p)]

@@ -1,23 +1,28 @@
 #!/usr/bin/env python3
 """kvsm against upstream NixlConnector, measured in the same run.
 
-    python tools/bench.py [--only SECTION,...] [--repeat N] [--quick] [--json FILE]
+    python tools/bench.py [--only SECTION,...] [--repeat N] [--e2e-repeat N] [--quick] [--json FILE]
 
 Sections (the default runs those that are implemented):
 
 1. ``scheduler``  scheduler-side cost per request: vLLM's real Scheduler driven
-   by ``kvsm.testing.scheduler`` with 256 requests in flight (decode role
-   ``kv_consumer`` and prefill role ``kv_producer``); the time spent inside the
-   connector's scheduler-side hooks, and the whole run's time over a run
-   without any connector.
+   by ``kvsm.testing.scheduler`` with 1,000 and 10,000 requests, 256 in flight
+   (decode role ``kv_consumer`` and prefill role ``kv_producer``); the time
+   spent inside the connector's scheduler-side hooks (kvsm with its event log
+   on and off), and the whole run's time over a run without any connector.
 2. ``worker``     worker-side cost per step (not implemented yet).
 3. ``transfer``   transfer throughput (not implemented yet).
 4. ``eventlog``   kvsm's event log: µs per event on the hot path, bytes per
    event on disk, writer throughput.
 5. ``replay``     ``kvsm.replay.analyse`` events/s over a simulated log.
-6. ``e2e``        end to end on servers (not implemented yet).
+6. ``e2e``        end to end on real vLLM API servers (prefill core 0, decode
+   core 1, ``kvsm.router`` in front), kvsm vs upstream ``NixlConnector``: the
+   demo's prompt mix, then 50 requests at once; decode TTFT and end-to-end
+   latency p50/p99/max, errors, timeouts, outputs against the reference.
+   Repeated ``--e2e-repeat`` times (default: ``--repeat``, at most 3).
 7. ``handshake``  first-request latency to a fresh peer, and to healthy peers
-   with a dead one among them (kvsm only).
+   with a dead one among them: in process (kvsm only), and on real servers
+   (kvsm vs upstream).
 
 This machine is noisy (2 cores, shared): every measurement is repeated
 (``--repeat``, default 5), kvsm and upstream runs alternate (the order rotates
@@ -51,10 +56,12 @@ if __name__ == "__main__":
     _reexec_in_venv()
 
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # bench_nixl
 # vLLM logs to stdout by default: keep its INFO lines out of the tables.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import argparse
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import datetime
@@ -62,11 +69,16 @@ import gc
 import json
 import math
 import platform
+import random
+import signal
 import socket
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,16 +92,22 @@ from kvsm.testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports n
 class Target:
     """What a row is judged against: ``kind`` is ``ratio_max`` (kvsm/upstream
     at most ``value``), ``max`` / ``min`` (kvsm's median at most / at least
-    ``value``), or ``none`` (only ``text`` is shown)."""
+    ``value``), ``each_max`` (every repetition of kvsm at most ``value``), or
+    ``none`` (only ``text`` is shown). A row that failed is never met."""
 
     kind: str
     value: float | None
     text: str
 
     def met(self, row: Row) -> bool | None:
+        if row.failed:
+            return False
         if self.kind == "ratio_max":
             r = row.ratio
             return None if r is None else r <= self.value
+        if self.kind == "each_max":  # every repetition, not just the median (counts of bad things)
+            vals = [v for v in row.kvsm if v is not None and not math.isnan(v)]
+            return None if not vals else max(vals) <= self.value
         k = row.kvsm_median
         if k is None:
             return None
@@ -111,6 +129,9 @@ class Row:
     upstream: list[float] | None = None  # None: no upstream equivalent
     target: Target = NO_TARGET
     note: str = ""
+    # Sides ("kvsm", "upstream") whose numbers must not be read: e.g. outputs that
+    # differed from the reference. Their cells show FAILED instead of a number.
+    failed: frozenset[str] = frozenset()
 
     @property
     def kvsm_median(self) -> float | None:
@@ -147,6 +168,7 @@ class Row:
             "target": self.target.text or None,
             "target_met": met,
             "note": self.note or None,
+            "failed": sorted(self.failed) or None,
         }
 
 
@@ -160,6 +182,7 @@ class Section:
     extra: dict[str, Any] = field(default_factory=dict)
     implemented: bool = True
     seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)  # non-empty: the run fails (exit status 1)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -169,6 +192,7 @@ class Section:
             "seconds": round(self.seconds, 2),
             "rows": [r.to_json() for r in self.rows],
             "notes": self.notes,
+            "failures": self.failures,
             "extra": self.extra,
         }
 
@@ -224,29 +248,38 @@ def render_section(sec: Section) -> str:
     lines.append("| --- | ---: | ---: | ---: | --- | --- |")
     for r in sec.rows:
         unit = f" ({r.unit})" if r.unit else ""
-        up = "n/a" if r.upstream is None else fmt(r.upstream_median)
-        ratio = "n/a" if r.upstream is None else (f"{r.ratio:.2f}x" if r.ratio is not None else "-")
+        kv = "FAILED" if "kvsm" in r.failed else fmt(r.kvsm_median)
+        up = "n/a" if r.upstream is None else "FAILED" if "upstream" in r.failed else fmt(r.upstream_median)
+        ratio = "n/a" if r.upstream is None else (f"{r.ratio:.2f}x" if r.ratio is not None and not r.failed else "-")
         met = r.target.met(r)
         target = r.target.text
-        if target and met is not None:
+        if r.failed:
+            target = (target + " " if target else "") + "FAILED (" + ", ".join(sorted(r.failed)) + ")"
+        elif target and met is not None:
             target += " met" if met else " MISSED"
         if r.upstream is None:
-            spread = _spread(r.kvsm)
+            spread = "FAILED" if r.failed else _spread(r.kvsm)
         else:
-            spread = f"kvsm {_spread(r.kvsm)}; upstream {_spread(r.upstream)}"
+            k_spread = "FAILED" if "kvsm" in r.failed else _spread(r.kvsm)
+            u_spread = "FAILED" if "upstream" in r.failed else _spread(r.upstream)
+            spread = f"kvsm {k_spread}; upstream {u_spread}"
             paired = r.paired_ratios
-            if len(paired) > 1:
+            if len(paired) > 1 and not r.failed:
                 spread += f"; ratio per repetition {min(paired):.2f}-{max(paired):.2f}x"
         measure = r.measure + unit + (f" [{r.note}]" if r.note else "")
-        lines.append(f"| {measure} | {fmt(r.kvsm_median)} | {up} | {ratio} | {target} | {spread} |")
-    if sec.notes:
+        lines.append(f"| {measure} | {kv} | {up} | {ratio} | {target} | {spread} |")
+    if sec.notes or sec.failures:
         lines.append("")
+        lines.extend(f"- FAILED: {f}" for f in sec.failures)
         lines.extend(f"- {n}" for n in sec.notes)
     lines.append(f"\n({sec.seconds:.0f} s)")
     return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- sizes
+
+
+E2E_DEFAULT_REPEAT = 3  # 6., 7.: each repetition starts four or more vLLM servers (minutes)
 
 
 @dataclass(frozen=True)
@@ -258,11 +291,19 @@ class Sizes:
     replay_events: int
     hs_trials: int  # per scenario, per repetition
     hs_deadline_ms: int
+    worker_inflight: tuple[int, ...] = (16, 256)  # 2. transfers in flight per step
+    worker_steps: int = 200  # 2. steps measured per repetition
+    transfer_blocks: int = 4096  # 3. blocks moved per transfer
+    transfer_block_kib: int = 64  # 3. bytes per block
+    e2e_requests: int = 50  # 6. concurrent requests after the prompt mix
+    hs_server_repeat: int = E2E_DEFAULT_REPEAT  # 7. most repetitions on servers (0: none), ~2 min each
 
 
 DEFAULT_SIZES = Sizes((1_000, 10_000), 256, 200_000, 1_000_000, 1_000_000, 20, 200)
-QUICK_SIZES = Sizes((200, 1_000), 256, 50_000, 200_000, 100_000, 10, 200)
-SMOKE_SIZES = Sizes((64, 256), 64, 5_000, 20_000, 10_000, 3, 100)
+QUICK_SIZES = Sizes((200, 1_000), 256, 50_000, 200_000, 100_000, 10, 200, worker_steps=50, transfer_blocks=1024,
+                    e2e_requests=20, hs_server_repeat=2)
+SMOKE_SIZES = Sizes((64, 256), 64, 5_000, 20_000, 10_000, 3, 100, worker_inflight=(4, 16), worker_steps=5,
+                    transfer_blocks=64, transfer_block_kib=16, e2e_requests=4, hs_server_repeat=1)
 
 
 def _free_port() -> int:
@@ -657,6 +698,481 @@ def bench_replay(sizes: Sizes, repeat: int, tmp: Path) -> Section:
     return sec
 
 
+# --------------------------------------------------------------------------- 6. e2e
+
+E2E_CONNECTORS = (("kvsm", "KVSMConnector"), ("upstream", "NixlConnector"))
+E2E_MAX_TOKENS = 16  # as tools/pd_demo.py
+E2E_VOCAB = 1100  # token ids 10..1099 exist in the tiny model's vocabulary (as tools/pd_demo.py)
+# Generous: DESIGN.md saw upstream requests take 40-80 s on this machine. A
+# request silent for this long is counted as a timeout (and its latency kept at
+# what it had reached, a lower bound), never dropped.
+E2E_REQUEST_TIMEOUT_S = 180.0
+E2E_SLOW_S = 2.0  # "slow request" threshold for the count row
+
+
+@dataclass
+class E2ERequest:
+    """One request of the end-to-end run and what became of it (times in s, client side)."""
+
+    name: str
+    prompt: list[int]
+    request_id: str
+    stream: bool = True
+    text: str = ""
+    ttft_s: float | None = None  # send -> first streamed chunk
+    total_s: float | None = None  # send -> last byte (a timed-out request: send -> giving up)
+    prefill_s: float | None = None  # the router's prefill step (its X-KVSM-Prefill-Ms header)
+    error: str = ""
+    timed_out: bool = False
+    reference: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # sent as is (a request straight to a decode engine)
+
+    @property
+    def decode_ttft_s(self) -> float | None:
+        """First token on the decode engine: the client's TTFT less the router's prefill step
+        (for a timed-out request, the time it had waited: a lower bound)."""
+        first = self.ttft_s
+        if first is None and self.timed_out:
+            first = self.total_s
+        if first is None:
+            return None
+        return first - self.prefill_s if self.prefill_s is not None else first
+
+    @property
+    def mismatch(self) -> bool:
+        return not self.error and self.reference is not None and self.text != self.reference
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "prompt_tokens": len(self.prompt), "stream": self.stream,
+                "ttft_s": self.ttft_s, "decode_ttft_s": self.decode_ttft_s, "total_s": self.total_s,
+                "prefill_s": self.prefill_s, "error": self.error or None, "timed_out": self.timed_out,
+                "mismatch": self.mismatch}
+
+
+def _e2e_request(url: str, model: str, req: E2ERequest, timeout_s: float = E2E_REQUEST_TIMEOUT_S) -> E2ERequest:
+    """Send one completion through the router; fill in ``req`` (never raises)."""
+    body = {"model": model, "prompt": req.prompt, "max_tokens": E2E_MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": req.stream}
+    if req.kv_transfer_params is not None:
+        body["kv_transfer_params"] = req.kv_transfer_params
+    http = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json", "X-Request-Id": req.request_id})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(http, timeout=timeout_s) as resp:
+            prefill_ms = resp.headers.get("X-KVSM-Prefill-Ms")
+            if prefill_ms is not None:
+                req.prefill_s = float(prefill_ms) / 1000
+            if req.stream:
+                parts: list[str] = []
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:  # the router ends a broken stream with an error event
+                        raise RuntimeError(f"stream error: {chunk['error'].get('message')}")
+                    choices = chunk.get("choices") or []
+                    if choices and req.ttft_s is None:
+                        req.ttft_s = time.perf_counter() - t0
+                    parts.append("".join(c.get("text", "") for c in choices))
+                req.text = "".join(parts)
+            else:
+                req.text = json.loads(resp.read())["choices"][0]["text"]
+                req.ttft_s = time.perf_counter() - t0
+        req.total_s = time.perf_counter() - t0
+    except urllib.error.HTTPError as e:
+        req.error = f"HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
+    except (TimeoutError, urllib.error.URLError) as e:
+        if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+            req.timed_out = True
+            req.total_s = time.perf_counter() - t0
+            req.error = f"no answer for {timeout_s:g} s"
+        else:
+            req.error = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - counted as an error of this request
+        req.error = f"{type(e).__name__}: {e}"
+    return req
+
+
+def _metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def _run_concurrently(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> list[Any]:
+    """``fn`` over ``items`` on ``workers`` threads. On an error or Ctrl-C the
+    pending ones are cancelled and this returns at once; the caller then stops
+    the servers, which ends the requests still running."""
+    ex = cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="bench-e2e")
+    ok = False
+    try:
+        results = list(ex.map(fn, items))
+        ok = True
+        return results
+    finally:
+        ex.shutdown(wait=ok, cancel_futures=not ok)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM becomes KeyboardInterrupt while servers run, so the ``finally``
+    clauses that stop them run on ``kill`` as on Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C / SIGTERM wait until the block is done (stopping servers must not
+    be cut short by the very signal that asked for it), then raise."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        pending.append(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        if pending:
+            raise KeyboardInterrupt(f"signal {pending[0]}")
+
+
+class ServerPair:
+    """A prefill (core 0) and a decode (core 1) vLLM API server with one
+    connector, and the kvsm router in front of them: the same servers, core
+    binding and router code whichever the connector. ``stop`` takes all of it
+    down, whatever happened before."""
+
+    def __init__(self, connector: str, model: str, workdir: Path, event_log_dir: Path | None = None) -> None:
+        from kvsm.testing.servers import VLLMServer, free_port, pd_specs
+
+        self.model = model
+        self.workdir = workdir
+        specs = pd_specs(connector=connector, event_log_dir=str(event_log_dir) if event_log_dir else None)
+        for spec in specs:
+            spec.log_stats = True  # prompt tokens by source (transfer or local compute) in /metrics
+        self.prefill, self.decode = (VLLMServer(s, model, workdir) for s in specs)
+        self.router_port = free_port()
+        self.router_url = f"http://127.0.0.1:{self.router_port}"
+        self.router: subprocess.Popen | None = None
+        self._router_log: Any = None
+        # Every port a process of this pair listened on (HTTP and side channels): all closed after stop().
+        self.ports = [self.router_port] + [p for s in (self.prefill, self.decode)
+                                           for p in (s.spec.port, s.spec.side_channel_port)]
+
+    def start(self, timeout_s: float = 600.0) -> float:
+        """Start both servers and the router; return the seconds until all answer."""
+        t0 = time.perf_counter()
+        for s in (self.prefill, self.decode):
+            s.start()
+        for s in (self.prefill, self.decode):
+            s.wait_ready(timeout=timeout_s)
+        self._start_router()
+        return time.perf_counter() - t0
+
+    def _start_router(self) -> None:
+        if self._router_log is None:
+            self._router_log = open(self.workdir / "router.log", "a")  # noqa: SIM115 - closed in stop()
+        self.router = subprocess.Popen(
+            [sys.executable, "-m", "kvsm.router", "--prefill", self.prefill.url, "--decode", self.decode.url,
+             "--port", str(self.router_port), "--host", "127.0.0.1", "--timeout", str(E2E_REQUEST_TIMEOUT_S + 60)],
+            cwd=str(ROOT), stdout=self._router_log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.router_url + "/health", timeout=1).read()
+                break
+            except (urllib.error.URLError, OSError) as e:
+                if self.router.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the router did not start: {e}\n"
+                                       f"{(self.workdir / 'router.log').read_text()[-3000:]}") from e
+                time.sleep(0.2)
+
+    def _stop_router(self) -> None:
+        if self.router is not None and self.router.poll() is None:
+            self.router.terminate()
+            try:
+                self.router.wait(10)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+                self.router.wait(10)
+        self.router = None
+
+    def stop(self) -> None:
+        """Stop the router and both servers (SIGTERM, then SIGKILL to whatever is
+        left of each process group after 20 s); a signal meanwhile waits until done."""
+        with _interrupts_deferred():
+            self._stop_router()
+            for s in (self.prefill, self.decode):  # both at once, then wait for each
+                s.terminate()
+            for s in (self.prefill, self.decode):
+                s.stop(timeout=20)
+            if self._router_log is not None:
+                self._router_log.close()
+                self._router_log = None
+
+    def replace_prefill(self, engine_id: str, timeout_s: float = 600.0) -> float:
+        """Stop the prefill server and start a new one (new engine id and ports:
+        a peer the decode engine has never met), router restarted to match;
+        return the seconds until it answers."""
+        import dataclasses as dc
+
+        from kvsm.testing.servers import VLLMServer, free_ports
+
+        t0 = time.perf_counter()
+        self._stop_router()
+        self.prefill.stop(timeout=20)
+        http_port, side_port = free_ports(2)
+        spec = dc.replace(self.prefill.spec, name=engine_id, engine_id=engine_id, port=http_port,
+                          side_channel_port=side_port)
+        self.prefill = VLLMServer(spec, self.model, self.workdir)
+        self.ports += [http_port, side_port]
+        self.prefill.start()
+        self.prefill.wait_ready(timeout=timeout_s)
+        self._start_router()
+        return time.perf_counter() - t0
+
+    def plain(self, server: Any, prompt: list[int]) -> str:
+        """A request to one engine alone, no KV transfer params: warms it up without any handshake."""
+        out = server.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": E2E_MAX_TOKENS,
+                                               "temperature": 0, "ignore_eos": True}, timeout=E2E_REQUEST_TIMEOUT_S)
+        return out["choices"][0]["text"]
+
+    def prefill_for_remote_decode(self, req: E2ERequest) -> dict[str, Any]:
+        """Prefill ``req``'s prompt for a remote decode (what the router's first step does); return
+        the transfer params the decode engine needs."""
+        out = self.prefill.post("/v1/completions", {
+            "model": self.model, "prompt": req.prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}, timeout=E2E_REQUEST_TIMEOUT_S)
+        return out["kv_transfer_params"]
+
+    def reference(self, req: E2ERequest) -> str:
+        """The same request on the prefill engine alone, no KV transfer: what the pair must reproduce."""
+        out = self.prefill.post("/v1/completions", {
+            "model": self.model, "prompt": req.prompt, "max_tokens": E2E_MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}, timeout=E2E_REQUEST_TIMEOUT_S)
+        return out["choices"][0]["text"]
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    v = sorted(values)
+    if not v:
+        return math.nan
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: int, seed: int) -> dict[str, Any]:
+    """One pair's run: start it, one request through the fresh pair (its handshake
+    included) and one through the warm pair, the demo's prompt mix, then
+    ``num_load`` streamed requests at once; references from the prefill engine
+    alone; the decode engine's prompt-token sources; stop it."""
+    from pd_demo import prompts as demo_prompts
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(10, E2E_VOCAB) for _ in range(n)]
+
+    def rid(name: str) -> str:
+        return f"bench-{label}-{seed}-{name}-{rng.randrange(1 << 30):08x}"
+
+    # The same prompts for both connectors of a repetition (same seed).
+    first = E2ERequest("first", ids(200), rid("first"))
+    second = E2ERequest("second", ids(200), rid("second"))
+    mix = [E2ERequest(c.name, c.prompt, rid(f"mix{i}"), stream=c.stream)
+           for i, c in enumerate(demo_prompts(rng, E2E_VOCAB))]
+    load = [E2ERequest(f"load {i}", ids(rng.randrange(16, 400)), rid(f"load{i}")) for i in range(num_load)]
+    burst = [E2ERequest(f"burst {i}", ids(rng.randrange(16, 400)), rid(f"burst{i}")) for i in range(num_load)]
+    pair = ServerPair(connector, model, workdir, event_log_dir=workdir / "event-logs" if label == "kvsm" else None)
+    try:
+        startup_s = pair.start()
+        url = pair.router_url
+        _e2e_request(url, model, first)
+        _e2e_request(url, model, second)
+        for r in mix[:5]:  # as the demo: one by one, then the batch at once
+            _e2e_request(url, model, r)
+        _run_concurrently(lambda r: _e2e_request(url, model, r), mix[5:], len(mix) - 5)
+        gc.collect()
+        t0 = time.perf_counter()
+        _run_concurrently(lambda r: _e2e_request(url, model, r), load, len(load))
+        load_wall_s = time.perf_counter() - t0
+        # Decode alone, arrivals controlled: every prefill done first (straight to the prefill
+        # engine), then all the decode requests at once (straight to the decode engine).
+        kvs = _run_concurrently(pair.prefill_for_remote_decode, burst, len(burst))
+        for r, kv in zip(burst, kvs, strict=True):
+            r.kv_transfer_params = kv
+        gc.collect()
+        _run_concurrently(lambda r: _e2e_request(pair.decode.url, model, r), burst, len(burst))
+        everything = [first, second, *mix, *load, *burst]
+        refs = _run_concurrently(pair.reference, everything, 4)
+        for r, ref in zip(everything, refs, strict=True):
+            r.reference = ref
+        decode_metrics = pair.decode.metrics()
+    finally:
+        pair.stop()
+    sources = {src: _metric_sum(decode_metrics, "vllm:prompt_tokens_by_source_total", source=src)
+               for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    return {"label": label, "seed": seed, "ports": pair.ports, "startup_s": startup_s, "load_wall_s": load_wall_s,
+            "first": first, "second": second, "mix": mix, "load": load, "burst": burst, "prompt_sources": sources}
+
+
+def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+    from kvsm.testing import build_tiny_model
+
+    sec = Section(6, "e2e", f"end to end on servers: demo prompt mix, then {sizes.e2e_requests} concurrent "
+                  "requests (kvsm vs upstream NixlConnector)")
+    model = str(build_tiny_model())
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in E2E_CONNECTORS}
+    with _sigterm_raises():
+        for rep in range(repeat):
+            # One pair at a time (2 cores), the order alternating per repetition.
+            for label, connector in _rotated(E2E_CONNECTORS, rep):
+                runs[label].append(_e2e_run(label, connector, model, tmp / f"e2e-{rep}-{label}",
+                                            sizes.e2e_requests, seed=7 + rep))
+
+    def everyone(run: dict[str, Any]) -> list[E2ERequest]:
+        return [run["first"], run["second"], *run["mix"], *run["load"], *run["burst"]]
+
+    failed = frozenset(label for label, rs in runs.items() if any(r.mismatch for run in rs for r in everyone(run)))
+    for label in sorted(failed):
+        bad = [(i, r) for i, run in enumerate(runs[label]) for r in everyone(run) if r.mismatch]
+        sec.failures.append(f"{label}: {len(bad)} output(s) differ from the prefill engine's own (first: "
+                            f"repetition {bad[0][0]}, {bad[0][1].name}, {len(bad[0][1].prompt)} prompt tokens)")
+
+    def per_run(fn: Callable[[dict[str, Any]], float]) -> dict[str, list[float]]:
+        return {label: [fn(run) for run in rs] for label, rs in runs.items()}
+
+    def load_values(run: dict[str, Any], what: str, part: str = "load") -> list[float]:
+        vals = []
+        for r in run[part]:
+            if r.error and not r.timed_out:
+                continue  # failed at once: counted in the errors row, no latency
+            v = r.decode_ttft_s if what == "decode_ttft" else r.ttft_s if what == "ttft" else r.total_s
+            if v is not None:
+                vals.append(v * 1000)
+        return vals
+
+    def row(measure: str, unit: str, values: dict[str, list[float]], target: Target = NO_TARGET,
+            latency: bool = True) -> Row:
+        return Row(measure, unit, values["kvsm"], values["upstream"], target,
+                   failed=failed if latency else frozenset())
+
+    p50_target = Target("ratio_max", 1.0, "<= 1.0x")
+    p99_target = Target("ratio_max", 0.5, "<= 0.5x")
+    n = sizes.e2e_requests
+    for what, title in (("decode_ttft", "decode TTFT"), ("total", "end to end")):
+        sec.rows.append(row(f"{title} p50", "ms", per_run(lambda run, w=what: _percentile(load_values(run, w), 0.5)),
+                            p50_target))
+        sec.rows.append(row(f"{title} p99", "ms", per_run(lambda run, w=what: _percentile(load_values(run, w), 0.99)),
+                            p99_target))
+        sec.rows.append(row(f"{title} max", "ms",
+                            per_run(lambda run, w=what: max(load_values(run, w), default=math.nan))))
+    sec.rows.append(row("TTFT at the client (prefill + decode TTFT) p50", "ms",
+                        per_run(lambda run: _percentile(load_values(run, "ttft"), 0.5))))
+    for q, title in ((0.5, "p50"), (0.99, "p99")):
+        sec.rows.append(row(f"decode alone, {n} arriving at once (prefills done before): TTFT {title}", "ms",
+                            per_run(lambda run, q=q: _percentile(load_values(run, "decode_ttft", "burst"), q))))
+    sec.rows.append(row(f"decode alone, {n} arriving at once: end to end p50", "ms",
+                        per_run(lambda run: _percentile(load_values(run, "total", "burst"), 0.5))))
+    sec.rows.append(row(f"requests over {E2E_SLOW_S:g} s end to end (of {n})", "",
+                        per_run(lambda run: float(sum(1 for r in run["load"] if (r.total_s or 0) > E2E_SLOW_S)))))
+    sec.rows.append(row(f"{n} requests at once: wall time until the last is done", "s",
+                        per_run(lambda run: run["load_wall_s"])))
+    sec.rows.append(row("first request through the fresh pair (handshake included), end to end", "ms",
+                        per_run(lambda run: (run["first"].total_s or math.nan) * 1000)))
+    sec.rows.append(row("second request (warm pair), end to end", "ms",
+                        per_run(lambda run: (run["second"].total_s or math.nan) * 1000)))
+    total_reqs = len(everyone(runs["kvsm"][0])) if runs["kvsm"] else 0
+    zero = Target("each_max", 0, "0")
+    sec.rows.append(row(f"outputs different from the reference (of {total_reqs} per run)", "",
+                        per_run(lambda run: float(sum(r.mismatch for r in everyone(run)))), zero, latency=False))
+    sec.rows.append(row(f"errors, timeouts included (of {total_reqs} per run)", "",
+                        per_run(lambda run: float(sum(bool(r.error) for r in everyone(run)))), zero, latency=False))
+    sec.rows.append(row(f"timeouts (no answer for {E2E_REQUEST_TIMEOUT_S:g} s)", "",
+                        per_run(lambda run: float(sum(r.timed_out for r in everyone(run)))), zero, latency=False))
+
+    def transferred_pct(run: dict[str, Any]) -> float:
+        s = run["prompt_sources"]
+        total = sum(s.values())
+        return 100 * s["external_kv_transfer"] / total if total else math.nan
+
+    sec.rows.append(row("decode engine's prompt tokens that came by KV transfer", "%", per_run(transferred_pct),
+                        latency=False))
+    sec.rows.append(row("pair start (both servers ready, router up)", "s", per_run(lambda run: run["startup_s"]),
+                        latency=False))
+
+    # Pooled over every repetition: the tail of 50 x repeat requests.
+    pooled = []
+    for label, rs in runs.items():
+        dt = [v for run in rs for v in load_values(run, "decode_ttft")]
+        tot = [v for run in rs for v in load_values(run, "total")]
+        if tot:
+            pooled.append(f"{label} ({len(tot)} requests): decode TTFT p50 {fmt(_percentile(dt, 0.5))}, "
+                          f"p99 {fmt(_percentile(dt, 0.99))}, max {fmt(max(dt, default=math.nan))} ms; end to end "
+                          f"p50 {fmt(_percentile(tot, 0.5))}, p99 {fmt(_percentile(tot, 0.99))}, max "
+                          f"{fmt(max(tot))} ms")
+    sec.notes.append("pooled over all repetitions: " + "; ".join(pooled) + ".")
+    errors = [f"{label} rep {i} {r.name}: {r.error}" for label, rs in runs.items() for i, run in enumerate(rs)
+              for r in everyone(run) if r.error]
+    if errors:
+        sec.notes.append(f"errors ({len(errors)}): " + "; ".join(errors[:6]) + ("; ..." if len(errors) > 6 else ""))
+    refs_differ = sum(a.reference != b.reference for k, u in zip(runs["kvsm"], runs["upstream"], strict=True)
+                      for a, b in zip(everyone(k), everyone(u), strict=True))
+    if refs_differ:
+        sec.notes.append(f"the two pairs' prefill engines gave different references for {refs_differ} prompt(s) "
+                         "(same model and prompts): the reference itself is not stable.")
+    sec.notes.append(
+        f"each run: a fresh prefill server (core 0) and decode server (core 1), `python -m vllm.entrypoints.openai."
+        f"api_server`, tiny local model, float32, eager, block size 128, log stats on; `python -m kvsm.router` in "
+        f"front (unpinned, as the client); kvsm with its event log on. Requests: one 200-token request through "
+        f"the fresh pair, one more, the demo's prompt mix (tools/pd_demo.py: 5 one by one, 6 at once), then "
+        f"{n} streamed requests at once (16-399 random tokens, {E2E_MAX_TOKENS} tokens out, greedy, ignore_eos): "
+        f"the latency rows are over those {n}. decode TTFT = client TTFT - the router's prefill step "
+        f"(X-KVSM-Prefill-Ms): it depends on how the requests reach the decode engine, i.e. on the prefill "
+        f"side's speed (a faster prefill hands the decode engine more requests at once); 'decode alone' "
+        f"controls for that: {n} more prompts prefilled first (straight to the prefill engine, "
+        f"do_remote_decode), then all {n} sent to the decode engine at once (straight, no router). Every output "
+        f"is compared with the prefill engine's own answer (no transfer); "
+        f"a pair with any difference has FAILED latency rows. Timed-out requests stay in the latency rows at the "
+        f"time they had waited (a lower bound).")
+    sec.notes.append(f"{repeat} repetition(s) (this section's default is {E2E_DEFAULT_REPEAT}, not --repeat: each "
+                     f"repetition starts four servers), kvsm and upstream one after the other, order alternating; "
+                     f"per-repetition p50/p99/max, median over repetitions in the table.")
+    sec.extra["runs"] = {label: [{**{k: v for k, v in run.items() if k not in ("first", "second", "mix", "load", "burst")},
+                                  "requests": [r.to_json() for r in everyone(run)]} for run in rs]
+                         for label, rs in runs.items()}
+    return sec
+
+
 # --------------------------------------------------------------------------- 7. handshake
 
 
@@ -786,8 +1302,135 @@ class HandshakeBench:
         self.listener.close()
 
 
+def _handshake_servers_run(label: str, connector: str, model: str, workdir: Path, seed: int) -> dict[str, Any]:
+    """One connector's server pair: the first request to a fresh prefill peer
+    and the next one; then, the prefill server replaced by a fresh one, the
+    first request to it while the decode engine's handshake with a silent dead
+    peer (asked just before) is pending, and the next one."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(10, E2E_VOCAB) for _ in range(n)]
+
+    def ask(name: str) -> E2ERequest:
+        req = E2ERequest(name, ids(200), f"bench-hs-{label}-{seed}-{name}-{rng.randrange(1 << 30):08x}", stream=False)
+        _e2e_request(pair.router_url, model, req)
+        return req
+
+    # The dead peer: accepts TCP (the kernel completes the connection) and never says a byte.
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead.listen(64)
+    dead_result: dict[str, Any] = {}
+    pair = ServerPair(connector, model, workdir)
+    try:
+        pair.start()
+        pair.plain(pair.prefill, ids(200))  # both engines warm, no handshake yet
+        pair.plain(pair.decode, ids(200))
+        fresh, known = ask("fresh"), ask("known")
+        for r in (fresh, known):
+            r.reference = pair.reference(r)
+        pair.replace_prefill(f"prefill-{label}-b")
+        pair.plain(pair.prefill, ids(200))
+        # The dead peer's transfer params: a real prefill answer, pointed at the dead port.
+        prompt = ids(200)
+        kv = pair.prefill_for_remote_decode(E2ERequest("dead peer", prompt, ""))
+        kv.update(remote_engine_id="bench-dead-peer", remote_host="127.0.0.1", remote_port=dead.getsockname()[1])
+
+        def ask_dead() -> None:
+            t0 = time.perf_counter()
+            try:
+                pair.decode.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": E2E_MAX_TOKENS,
+                                                     "temperature": 0, "ignore_eos": True, "kv_transfer_params": kv},
+                                 timeout=E2E_REQUEST_TIMEOUT_S)
+                dead_result["outcome"] = "answered"
+            except urllib.error.HTTPError as e:
+                dead_result["outcome"] = f"HTTP {e.code}"
+            except Exception as e:  # noqa: BLE001 - reported
+                dead_result["outcome"] = type(e).__name__
+            dead_result["s"] = time.perf_counter() - t0
+
+        dead_thread = threading.Thread(target=ask_dead, name="bench-dead-peer-request", daemon=True)
+        dead_thread.start()
+        time.sleep(0.3)  # the decode engine has taken the dead peer's request: its handshake is under way
+        behind, behind_known = ask("behind dead"), ask("behind dead, known")
+        for r in (behind, behind_known):
+            r.reference = pair.reference(r)
+        dead_thread.join(E2E_REQUEST_TIMEOUT_S + 10)
+    finally:
+        dead.close()
+        pair.stop()
+    return {"label": label, "ports": pair.ports, "fresh": fresh, "known": known, "behind": behind,
+            "behind_known": behind_known,
+            "dead_s": dead_result.get("s", math.nan), "dead_outcome": dead_result.get("outcome", "no answer")}
+
+
+def _handshake_server_rows(sec: Section, repeat: int, tmp: Path) -> None:
+    """Section 7 on real servers, kvsm and upstream: see ``_handshake_servers_run``."""
+    from kvsm.testing import build_tiny_model
+
+    model = str(build_tiny_model())
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in E2E_CONNECTORS}
+    with _sigterm_raises():
+        for rep in range(repeat):
+            for label, connector in _rotated(E2E_CONNECTORS, rep):
+                runs[label].append(_handshake_servers_run(label, connector, model, tmp / f"hs-{rep}-{label}",
+                                                          seed=11 + rep))
+    names = ("fresh", "known", "behind", "behind_known")
+    failed = frozenset(label for label, rs in runs.items() if any(run[k].mismatch for run in rs for k in names))
+    for label in sorted(failed):
+        sec.failures.append(f"{label}: an output on servers differs from the prefill engine's own")
+
+    def ms(key: str) -> dict[str, list[float]]:
+        return {label: [(run[key].total_s if not run[key].error else None) or math.nan for run in rs]
+                for label, rs in runs.items()}
+
+    def values(fn: Callable[[dict[str, Any]], float]) -> dict[str, list[float]]:
+        return {label: [fn(run) for run in rs] for label, rs in runs.items()}
+
+    def row(measure: str, unit: str, vals: dict[str, list[float]], target: Target = NO_TARGET) -> Row:
+        return Row(measure, unit, vals["kvsm"], vals["upstream"], target, failed=failed)
+
+    sec.rows += [
+        row("servers: first request to a fresh prefill peer (handshake included), end to end", "ms",
+            {k: [v * 1000 for v in vs] for k, vs in ms("fresh").items()}),
+        row("servers: the next request (peer known), end to end", "ms",
+            {k: [v * 1000 for v in vs] for k, vs in ms("known").items()}),
+        row("servers: first request - next request (the handshake's share of the first)", "ms",
+            values(lambda run: ((run["fresh"].total_s or math.nan) - (run["known"].total_s or math.nan)) * 1000)),
+        row("servers: first request to a fresh peer, a silent dead peer's handshake pending, end to end", "ms",
+            {k: [v * 1000 for v in vs] for k, vs in ms("behind").items()}, Target("ratio_max", 0.5, "<= 0.5x")),
+        row("servers: first request to a fresh peer, with the dead peer pending / without", "x",
+            values(lambda run: (run["behind"].total_s or math.nan) / (run["fresh"].total_s or math.nan)),
+            Target("max", 2.0, "<= 2x")),
+        row("servers: the dead peer's own request answered after", "s", values(lambda run: run["dead_s"])),
+    ]
+    outcomes = {label: sorted({run["dead_outcome"] for run in rs}) for label, rs in runs.items()}
+    errors = [f"{label} rep {i} {run[k].name}: {run[k].error}" for label, rs in runs.items()
+              for i, run in enumerate(rs) for k in names if run[k].error]
+    sec.notes.append(
+        f"servers rows: per repetition and connector, a fresh prefill (core 0) + decode (core 1) API server pair "
+        f"behind kvsm.router (as section 6), both engines warmed with a local request (no transfer, no "
+        f"handshake); then a 200-token request through the router (its decode engine meets the prefill peer "
+        f"for the first time) and one more. Then the prefill server is replaced by a new one (new engine id "
+        f"and ports: a peer never met), the decode engine is sent a request whose transfer params point at a "
+        f"silent dead peer (TCP accepted, never a byte), and 0.3 s later the first request to the new healthy "
+        f"peer goes through the router. Only one healthy peer (not three as above): each peer is a vLLM "
+        f"server, and four engines do not fit the 2 cores. {repeat} repetition(s), kvsm and upstream one after "
+        f"the other, order alternating. The dead peer's request ended with: "
+        + "; ".join(f"{k}: {', '.join(v)}" for k, v in outcomes.items())
+        + " (kv_load_failure_policy is vLLM's default, fail).")
+    if errors:
+        sec.notes.append(f"errors on servers ({len(errors)}): " + "; ".join(errors[:6]))
+    sec.extra["server_runs"] = {
+        label: [{**{k: v for k, v in run.items() if k not in names}, **{k: run[k].to_json() for k in names}}
+                for run in rs] for label, rs in runs.items()}
+
+
 def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
-    sec = Section(7, "handshake", "first request to fresh peers, with and without a dead peer (kvsm only)")
+    sec = Section(7, "handshake", "first request to fresh peers, with and without a dead peer (in process: kvsm "
+                  "only; on servers: kvsm vs upstream)")
     hb = HandshakeBench(num_healthy=3)
     deadline = sizes.hs_deadline_ms
     long_deadline = 5000
@@ -859,9 +1502,32 @@ def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
         f"(fresh TCP + ZMTP connections each time), metadata_req with one claim, {HandshakeBench.METADATA_BYTES // 1024}"
         f" KiB of agent metadata per reply; latency from each request's send to its result on the client's loop "
         f"thread. Median of {sizes.hs_trials} trials per repetition, scenarios interleaved.")
-    sec.notes.append("upstream: n/a. NixlConnector's handshake runs in its worker (NIXL agent + ZMQ side channel "
-                     "+ one-worker executor), which needs full engines; to be measured in section 6 (e2e).")
+    sec.notes.append("in-process rows, upstream n/a: NixlConnector's handshake (`_nixl_handshake`) is a method of "
+                     "its worker (NIXL agent with the engine's registered KV caches, TP group, attention backend; "
+                     "on the CPU it also pins its process to the last core), so it cannot run without an engine; "
+                     "the 'servers' rows measure both connectors inside real engines instead.")
+    if sizes.hs_server_repeat:
+        _handshake_server_rows(sec, min(repeat, sizes.hs_server_repeat), tmp)
+    else:
+        sec.notes.append("servers rows: not run at these sizes.")
     return sec
+
+
+# --------------------------------------------------------------------------- 2., 3. worker and transfer (real NIXL)
+
+
+def _bench_worker(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+    from bench_nixl import (
+        bench_worker,  # tools/bench_nixl.py: real NIXL peers in other processes
+    )
+
+    return bench_worker(sizes, repeat, tmp)
+
+
+def _bench_transfer(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+    from bench_nixl import bench_transfer
+
+    return bench_transfer(sizes, repeat, tmp)
 
 
 # --------------------------------------------------------------------------- driver
@@ -877,12 +1543,12 @@ class SectionSpec:
 
 SECTIONS = (
     SectionSpec(1, "scheduler", "scheduler-side cost per request", bench_scheduler),
-    SectionSpec(2, "worker", "worker-side cost per step, 16/256 transfers in flight (real NIXL)", None),
+    SectionSpec(2, "worker", "worker-side cost per step, 16/256 transfers in flight (real NIXL)", _bench_worker),
     SectionSpec(3, "transfer", "transfer throughput, 4,096 x 64 KiB permuted: kvsm vs upstream vs raw NIXL vs "
-                "memcpy", None),
+                "memcpy", _bench_transfer),
     SectionSpec(4, "eventlog", "kvsm's event log", bench_eventlog),
     SectionSpec(5, "replay", "replay throughput", bench_replay),
-    SectionSpec(6, "e2e", "end to end on servers, kvsm vs upstream", None),
+    SectionSpec(6, "e2e", "end to end on servers, kvsm vs upstream", bench_e2e),
     SectionSpec(7, "handshake", "handshake latency, dead peers", bench_handshake),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
@@ -927,12 +1593,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated sections: " + ", ".join(f"{s.name} ({s.number})" for s in SECTIONS)
                     + "; default: every implemented one")
     ap.add_argument("--repeat", type=int, default=5, help="repetitions of every measurement (default 5)")
+    ap.add_argument("--e2e-repeat", type=int, default=None,
+                    help=f"repetitions of section 6 (default: --repeat, at most {E2E_DEFAULT_REPEAT})")
     ap.add_argument("--quick", action="store_true", help="smaller sizes")
     ap.add_argument("--smoke", action="store_true", help="smallest sizes (for the test suite; numbers meaningless)")
     ap.add_argument("--json", type=Path, default=None, help="write every number to this file")
     args = ap.parse_args(argv)
-    if args.repeat < 1:
-        ap.error("--repeat must be at least 1")
+    if args.repeat < 1 or (args.e2e_repeat is not None and args.e2e_repeat < 1):
+        ap.error("--repeat and --e2e-repeat must be at least 1")
+    e2e_repeat = args.e2e_repeat or min(args.repeat, E2E_DEFAULT_REPEAT)
     sizes = SMOKE_SIZES if args.smoke else QUICK_SIZES if args.quick else DEFAULT_SIZES
     names = args.only or [s.name for s in SECTIONS if s.run is not None]
     specs = sorted((BY_NAME[n] for n in dict.fromkeys(names)), key=lambda s: s.number)
@@ -943,7 +1612,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {info['cpus']} CPUs ({info['affinity']} usable), {info['cpu']}, Python {info['python']}, "
           f"{info['vllm']}, {info['nixl']}, {info['platform']}; sizes: {mode}, {args.repeat} repetition(s)\n",
           flush=True)
-    out: dict[str, Any] = {"machine": info, "mode": mode, "repeat": args.repeat, "sizes": sizes.__dict__,
+    out: dict[str, Any] = {"machine": info, "mode": mode, "repeat": args.repeat, "e2e_repeat": e2e_repeat,
+                           "sizes": sizes.__dict__,
                            "sections": {}}
     failed = False
     with _tempdir() as tmp:
@@ -953,7 +1623,7 @@ def main(argv: list[str] | None = None) -> int:
                 sec = Section(spec.number, spec.name, spec.title, implemented=False)
             else:
                 try:
-                    sec = spec.run(sizes, args.repeat, tmp)
+                    sec = spec.run(sizes, e2e_repeat if spec.name == "e2e" else args.repeat, tmp)
                 except Exception as e:  # noqa: BLE001 - one broken section must not cost the others
                     failed = True
                     import traceback
@@ -961,6 +1631,7 @@ def main(argv: list[str] | None = None) -> int:
                     traceback.print_exc()
                     sec = Section(spec.number, spec.name, spec.title, notes=[f"FAILED: {type(e).__name__}: {e}"])
             sec.seconds = time.perf_counter() - t0
+            failed = failed or bool(sec.failures)
             print(render_section(sec), flush=True)
             out["sections"][spec.name] = sec.to_json()
             if args.json is not None:  # written after every section: a later crash keeps what was measured
