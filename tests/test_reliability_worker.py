@@ -519,6 +519,8 @@ def test_kill_while_the_read_is_in_flight(peers: Peers, decode) -> None:
         t0 = d.submit(recv_start=[victim, healthy])
         d.wait([victim_req, healthy.req], timeout=3.0)
         failed = victim_req in d.failed
+        print(f"attempt {attempt}: {'failed' if failed else 'done'}, post {seen}, "
+              f"failure {d.failure(victim_req)}")  # shown if an assertion below fails
         if failed:  # known dead now (checked first: the dead window is short)
             _next_request_fails_fast(d, chain, f"kc{attempt}-next", rng)
         chain.current.proc.wait(timeout=5)
@@ -555,7 +557,14 @@ def test_kill_while_the_read_is_in_flight(peers: Peers, decode) -> None:
     # nothing else is wrong, and every decode request ended.
     failed_reads = {f"p-kc{i}" for i, o in enumerate(outcomes) if o["failed"]}
     killed = {f"p-kc{i}" for i in range(len(outcomes))}
-    assert failed_reads <= {r for k, r in findings if k == "not_terminal_at_end"}, findings
+    # A failed read's pinned request is left open in the killed engine's log, unless its
+    # notification reached the prefill side before the kill (UCX completed the copy and
+    # delivered the notif; only the decode side's completion check saw the disconnect):
+    # then the prefill released it, though that record may die with the engine (the log
+    # writer flushes every 50 ms). Either way nothing else is reported.
+    open_at_end = {r for k, r in findings if k == "not_terminal_at_end"}
+    for r in failed_reads:
+        assert r in open_at_end or finals.get(("send", r)) in ("released", None), (r, findings, finals.get(("send", r)))
     assert set(findings) <= {("not_terminal_at_end", r) for r in killed}, findings
     assert all(finals[("recv", r)] in ("done", "failed") for r in d.recving)
     assert {r for r in d.recving if finals[("recv", r)] == "failed"} == (

@@ -668,18 +668,19 @@ def _raw_agent(name: str, num_threads: int = 0) -> Any:
 
 
 def _raw_buffers(num_blocks: int, block_bytes: int, fill: bool, huge_pages: bool) -> list[np.ndarray]:
-    """One buffer per layer, on ordinary 4 KiB pages like torch's allocations (the
-    connectors' KV caches, and vLLM's). numpy madvise()s big arrays
-    MADV_HUGEPAGE unless told not to; with this machine's THP mode ("madvise")
-    that gives huge pages, which UCX's cma reads about twice as fast: only with
-    ``huge_pages``."""
-    from numpy._core import multiarray
+    """One buffer per layer, allocated by torch as the connectors' KV caches are
+    (and vLLM's): ordinary 4 KiB pages, the same alignment. ``huge_pages``: by
+    numpy instead, which madvise()s big arrays MADV_HUGEPAGE; with this
+    machine's THP mode ("madvise") that gives huge pages, which UCX's cma reads
+    about twice as fast."""
+    out = []
+    for _ in range(LAYERS):
+        if huge_pages:
+            out.append(np.empty((num_blocks, block_bytes // 4), dtype=np.float32))
+        else:
+            import torch  # NIXL imports it anyway
 
-    before = multiarray._set_madvise_hugepage(huge_pages)
-    try:
-        out = [np.empty((num_blocks, block_bytes // 4), dtype=np.float32) for _ in range(LAYERS)]
-    finally:
-        multiarray._set_madvise_hugepage(before)
+            out.append(torch.empty(num_blocks, block_bytes // 4, dtype=torch.float32).numpy())  # holds the tensor
     for layer, a in enumerate(out):
         if fill:
             a[...] = tags(layer, range(num_blocks)).astype(np.float32)[:, None]
