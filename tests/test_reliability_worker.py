@@ -84,10 +84,9 @@ SEEDS = {"H": 301, "HB": 302, "F": 303, "Z": 304, "R": 305, "R-reused": 315}
 ENGINES = {w: f"prefill-{w}" for w in ("H", "HB", "F", "Z", "R")}
 LEASES = {"H": 30.0, "HB": 30.0, "F": 1.0, "Z": 1.0, "R": 0.6}
 GEOMS: dict[str, dict[str, int] | None] = {"HB": BIG}
-# The decode workers of the kill and unreachable-peer scenarios.
-# (A back-off longer than the handshake timeout: the abandon a failure sends to the
-# dead peer times out inside it, and "the next request fails fast" holds on a busy
-# machine.)
+# The decode workers of the kill, unreachable-peer and fault scenarios. (A back-off
+# of 1 s, twice the handshake timeout, so that "the next request fails fast" is seen
+# inside the dead window even on a busy machine.)
 FAST = {"handshake_timeout_s": 0.5, "peer_backoff_s": 1.0, "transfer_timeout_s": 1.0}
 
 
@@ -334,9 +333,8 @@ def _peer_state(d: GDecode, key: str) -> dict[str, Any]:
 
 
 def _wait_until_usable(d: GDecode, key: str, since: float) -> None:
-    """Past the back-off of a dead peer. An abandon sent to it as the request failed
-    can time out one handshake timeout later and mark it dead once more, so look
-    only after that."""
+    """Past the back-off of a dead peer, and past the deadline of the abandon its
+    failure sent there (whatever that abandon's timeout does to the peer's state)."""
     time.sleep(max(0.0, since + d.cfg.handshake_timeout_s + 0.1 - time.monotonic()))
     deadline = time.monotonic() + 5.0
     while (until := _peer_state(d, key)["dead_until_ns"]) > time.monotonic_ns():
@@ -368,6 +366,16 @@ def _restart_is_used(d: GDecode, chain: Chain, req: str, rng: random.Random, fai
     assert not d.holds(start.local_block_ids, blocks, chain.seeds[chain.live - 1])
     chain.current.wait_sent(chain.name, [f"p-{req}"])
     assert _peer_state(d, chain.peer_key())["failures"] == 0
+
+
+def _pin_and_flush(proc: PeerProc, w: str, req: str) -> None:
+    """Wait until worker ``w`` has pinned ``req`` (``submit`` only posts it to its
+    loop), then write its log out: what replay sees of an engine about to be killed."""
+    deadline = time.monotonic() + 3.0
+    while proc.state(w)["send"].get(req) != "awaiting_pull":
+        assert time.monotonic() < deadline, f"{w} never pinned {req}"
+        time.sleep(0.005)
+    proc.call("flush")
 
 
 def _healthy(peers: Peers, d: GDecode, w: str, req: str, rng: random.Random) -> RecvStart:
@@ -402,6 +410,7 @@ def test_kill_before_any_handshake(peers: Peers, decode) -> None:
     assert state["agent"] is None and state["failures"] == 1, state
     _next_request_fails_fast(d, chain, "ka-2", rng)
     _restart_is_used(d, chain, "ka-3", rng, d.recving["ka-1"])
+    peers.main.wait_sent("H", ["p-ka-h"])
     reqs = {"ka-1", "ka-2", "ka-3", "ka-h", "p-ka-3", "p-ka-h"}
     findings, finals, _ = replay(peers, [d], reqs, [peers.log["H"], *chain.started_logs])
     assert findings == []
@@ -458,7 +467,7 @@ def test_kill_after_the_handshake_before_the_reads(peers: Peers, decode) -> None
     chain.current.wait_sent("KA", ["p-kb-warm"])
     blocks = pick(rng, 4)
     chain.current.finish("KA", {"p-kb-1": blocks})
-    chain.current.call("flush")
+    _pin_and_flush(chain.current, "KA", "p-kb-1")
     seen = _kill_inside_post_read(d, chain, "kb-1", delay_s=None)
     victim = d.start("kb-1", chain.coords(), "p-kb-1", blocks)
     healthy = _healthy(peers, d, "H", "kb-h", rng)
@@ -474,6 +483,7 @@ def test_kill_after_the_handshake_before_the_reads(peers: Peers, decode) -> None
     assert state["agent"] is None and state["failures"] >= 1 and "Disconnect" in state["last_error"], state
     _next_request_fails_fast(d, chain, "kb-2", rng)
     _restart_is_used(d, chain, "kb-3", rng, d.recving["kb-1"])
+    peers.main.wait_sent("H", ["p-kb-h"])
     reqs = {"kb-warm", "kb-1", "kb-2", "kb-3", "kb-h", "p-kb-warm", "p-kb-1", "p-kb-3", "p-kb-h"}
     findings, finals, _ = replay(peers, [d], reqs, [peers.log["H"], *chain.started_logs])
     # The crash, as replay tells it: the dead engine's pinned request never ended.
@@ -509,7 +519,7 @@ def test_kill_while_the_read_is_in_flight(peers: Peers, decode) -> None:
         victim_req = f"kc{attempt}"
         blocks = pick(rng, 48, n)
         chain.current.finish("KC", {f"p-{victim_req}": blocks})
-        chain.current.call("flush")
+        _pin_and_flush(chain.current, "KC", f"p-{victim_req}")
         local = tuple(range(48))
         for i in range(d.geom["layers"]):
             d.layer(i)[list(local)] = 0
@@ -813,6 +823,8 @@ def _check_only_the_victim_failed(peers: Peers, d: GDecode, victim: RecvStart, o
 
 
 def _replay_clean(peers: Peers, d: GDecode, starts: list[RecvStart], w: str = "H") -> dict[tuple[str, str], str]:
+    """Replay finds nothing wrong once every prefill request of ``starts`` is released."""
+    peers.main.wait_sent(w, [s.remote_req for s in starts], timeout=3.0)
     reqs = {s.req for s in starts} | {s.remote_req for s in starts}
     findings, finals, _ = replay(peers, [d], reqs, [peers.log[w]])
     assert findings == [], findings
@@ -1021,6 +1033,7 @@ def test_exception_in_a_heartbeat(peers: Peers, decode) -> None:
     assert other.req not in d.failed and d.holds(other.local_block_ids, other.remote_block_ids, SEEDS["H"])
     assert d.alive()
     peers.main.wait_sent("F", ["p-hb-pinned"])
+    peers.main.wait_sent("H", [other.remote_req])
     reqs = {"hb-pinned", "p-hb-pinned", other.req, other.remote_req}
     findings, finals, _ = replay(peers, [d], reqs, [peers.log["F"], peers.log["H"]])
     assert findings == []
@@ -1130,6 +1143,7 @@ def test_exception_in_the_prefill_metadata_provider(peers: Peers, decode, prefil
     sent = peers.main.wait_sent("F", [victim.remote_req], timeout=2.0)
     assert sent[victim.remote_req] - t0 < 0.5, "the abandon did not free the blocks"
     starts = _read_from(peers, d, "F", ["provide-after"], rng)
+    peers.main.wait_sent("H", [other.remote_req])
     assert prefill_faults.fired("F") == {"server._provide": 1}
     reqs = {victim.req, victim.remote_req, other.req, other.remote_req} | {s.req for s in starts} | {
         s.remote_req for s in starts}
