@@ -18,13 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from kvsm.connector import KVSMConnector
 from kvsm.loop import THREAD_NAME_PREFIX
 from kvsm.metadata import KVSMConnectorMetadata
+from kvsm.testing.ports import free_port as _free_port
 from kvsm.testing.scheduler import make_scheduler
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_caches(num_blocks: int = 8, layers: int = 2) -> dict[str, torch.Tensor]:

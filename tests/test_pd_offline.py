@@ -14,7 +14,6 @@ logs must show every request done, with no violation.
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -28,29 +27,11 @@ from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
 from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine
+from kvsm.testing.ports import free_port_run
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 12
 BLOCK = 128
-
-
-def _free_port_range(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000:
-            ok = True
-            for p in range(base, base + n):
-                with socket.socket() as t:
-                    try:
-                        t.bind(("127.0.0.1", p))
-                    except OSError:
-                        ok = False
-                        break
-            if ok:
-                return base
-    raise RuntimeError("no free port range")
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -73,7 +54,7 @@ class Pair:
     def __init__(self, tmp: Path) -> None:
         self.model = build_tiny_model()
         self.logs = tmp / "logs"
-        base = _free_port_range(4)
+        base = free_port_run(4)
         # The reference engine starts alongside the pair (startup dominates its cost).
         self.ref_proc = run_engine_subprocess("reference", self.model, ALL_PROMPTS, MAX_TOKENS, workdir=tmp / "ref")
         self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id="prefill-pd",

@@ -9,7 +9,6 @@ failures and aborts; kvsm's own scheduler-side tests rely on the same harness.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 
 import pytest
@@ -19,6 +18,7 @@ pytest.importorskip("vllm")
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from kvsm.testing.ports import free_port as _free_port
 from kvsm.testing.scheduler import (
     make_scheduler,
     remote_decode_params,
@@ -38,12 +38,6 @@ UPSTREAM_KEYS = {
     "tp_size",
     "remote_num_tokens",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

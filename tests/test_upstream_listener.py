@@ -17,7 +17,6 @@ handshake to that prefill engine times out (5 s each on the decode side).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ from kvsm.handshake import (
     encode,
 )
 from kvsm.loop import EventLoop
+from kvsm.testing.ports import free_port
 
 GET_META_MSG = b"get_meta_msg"
 HOST = "127.0.0.1"
@@ -52,12 +52,6 @@ MALFORMED = [
     ("unknown_rank", "req", [msgspec.msgpack.encode((GET_META_MSG, 0, 9))], "KeyError"),
     ("dealer_one_frame", "dealer", [msgspec.msgpack.encode((GET_META_MSG, 0, 0))], "ValueError"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def send_raw(ctx: zmq.Context, port: int, kind: str, frames: list[bytes]) -> None:

@@ -61,6 +61,7 @@ from kvsm.metadata import (
     RecvStart,
 )
 from kvsm.replay import analyse
+from kvsm.testing.ports import free_port
 from kvsm.transport.layout import describe_kv_caches
 from kvsm.transport.nixl import NixlTransport
 from kvsm.worker import WorkerHalf
@@ -76,12 +77,6 @@ POLL_S = 0.002
 
 # Decode logs of the clean scenarios (the regression tests keep theirs apart).
 CLEAN_DECODE_LOGS: list[Path] = []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- prefill

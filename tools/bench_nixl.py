@@ -42,7 +42,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import NO_TARGET, Row, Section, Sizes, Target, _rotated
+from kvsm.testing.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_SCRIPT = Path(__file__).with_name("bench_nixl_peer.py")
@@ -70,12 +70,6 @@ CONNECTORS = ("kvsm", "upstream", "upstream-np")  # upstream-np: NixlConnector w
 RAWS = ("raw", "raw-mt", "raw-thp")  # raw-mt: UCX backend threads, as upstream asks; raw-thp: on huge pages
 RAW_MT_THREADS = 4  # NixlConnector's default num_threads
 IDLE_TARGET = Target("max", 0.05, "<= 0.05 (no busy polling)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- processes

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from kvsm.testing.engine import engine_env
+from kvsm.testing.ports import free_port, free_ports
 
-__all__ = ["ServerSpec", "VLLMServer", "free_port", "free_ports", "pd_specs"]
+__all__ = ["RouterProcess", "ServerSpec", "VLLMServer", "free_port", "free_ports", "pd_specs", "server_pids",
+           "side_channel_pid", "vm_rss_bytes"]
 
 
 def _kill_group(pgid: int, grace: float = 5.0) -> None:
@@ -46,20 +47,6 @@ def _kill_group(pgid: int, grace: float = 5.0) -> None:
         if time.monotonic() > deadline:
             return
         time.sleep(0.1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free right now (each side channel needs a run of tp_size)."""
-    ports: set[int] = set()
-    while len(ports) < n:
-        ports.add(free_port())
-    return sorted(ports)
 
 
 @dataclass
@@ -242,6 +229,115 @@ class VLLMServer:
             return r.read().decode()
 
     def __enter__(self) -> VLLMServer:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- processes of a running server (leak and memory-bound checks) ------------------
+
+
+def server_pids(server: VLLMServer) -> list[int]:
+    """The API server's pid and every process under it (engine core, helpers)."""
+    import psutil  # a vLLM dependency; imported here so this module stays light
+
+    if server.proc is None or server.proc.poll() is not None:
+        return []
+    try:
+        root = psutil.Process(server.proc.pid)
+        return [root.pid] + [p.pid for p in root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def side_channel_pid(server: VLLMServer, timeout: float = 10.0) -> int:
+    """The process of ``server`` listening on its kvsm side channel: the engine core,
+    where the connector's worker half (and its loop) live."""
+    import psutil
+
+    port = server.spec.side_channel_port
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in server_pids(server):
+            try:
+                conns = psutil.Process(pid).net_connections(kind="tcp")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+                return pid
+        if time.monotonic() > deadline:
+            raise LookupError(f"no process of {server.spec.name} listens on side-channel port {port}")
+        time.sleep(0.2)
+
+
+def vm_rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (``VmRSS`` in /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise LookupError(f"/proc/{pid}/status has no VmRSS")
+
+
+class RouterProcess:
+    """``python -m kvsm.router`` in front of the given backends, as its CLI runs;
+    ``stop`` always cleans up (use as a context manager)."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], workdir: str | os.PathLike[str], *,
+                 timeout_s: float = 60.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(workdir) / f"router-{self.port}.log"
+        self.args = [sys.executable, "-m", "kvsm.router", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--timeout", str(timeout_s)]
+        for url in prefill:
+            self.args += ["--prefill", url]
+        for url in decode:
+            self.args += ["--decode", url]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, ready_timeout: float = 60.0) -> RouterProcess:
+        repo_root = str(Path(__file__).resolve().parents[2])
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.args, cwd=repo_root, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the router exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the router did not answer /health within {ready_timeout} s:\n{self.tail()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(proc.pid)
+        if proc.poll() is None:
+            proc.wait(10)
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> RouterProcess:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:
