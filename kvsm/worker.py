@@ -159,6 +159,7 @@ class _RecvIO:
     settle_timer: TimerHandle | None = None
     posted_ns: int = 0
     reads_posted: bool = False
+    reported: bool = False  # vLLM was told (finished_recving) about this request
 
 
 @dataclass(slots=True)
@@ -389,13 +390,74 @@ class WorkerHalf:
         self.stats.failure("internal")
         self._note("worker.loop_error", err.req, where=err.where, label=err.label,
                    error=f"{type(err.exc).__name__}: {err.exc}")
-        if err.req is not None and err.req in self.recv:
-            try:
+        try:
+            if err.req is not None and err.req in self.recv:
                 self._apply_recv(ev.InternalError(req=err.req, where=err.label or err.where,
                                                   detail=f"{type(err.exc).__name__}: {err.exc}"))
-            except Exception:
-                log.exception("kvsm worker %s: failing request %s after an error also failed",
-                              self.loop.name, err.req)
+            elif err.req is not None and err.req in self._recv_io:
+                self._recv_cut_short(err.req)
+            if err.req is not None and (err.req in self.send or err.req in self._send_io):
+                self._recover_send(err.req)
+            if err.where == "timer":
+                self._rearm_periodic(err.label)
+        except Exception:
+            log.exception("kvsm worker %s: recovering from an error of request %s also failed",
+                          self.loop.name, err.req)
+
+    def _recv_cut_short(self, req: str) -> None:
+        """A recv machine ended but the effects of its last transition were cut
+        short by an exception: vLLM must still hear of the request (as failed,
+        unless it was told already), and its timers, reads and I/O state go."""
+        io = self._recv_io.pop(req)
+        self._polling.discard(req)
+        for h in (io.handshake_timer, io.transfer_timer, io.retry_timer, io.settle_timer):
+            self.loop.cancel(h)
+        if self.transport is not None:
+            for h in io.handles:  # terminal: every read has settled
+                self.transport.release(h)
+        if io.start.awaited and not io.reported:
+            io.reported = True
+            self.results.failed(req, io.start.local_block_ids)
+        self._note("worker.effects_cut_short", req, final=self.recv.final_state(req),
+                   reported="failed" if io.start.awaited else None)
+
+    def _recover_send(self, req: str) -> None:
+        """A send-side handler raised for ``req``. Its blocks must come back to vLLM
+        by the end of its lease at the latest (and not before: a decode worker that
+        claimed them may read until then)."""
+        m = self.send.get(req)
+        io = self._send_io.get(req)
+        if m is None:
+            if io is not None:  # ended, but free_blocks (always the last effect) did not finish
+                self._send_io.pop(req)
+                self.loop.cancel(io.lease_timer)
+                self.results.sent(req)
+                self._note("worker.effects_cut_short", req, final=self.send.final_state(req), reported="sent")
+            return
+        if m.state != "awaiting_pull":
+            return
+        io = self._send_io.setdefault(req, _SendIO())
+        if io.lease_timer is not None and not io.lease_timer.cancelled:
+            return  # its lease timer is still armed
+        if m.lease_deadline_ns <= self.loop.now_ns():
+            self._apply_send(ev.LeaseExpired(req=req))
+        else:
+            io.lease_timer = self.loop.call_at(m.lease_deadline_ns, lambda: self._lease_expired(req), req=req,
+                                               label="lease expiry")
+
+    def _rearm_periodic(self, label: str) -> None:
+        """A periodic timer whose callback raised did not re-arm itself: do it here,
+        or polling of reads, of NIXL notifications or of handshake deadlines would
+        stop for good."""
+        if label == "poll reads":
+            self._poll_timer = None
+            self._arm_poll()
+        elif label == "poll notifications":
+            self._notif_timer = None
+            self._arm_notif_poll()
+        elif label == "handshake deadlines" and self.client is not None:
+            self._expiry_timer = None
+            self._arm_client_expiry()
 
     def _note(self, event: str, req: str | None, **fields: Any) -> None:
         if self.log is not None:
@@ -405,7 +467,9 @@ class WorkerHalf:
 
     def _on_metadata(self, meta: KVSMConnectorMetadata) -> None:
         for start in meta.recv_start:
-            self._guard(start.req, self._on_recv_start, start)
+            exc = self._guard(start.req, self._on_recv_start, start)
+            if exc is not None and start.req not in self.recv and self.recv.final_state(start.req) is None:
+                self._guard(start.req, self._fail_untracked, (start, exc))
         for abandon in meta.recv_abandon:
             self._guard(abandon.req, self._on_recv_abandon, abandon)
         for abort in meta.recv_abort:
@@ -419,12 +483,26 @@ class WorkerHalf:
             self._guard(None, self._send_heartbeat, target)
         self._flush_claims()
 
-    def _guard(self, req: str | None, fn: Callable[[Any], None], arg: Any) -> None:
-        """Run one request's handler; an exception fails that request only."""
+    def _guard(self, req: str | None, fn: Callable[[Any], None], arg: Any) -> Exception | None:
+        """Run one request's handler; an exception fails that request only (and is returned)."""
         try:
             fn(arg)
         except Exception as e:  # noqa: BLE001
             self._on_loop_error(LoopError(e, req, getattr(fn, "__name__", "handler"), "post"))
+            return e
+        return None
+
+    def _fail_untracked(self, args: tuple[RecvStart, Exception]) -> None:
+        """A RecvStart whose handling raised before its machine existed: vLLM waits
+        for the request all the same. Track it just to fail it (and tell the prefill
+        side to unpin)."""
+        start, exc = args
+        req = start.req
+        if req not in self._recv_io:
+            self._recv_io[req] = _RecvIO(start, self._peer(start.remote_engine, start.remote_host,
+                                                           start.remote_port))
+        self.recv.create(req)
+        self._apply_recv(ev.InternalError(req=req, where="_on_recv_start", detail=f"{type(exc).__name__}: {exc}"))
 
     # ======================================================== decode (receiving)
 
@@ -554,27 +632,36 @@ class WorkerHalf:
         now = self.loop.now_ns()
         deadline = now + int(self.cfg.handshake_timeout_s * _S)
         for key, reqs in queue.items():
-            peer = self._peers[key]
-            pairs = []
-            for req in reqs:
-                io = self._recv_io.get(req)
-                m = self.recv.get(req)
-                if io is None or m is None or m.state != "pending_handshake":
-                    continue
-                io.claim_sent_ns = now
-                pairs.append((req, io.start.remote_req))
-            if not pairs:
-                continue
-            claims = [remote for _, remote in pairs]
-            fetch = peer.agent is None or peer.stale
-            if fetch:
-                rid = self.client.fetch_metadata(peer.address, self.tp_rank, 0, claims, deadline_ns=deadline,
-                                                 expected_engine_id=peer.engine)
-            else:
-                rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline)
-            self._claims[rid] = _Claim(peer, now, pairs, fetch)
+            try:
+                self._send_claim(key, reqs, now, deadline)
+            except Exception as e:  # noqa: BLE001 - one peer's claim must not drop the others'
+                for req in reqs:
+                    self._on_loop_error(LoopError(e, req, "claim flush", "post"))
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
+
+    def _send_claim(self, key: tuple[str, str], reqs: list[str], now: int, deadline: int) -> None:
+        """One claim message to one peer for ``reqs``."""
+        assert self.client is not None
+        peer = self._peers[key]
+        pairs = []
+        for req in reqs:
+            io = self._recv_io.get(req)
+            m = self.recv.get(req)
+            if io is None or m is None or m.state != "pending_handshake":
+                continue
+            io.claim_sent_ns = now
+            pairs.append((req, io.start.remote_req))
+        if not pairs:
+            return
+        claims = [remote for _, remote in pairs]
+        fetch = peer.agent is None or peer.stale
+        if fetch:
+            rid = self.client.fetch_metadata(peer.address, self.tp_rank, 0, claims, deadline_ns=deadline,
+                                             expected_engine_id=peer.engine)
+        else:
+            rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline)
+        self._claims[rid] = _Claim(peer, now, pairs, fetch)
 
     def _retry_claim(self, req: str) -> None:
         io = self._recv_io.get(req)
@@ -614,7 +701,11 @@ class WorkerHalf:
         for result in results:
             claim = self._claims.pop(result.request_id, None)
             if claim is not None:
-                self._on_claim_result(claim, result)
+                try:
+                    self._on_claim_result(claim, result)
+                except Exception as e:  # noqa: BLE001 - one bad reply must not drop the others
+                    for req, _ in claim.reqs:
+                        self._on_loop_error(LoopError(e, req, "claim result", "reader"))
                 continue
             entry = self._oneway.pop(result.request_id, None)
             if entry is not None and isinstance(result.outcome, HandshakeTimeout):
@@ -849,6 +940,7 @@ class WorkerHalf:
                                      len(io.start.local_block_ids))
         if io.start.awaited:
             self.results.received(req)
+            io.reported = True
 
     def _report_invalid(self, req: str, io: _RecvIO | None, o: Outcome) -> None:
         assert io is not None
@@ -857,10 +949,12 @@ class WorkerHalf:
                     io.peer.engine, o.trigger, m_failure)
         if io.start.awaited:
             self.results.failed(req, io.start.local_block_ids)
+            io.reported = True
 
     def _release_blocks(self, req: str, io: _RecvIO | None, o: Outcome) -> None:
         if io is not None and io.start.awaited:
             self.results.received(req)
+            io.reported = True
 
     def _notify_abandon(self, req: str, io: _RecvIO | None, o: Outcome) -> None:
         assert io is not None

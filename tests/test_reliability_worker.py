@@ -21,8 +21,7 @@ between them and the side channel is real ZMQ on loopback. What is proven:
     channel's claims handler and metadata provider, send effects, lease expiry,
     notification polling) fails only the request it concerns (``internal_error``
     naming the handler, blocks invalid), or where no request can be blamed,
-    leaves nothing stuck; other requests are served; the loop lives on. Where
-    the worker does not do this today the test is a strict xfail naming why.
+    leaves nothing stuck; other requests are served; the loop lives on.
 
 The scenarios replay their event logs with ``kvsm.replay.analyse`` and check what it finds.
 
@@ -837,12 +836,8 @@ DECODE_FAULTS = [
     pytest.param("_recv_effects.arm_transfer_timer", "post reads", id="recv-effect-arm_transfer_timer"),
     pytest.param("_post_reads", "post reads", id="post_reads"),
     pytest.param("_settle", "post reads", id="settle"),
-    pytest.param("_recv_effects.deliver_blocks", None, id="recv-effect-deliver_blocks", marks=pytest.mark.xfail(
-        strict=True, reason="an effect that raises in a transition to a terminal state: the request is never "
-                            "reported to vLLM and its I/O state and timers stay (see report)")),
-    pytest.param("_on_recv_start", "_on_recv_start", id="metadata-recv_start", marks=pytest.mark.xfail(
-        strict=True, reason="RecvStart handling that raises before the machine exists: the request is never "
-                            "reported to vLLM (see report)")),
+    pytest.param("_recv_effects.deliver_blocks", None, id="recv-effect-deliver_blocks"),
+    pytest.param("_on_recv_start", "_on_recv_start", id="metadata-recv_start"),
 ]
 
 
@@ -871,9 +866,6 @@ def test_exception_in_a_decode_handler_fails_only_its_request(peers: Peers, deco
     assert finals[("recv", other.req)] == finals[("recv", after.req)] == "done"
 
 
-@pytest.mark.xfail(strict=True, reason="an exception while sending one peer's claim (in _flush_claims, which blames "
-                                       "no request) drops the claims to every other peer of that step too, and the "
-                                       "victim waits out its handshake timeout (see report)")
 def test_exception_in_the_claim_flush(peers: Peers, decode) -> None:
     """Sending the victim's claim to H raises (inside ``_flush_claims``). The victim
     fails at once, naming it; a request to another peer (F) in the same step, whose
@@ -899,9 +891,6 @@ def test_exception_in_the_claim_flush(peers: Peers, decode) -> None:
     _replay_clean(peers, d, [warm, victim, after])
 
 
-@pytest.mark.xfail(strict=True, reason="an exception handling one claim reply drops every other reply of the same "
-                                       "socket read: their requests time out too, and the victim waits out its "
-                                       "handshake timeout (see report)")
 def test_exception_in_a_claim_result(peers: Peers, decode) -> None:
     """Handling the reply to the victim's claim raises (in the side-channel reader,
     which blames no request). The victim fails at once, naming it; the other request,
@@ -984,8 +973,6 @@ def test_exception_in_settle_while_polling(peers: Peers, decode) -> None:
     _replay_clean(peers, d, [victim, other, after])
 
 
-@pytest.mark.xfail(strict=True, reason="a poll timer whose callback raised is never re-armed: reads in flight "
-                                       "are not polled again (see report)")
 def test_exception_in_the_read_poll_timer(peers: Peers, decode) -> None:
     """``_poll_reads`` raises once (it blames no request). Reads in flight must still
     complete: the timer has to come back."""
@@ -1040,8 +1027,6 @@ def test_exception_in_a_heartbeat(peers: Peers, decode) -> None:
     assert set(finals.values()) == {"done", "released"}
 
 
-@pytest.mark.xfail(strict=True, reason="a handshake-deadline timer whose callback raised is not re-armed until "
-                                       "the next side-channel request: a claim stays pending (see report)")
 def test_exception_in_the_handshake_deadline_timer(peers: Peers, decode) -> None:
     """``_expire_client`` raises once when the victim's claim (to a ZMQ peer that
     never answers) falls due. The victim still fails at its handshake timeout, the
@@ -1159,8 +1144,6 @@ PREFILL_LEAKS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="a loop error on the prefill side is ignored (only recv machines are "
-                                       "failed): the request's blocks are never reported free (see report)")
 @pytest.mark.parametrize(("path", "read"), PREFILL_LEAKS)
 def test_exception_in_a_prefill_handler_leaks_nothing(peers: Peers, decode, prefill_faults, path: str,
                                                       read: bool) -> None:
@@ -1194,8 +1177,6 @@ def test_exception_in_a_prefill_handler_leaks_nothing(peers: Peers, decode, pref
     assert sent[victim_remote] - t0 < LEASES["F"] + 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="a notification poll whose NIXL call raised is not re-armed until the "
-                                       "next claim: read notifications wait and leases expire (see report)")
 def test_exception_in_the_prefill_notification_poll(peers: Peers, decode, prefill_faults) -> None:
     """NIXL's get_notifs raises on worker F right after taking the victim's read
     notification off the wire (kept for the next call, none lost). The poll must
@@ -1218,8 +1199,6 @@ def test_exception_in_the_prefill_notification_poll(peers: Peers, decode, prefil
     assert finals[("send", victim.remote_req)] == finals[("send", other.remote_req)] == "released"
 
 
-@pytest.mark.xfail(strict=True, reason="a notification poll timer whose callback raised is never re-armed: the "
-                                       "worker stops seeing read notifications for good (see report)")
 def test_exception_in_the_prefill_notification_timer(peers: Peers, decode, prefill_faults) -> None:
     """Worker Z's ``_poll_notifs`` raises once (blamed on no request). Later reads
     must still be released by their notifications, not by the lease."""
