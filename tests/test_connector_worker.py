@@ -187,3 +187,14 @@ def test_a_clean_shutdown_ends_the_log_with_what_was_live(tmp_path: Any) -> None
     assert last["live"] == {"recv": {}, "send": {"pinned-1": "awaiting_pull"}}
     assert last["resources"]["send_machines"] == 1 and last["resources"]["recv_io"] == 0
     assert last["side_channel"]["served"] == {} and last["side_channel"]["errors"] == {}, last["side_channel"]
+    # Replay takes the record's word: the pinned request is open at a clean
+    # shutdown, not a violation; the same log cut before the record is a crash.
+    from kvsm.replay import analyse
+
+    report = analyse([path])
+    assert report.exit_code == 0, [str(f) for f in report.findings]
+    assert [(o.lifecycle, o.req, o.state, o.blocks) for o in report.open_at_shutdown] == [
+        ("send", "pinned-1", "awaiting_pull", 2)]
+    crashed = tmp_path / "crashed.jsonl"
+    crashed.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+    assert [f.kind for f in analyse([crashed]).findings] == ["not_terminal_at_end"]

@@ -348,3 +348,53 @@ def test_replay_never_crashes_on_mutated_records(tmp_path_factory: pytest.TempPa
     if mutations:
         render_text(report, request=str(mutations[0][2]))
         chrome_trace(report)
+
+
+# -- a clean shutdown record ---------------------------------------------------------
+
+
+def _log_with_shutdown(path: Path, live: dict, *, clean: bool = True, after: bool = False) -> Path:
+    """A prefill worker log: 'a' released, 'b' still pinned on 2 blocks, then
+    (optionally) the worker's clean-shutdown record saying what was ``live``."""
+    clock = VirtualClock()
+    with EventLog(path, role="worker", engine_id="prefill-9", clock=clock) as log:
+        t = LifecycleTracker(SEND, clock, listener=log.record_outcome)
+        for req, blocks in (("a", (1,)), ("b", (2, 3))):
+            t.create(req)
+            t.apply(ev.FinishedOk(req=req, block_ids=blocks, lease_ns=10**12))
+        t.apply(ev.ReadNotif(req="a"))
+        if live is not None:
+            log.emit("log", "worker.shutdown", None, clean=clean, live=live)
+        if after:
+            log.emit("log", "late.note", "b")
+    return path
+
+
+def test_a_clean_shutdown_record_turns_open_requests_into_information(tmp_path: Path) -> None:
+    report = analyse([_log_with_shutdown(tmp_path / "p.jsonl", {"recv": {}, "send": {"b": "awaiting_pull"}})])
+    assert report.exit_code == 0, [str(f) for f in report.findings]
+    (o,) = report.open_at_shutdown
+    assert (o.engine_id, o.lifecycle, o.req, o.state, o.blocks) == ("prefill-9", "send", "b", "awaiting_pull", 2)
+    assert "open at a clean shutdown" in render_text(report).lower()
+
+
+@pytest.mark.parametrize(("live", "clean", "after", "kind", "names"), [
+    (None, True, False, "not_terminal_at_end", "b"),  # no record: a crash
+    ({"recv": {}, "send": {"b": "awaiting_pull"}}, False, False, "not_terminal_at_end", "b"),  # says not clean
+    ({"recv": {}, "send": {}}, True, False, "shutdown_state_mismatch", "b"),  # does not list b
+    ({"recv": {}, "send": {"b": "releasing"}}, True, False, "shutdown_state_mismatch", "b"),  # wrong state
+    ({"recv": {}, "send": {"b": "awaiting_pull", "a": "awaiting_pull"}}, True, False,
+     "shutdown_state_mismatch", "a"),  # lists a request that had ended
+    ({"recv": {}, "send": {"b": "awaiting_pull", "zz": "awaiting_pull"}}, True, False,
+     "shutdown_state_mismatch", "zz"),  # lists a request the log never had
+    ({"recv": {}, "send": {"b": "awaiting_pull"}}, True, True, "record_after_shutdown", "b"),
+    ({"send": ["b"]}, True, False, "bad_shutdown_record", None),
+])
+def test_a_shutdown_record_that_does_not_match_the_log_is_a_violation(
+        tmp_path: Path, live: dict | None, clean: bool, after: bool, kind: str, names: str | None) -> None:
+    report = analyse([_log_with_shutdown(tmp_path / "p.jsonl", live, clean=clean, after=after)])
+    assert report.exit_code == 1
+    assert report.open_at_shutdown == [] or kind == "shutdown_state_mismatch"
+    found = [f for f in report.findings if f.kind == kind]
+    assert found, [str(f) for f in report.findings]
+    assert names is None or found[0].req == names, [str(f) for f in found]
