@@ -43,6 +43,7 @@ from typing import Any
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.handshake import (
+    MAX_CLAIMS,
     ClaimsReply,
     CompatInfo,
     HandshakeClient,
@@ -410,6 +411,8 @@ class WorkerHalf:
         unless it was told already), and its timers, reads and I/O state go."""
         io = self._recv_io.pop(req)
         self._polling.discard(req)
+        if not self._recv_io:
+            self._compact_recv()
         for h in (io.handshake_timer, io.transfer_timer, io.retry_timer, io.settle_timer):
             self.loop.cancel(h)
         if self.transport is not None:
@@ -578,7 +581,16 @@ class WorkerHalf:
         if o.dst in RECV.terminal:
             self._recv_io.pop(o.req, None)
             self._polling.discard(o.req)
+            if not self._recv_io:
+                self._compact_recv()
         return o
+
+    def _compact_recv(self) -> None:
+        """Nothing is receiving: rebuild the per-request tables, so memory returns to
+        its baseline after a burst (dicts and sets keep the capacity of their peak)."""
+        self._recv_io = {}
+        self._polling = set()
+        self.recv.compact()
 
     def _post_event(self, event: ev.Event, label: str) -> None:
         """Apply ``event`` on the next loop turn, not inside the current transition."""
@@ -641,7 +653,8 @@ class WorkerHalf:
         self._arm_client_expiry()
 
     def _send_claim(self, key: tuple[str, str], reqs: list[str], now: int, deadline: int) -> None:
-        """One claim message to one peer for ``reqs``."""
+        """Claim messages to one peer for ``reqs``: one per MAX_CLAIMS of them (the
+        server refuses longer ones; a step may start more requests than that)."""
         assert self.client is not None
         peer = self._peers[key]
         pairs = []
@@ -652,16 +665,16 @@ class WorkerHalf:
                 continue
             io.claim_sent_ns = now
             pairs.append((req, io.start.remote_req))
-        if not pairs:
-            return
-        claims = [remote for _, remote in pairs]
         fetch = peer.agent is None or peer.stale
-        if fetch:
-            rid = self.client.fetch_metadata(peer.address, self.tp_rank, 0, claims, deadline_ns=deadline,
-                                             expected_engine_id=peer.engine)
-        else:
-            rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline)
-        self._claims[rid] = _Claim(peer, now, pairs, fetch)
+        for at in range(0, len(pairs), MAX_CLAIMS):
+            chunk = pairs[at:at + MAX_CLAIMS]
+            claims = [remote for _, remote in chunk]
+            if fetch:  # every chunk asks: whichever reply comes first adds the agent
+                rid = self.client.fetch_metadata(peer.address, self.tp_rank, 0, claims, deadline_ns=deadline,
+                                                 expected_engine_id=peer.engine)
+            else:
+                rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline)
+            self._claims[rid] = _Claim(peer, now, chunk, fetch)
 
     def _retry_claim(self, req: str) -> None:
         io = self._recv_io.get(req)
@@ -728,7 +741,7 @@ class WorkerHalf:
                 self.stats.failure(kind)
                 self._apply_if_live(ev.Error(req=req, kind=kind, detail=f"{peer.address}: {outcome}"))
             return
-        if isinstance(outcome, MetadataReply):
+        if isinstance(outcome, MetadataReply) and (peer.agent is None or peer.stale):
             assert self.transport is not None
             try:
                 peer.agent = self.transport.add_peer(outcome.agent_metadata)
@@ -983,8 +996,10 @@ class WorkerHalf:
         if peer.dead_until_ns > self.loop.now_ns():
             return
         deadline = self.loop.now_ns() + int(self.cfg.handshake_timeout_s * _S)
-        rid = self.client.heartbeat(peer.address, target.claims, deadline_ns=deadline)
-        self._oneway[rid] = (peer, self.loop.now_ns())
+        claims = list(target.claims)
+        for at in range(0, len(claims), MAX_CLAIMS):  # the server refuses longer messages
+            rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline)
+            self._oneway[rid] = (peer, self.loop.now_ns())
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
 
@@ -1061,6 +1076,9 @@ class WorkerHalf:
             effects[name](o.req, o)
         if o.dst in SEND.terminal:
             self._send_io.pop(o.req, None)
+            if not self._send_io:
+                self._send_io = {}  # as _compact_recv
+                self.send.compact()
         return o
 
     @staticmethod
