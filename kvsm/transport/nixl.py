@@ -12,8 +12,9 @@ core per idle process (1.0 CPU-s per second), which on a 2-core machine
 starves the engines. Without it, UCX makes progress only inside our calls:
 ``post_read`` (on the CPU, UCX's ``cma`` transport copies synchronously
 inside ``transfer()``, so a big read blocks the loop for its copy: 256 MiB
-took 22 ms as 4096 x 64 KiB descriptors, 240 ms as 32768 x 8 KiB permuted
-ones; 64 MiB of vLLM-CPU 128 KiB blocks 20-26 ms), ``check`` and
+took 22 ms as 4096 x 64 KiB descriptors in an idle process (45-48 ms
+under tools/bench_nixl.py's section 3, 5.2-5.6 GiB/s), 240 ms as 32768 x
+8 KiB permuted ones; 64 MiB of vLLM-CPU 128 KiB blocks 20-26 ms), ``check`` and
 ``get_notifs``. So the loop must poll ``check`` for its posted reads and
 ``get_notifs`` on a timer; a sender's notifications are only seen when it
 calls ``get_notifs``. Each of those calls costs about 1 µs when idle.
