@@ -20,6 +20,7 @@ import pytest
 
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
+from kvsm.testing.reliability import metric
 from kvsm.testing.servers import VLLMServer, pd_specs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,14 +136,6 @@ def test_healthy_transfers_never_wait_on_a_timer(pair: Pair) -> None:
     assert len(recv) >= 40 and all(m.final_state == "done" for m in recv)
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_metrics_show_the_prompts_came_over_the_transfer(pair: Pair) -> None:
     """vLLM's own accounting of where the decode engine's prompt tokens came from,
     and kvsm's Prometheus metrics, on the real servers after the tests above."""
@@ -151,19 +144,19 @@ def test_metrics_show_the_prompts_came_over_the_transfer(pair: Pair) -> None:
     deadline = time.monotonic() + 20
     while True:
         decode = pair.decode.metrics()
-        if _metric(decode, "vllm:kvsm_transfers_total") >= 43 or time.monotonic() > deadline:
+        if metric(decode, "vllm:kvsm_transfers_total") >= 43 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert _metric(decode, "vllm:kvsm_transfers_total") >= 43  # 40 + 3 above
-    assert _metric(decode, "vllm:kvsm_transfer_bytes_total") > 0
-    assert _metric(decode, "vllm:kvsm_handshake_time_seconds_count") >= 1
-    assert _metric(decode, "vllm:kvsm_failures_total") == 0
-    by_source = {src: _metric(decode, "vllm:prompt_tokens_by_source_total", source=src)
+    assert metric(decode, "vllm:kvsm_transfers_total") >= 43  # 40 + 3 above
+    assert metric(decode, "vllm:kvsm_transfer_bytes_total") > 0
+    assert metric(decode, "vllm:kvsm_handshake_time_seconds_count") >= 1
+    assert metric(decode, "vllm:kvsm_failures_total") == 0
+    by_source = {src: metric(decode, "vllm:prompt_tokens_by_source_total", source=src)
                  for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     # Every prompt token the decode engine did not have cached came over the transfer.
     assert by_source["external_kv_transfer"] > 0 and by_source["local_compute"] == 0, by_source
-    assert _metric(decode, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == \
+    assert metric(decode, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == \
         by_source["external_kv_transfer"]
     prefill = pair.prefill.metrics()
-    assert _metric(prefill, "vllm:kvsm_reads_served_total") >= 43
-    assert _metric(prefill, "vllm:kvsm_leases_expired_total") == 0
+    assert metric(prefill, "vllm:kvsm_reads_served_total") >= 43
+    assert metric(prefill, "vllm:kvsm_leases_expired_total") == 0

@@ -59,12 +59,10 @@ from kvsm.testing.reliability import (
     read_records,
     recv_machines,
     send_machines,
-    start_router,
-    stop_router,
     stream_completion,
     wait_until,
 )
-from kvsm.testing.servers import pd_specs
+from kvsm.testing.servers import RouterProcess, pd_specs
 
 LEASE_S = 4.0
 HANDSHAKE_TIMEOUT_S = 2.0
@@ -102,9 +100,10 @@ class Cluster:
         d_spec.kv_load_failure_policy = "recompute"
         self.prefill = Node(p_spec, self.model, tmp, self.logs)
         self.decode = Node(d_spec, self.model, tmp, self.logs)
-        self.router_proc = None
-        self.router = ""
-        self.router_log = tmp / "router.log"
+        # The router keeps the backends' URLs: restarted servers come back on the same ports.
+        self.router_proc = RouterProcess([self.prefill.url], [self.decode.url], tmp)
+        self.router = self.router_proc.url
+        self.router_log = self.router_proc.log_path
         self.rng = random.Random(20261130)
         # What test_prefill_killed_* saw of each outage, for the back-off test.
         self.outages: dict[str, dict[str, Any]] = {}
@@ -114,11 +113,10 @@ class Cluster:
             node.start()
         for node in (self.prefill, self.decode):
             node.wait_ready(timeout=600)
-        # The router keeps the backends' URLs: restarted servers come back on the same ports.
-        self.router_proc, self.router = start_router([self.prefill.url], [self.decode.url], self.router_log)
+        self.router_proc.start()
 
     def stop(self) -> None:
-        stop_router(self.router_proc)
+        self.router_proc.stop()
         for node in (self.prefill, self.decode):
             if node.server is not None:
                 node.server.terminate()

@@ -1,7 +1,7 @@
 """Worker-level reliability with real NIXL between real processes (issue 5).
 
-Same setting as tests/test_worker_nixl.py (whose ``PeerProc`` and ``Decode``
-this reuses): the decode ``WorkerHalf`` runs in this process, the prefill
+Same setting as tests/test_worker_nixl.py (whose harness this reuses: ``PeerProc``,
+``Decode``, ``harness_fixtures``, ``replay_logs``): the decode ``WorkerHalf`` runs in this process, the prefill
 workers in ``tests/worker_peer.py`` subprocesses, NIXL (UCX) moves real bytes
 between them and the side channel is real ZMQ on loopback. What is proven:
 
@@ -44,36 +44,28 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 pytest.importorskip("nixl._api")
 torch = pytest.importorskip("torch")
 
 import zmq
-from test_worker_nixl import HOST, Decode, PeerProc, free_port
-from worker_peer import (
-    agent_name,
-    compat_fields,
-    config_fields,
-    geometry,
-    inject_fault,
-    make_caches,
-    pattern,
+from test_worker_nixl import (
+    HOST,
+    Decode,
+    PeerProc,
+    PrefillPeers,
+    coords_of,
+    free_port,
+    harness_fixtures,
+    replay_logs,
 )
+from worker_peer import inject_fault
 
-from kvsm.config import KVSMConfig
-from kvsm.eventlog.log import EventLog
-from kvsm.handshake import CompatInfo
 from kvsm.metadata import HeartbeatTarget, RecvStart
-from kvsm.replay import analyse
-from kvsm.transport.layout import describe_kv_caches
-from kvsm.transport.nixl import NixlTransport
-from kvsm.worker import WorkerHalf
 
 # Blocks of 1 MiB (two layers of 8 heads x 16 tokens x 2 x 512 float32): a read of
 # 48 permuted blocks is 96 descriptors and 48 MiB, which UCX's cma copies inside
@@ -140,7 +132,7 @@ class Chain:
         return self.seeds[self.live]
 
     def coords(self) -> dict[str, Any]:
-        return {"remote_engine": self.engine, "remote_host": HOST, "remote_port": self.port, "remote_tp_size": 1}
+        return coords_of(self.engine, self.port)
 
     def peer_key(self) -> str:
         return f"{self.engine}@tcp://{HOST}:{self.port}"
@@ -176,11 +168,9 @@ class Chain:
             p.close()
 
 
-class Peers:
+class Peers(PrefillPeers):
     def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.port = {w: free_port() for w in ENGINES}
-        self.log = {w: log_dir / f"{ENGINES[w]}.jsonl" for w in ENGINES}
+        super().__init__(log_dir, ENGINES)
         self.chains: dict[str, Chain] = {}
         self.main: PeerProc | None = None
         try:
@@ -198,9 +188,6 @@ class Peers:
             self.close()
             raise
 
-    def coords(self, w: str) -> dict[str, Any]:
-        return {"remote_engine": ENGINES[w], "remote_host": HOST, "remote_port": self.port[w], "remote_tp_size": 1}
-
     def flush(self) -> None:
         assert self.main is not None
         self.main.call("flush")
@@ -215,47 +202,15 @@ class Peers:
             c.close()
 
 
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("reliability-worker-logs")
-
-
-@pytest.fixture(scope="module")
-def peers(log_dir: Path):
-    p = Peers(log_dir)
-    try:
-        yield p
-    finally:
-        p.close()
-
-
 # ----------------------------------------------------------------------------- decode
 
 
 class GDecode(Decode):
-    """test_worker_nixl's ``Decode`` over caches of any geometry."""
+    """test_worker_nixl's ``Decode`` whose blocks are given out again (zeroed), so
+    that one worker serves a scenario of any length."""
 
-    def __init__(self, name: str, log_dir: Path, *, geom: dict[str, int] | None = None,
-                 compat: dict[str, Any] | None = None, **cfg: Any) -> None:
-        self.geom = geometry(geom)
-        self.engine_id = f"decode-{name}"
-        self.caches = make_caches(None, geom)
-        self.transport = NixlTransport(agent_name(self.engine_id), describe_kv_caches(self.caches))
-        self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_consumer", 1, geom, **cfg))
-        self.log_path = log_dir / f"{self.engine_id}.jsonl"
-        self.log = EventLog(self.log_path, role="worker", engine_id=self.engine_id)
-        self.half = WorkerHalf(self.cfg, 0, event_log=self.log)
-        self.half.start(self.transport, CompatInfo(**compat_fields(geom, **(compat or {}))))
-        self.recving: dict[str, float] = {}
-        self.failed: dict[str, float] = {}
-        self.invalid: set[int] = set()
-        self.reports: Counter[str] = Counter()
-        self.sending: set[str] = set()
-        self.local_of: dict[str, tuple[int, ...]] = {}
-        self._step = 0
-        self._next_block = 0
-        self._closed = False
-        self._patterns: dict[int, np.ndarray] = {}
+    def __init__(self, name: str, log_dir: Path, **kw: Any) -> None:
+        super().__init__(name, log_dir, **kw)
         self.reserved = 0  # blocks 0..reserved-1 are the scenario's own
 
     def blocks(self, n: int) -> tuple[int, ...]:
@@ -272,16 +227,6 @@ class GDecode(Decode):
             self.layer(i)[list(out)] = 0
         return out
 
-    def pattern(self, seed: int) -> np.ndarray:
-        if seed not in self._patterns:
-            self._patterns[seed] = pattern(seed, self.geom)
-        return self._patterns[seed]
-
-    def holds(self, local: tuple[int, ...], remote: tuple[int, ...] | list[int], seed: int) -> bool:
-        want = self.pattern(seed)
-        return all(np.array_equal(self.layer(i)[list(local)], want[i][list(remote)])
-                   for i in range(self.geom["layers"]))
-
     def untouched(self, local: tuple[int, ...]) -> bool:
         return all(not self.layer(i)[list(local)].any() for i in range(self.geom["layers"]))
 
@@ -295,32 +240,13 @@ class GDecode(Decode):
                 if dst in ("failed", "failing") and src not in ("failed", "failing")]
 
 
-@pytest.fixture
-def decode(log_dir: Path):
-    made: list[GDecode] = []
-
-    def make(name: str, **kw: Any) -> GDecode:
-        d = GDecode(name, log_dir, **kw)
-        made.append(d)
-        return d
-
-    try:
-        yield make
-    finally:
-        for d in made:
-            d.close()
+log_dir, peers, decode = harness_fixtures(Peers, GDecode, "reliability-worker-logs")
 
 
 def replay(peers: Peers, decodes: list[Decode], reqs: set[str], prefill: list[Path]):
-    """analyse() over these logs: the findings about ``reqs`` (or naming no request),
-    and the final state of every machine of ``reqs``."""
-    peers.flush()
-    for d in decodes:
-        d.log.flush()
-    report = analyse([d.log_path for d in decodes] + [p for p in prefill if p.exists()])
-    findings = [(f.kind, f.req) for f in report.findings if f.req is None or f.req in reqs]
-    finals = {(m.lifecycle, m.req): m.final_state for m in report.machines if m.req in reqs}
-    return findings, finals, report
+    """``replay_logs`` over those of these prefill logs that exist (an incarnation
+    killed before it wrote any has none)."""
+    return replay_logs(peers, decodes, reqs, [p for p in prefill if p.exists()])
 
 
 def pick(rng: random.Random, n: int, num_blocks: int = 64) -> list[int]:
@@ -830,6 +756,16 @@ def _replay_clean(peers: Peers, d: GDecode, starts: list[RecvStart], w: str = "H
     return finals
 
 
+def _then_only_the_victim_failed(peers: Peers, d: GDecode, victim: RecvStart, others: list[RecvStart],
+                                 after: RecvStart) -> dict[tuple[str, str], str]:
+    """Once the fault fired: ``after`` is served, only the victim failed (see
+    ``_check_only_the_victim_failed``) and replay is clean; the final states."""
+    d.submit(recv_start=[after])
+    d.wait([after.req])
+    _check_only_the_victim_failed(peers, d, victim, [*others, after])
+    return _replay_clean(peers, d, [victim, *others, after])
+
+
 DECODE_FAULTS = [
     # (path on the WorkerHalf, the loop callback the error surfaces in)
     pytest.param("_recv_effects.start_handshake", "_on_recv_start", id="recv-effect-start_handshake"),
@@ -907,10 +843,7 @@ def test_exception_in_a_claim_result(peers: Peers, decode) -> None:
     assert d.recving[victim.req] - t0 < 0.3, f"the victim failed after {d.recving[victim.req] - t0:.3f} s"
     detail = f"InjectedFault: injected into _on_claim_result for {victim.req}"
     assert _internal_errors(d, victim.req) == [{"where": "claim result", "detail": detail}]
-    d.submit(recv_start=[after])
-    d.wait([after.req])
-    _check_only_the_victim_failed(peers, d, victim, [other, after])
-    _replay_clean(peers, d, [victim, other, after])
+    _then_only_the_victim_failed(peers, d, victim, [other], after)
 
 
 def test_exception_in_a_claim_retry(peers: Peers, decode) -> None:
@@ -929,10 +862,7 @@ def test_exception_in_a_claim_retry(peers: Peers, decode) -> None:
     detail = f"InjectedFault: injected into _retry_claim for {victim.req}"
     assert _internal_errors(d, victim.req) == [{"where": "claim retry", "detail": detail}]
     peers.main.finish("H", {victim.remote_req: vblocks})
-    d.submit(recv_start=[after])
-    d.wait([after.req])
-    _check_only_the_victim_failed(peers, d, victim, [other, after])
-    finals = _replay_clean(peers, d, [victim, other, after])
+    finals = _then_only_the_victim_failed(peers, d, victim, [other], after)
     assert finals[("send", victim.remote_req)] == "released"
 
 
@@ -967,10 +897,7 @@ def test_exception_in_settle_while_polling(peers: Peers, decode) -> None:
     assert fault.fired >= 1
     detail = f"InjectedFault: injected into _settle for {victim.req}"
     assert _internal_errors(d, victim.req) == [{"where": "_settle", "detail": detail}]
-    d.submit(recv_start=[after])
-    d.wait([after.req])
-    _check_only_the_victim_failed(peers, d, victim, [other, after])
-    _replay_clean(peers, d, [victim, other, after])
+    _then_only_the_victim_failed(peers, d, victim, [other], after)
 
 
 def test_exception_in_the_read_poll_timer(peers: Peers, decode) -> None:

@@ -22,15 +22,13 @@ The last test replays every clean log with ``kvsm.replay.analyse``.
 from __future__ import annotations
 
 import json
-import os
-import queue
 import random
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from worker_peer import (
     agent_name,
     compat_fields,
     config_fields,
+    geometry,
     make_caches,
     pattern,
 )
@@ -61,6 +60,7 @@ from kvsm.metadata import (
     RecvStart,
 )
 from kvsm.replay import analyse
+from kvsm.testing.peer_process import PeerProcess
 from kvsm.testing.ports import free_port
 from kvsm.transport.layout import describe_kv_caches
 from kvsm.transport.nixl import NixlTransport
@@ -82,56 +82,15 @@ CLEAN_DECODE_LOGS: list[Path] = []
 # ----------------------------------------------------------------------------- prefill
 
 
-class PeerProc:
+class PeerProc(PeerProcess):
     """A worker_peer.py process: spawn now, ``ready()`` later (so several start at once)."""
 
     def __init__(self, label: str, workers: list[dict[str, Any]], log_dir: Path, defer_start: bool = False) -> None:
-        self.label = label
-        self.err_path = log_dir / f"peer-{label}.stderr"
-        self._err = open(self.err_path, "wb")  # noqa: SIM115 - closed in close()
-        spec = {"defer_start": defer_start, "workers": workers}
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        self.proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, env=env, cwd=REPO, text=True,
-                                     bufsize=1)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name=f"peer-{label}-stdout", daemon=True).start()
-        self.pid = self.proc.pid
-        self.hello: dict[str, Any] = {}
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def stderr_tail(self) -> str:
-        self._err.flush()
-        return self.err_path.read_text(errors="replace")[-3000:]
-
-    def _next(self, timeout: float, what: str) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"peer {self.label}: no reply to {what} within {timeout} s; "
-                                 f"stderr:\n{self.stderr_tail()}") from None
-        if line is None:
-            raise AssertionError(f"peer {self.label} exited ({self.proc.poll()}) during {what}; "
-                                 f"stderr:\n{self.stderr_tail()}")
-        return json.loads(line)
-
-    def ready(self, timeout: float = 60.0) -> PeerProc:
-        self.hello = self._next(timeout, "start-up")
-        assert self.hello.get("ready"), self.hello
-        return self
+        super().__init__(label, PEER_SCRIPT, {"defer_start": defer_start, "workers": workers}, log_dir, root=REPO)
 
     def call(self, op: str, timeout: float = 10.0, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._next(timeout + 5.0, op)
-        assert reply.get("ok"), f"peer {self.label}: {op} failed: {reply}"
-        return reply
+        """``timeout`` is what the command itself may take: the reply gets 5 s more."""
+        return super().call(op, timeout + 5.0, **kw)
 
     # Conveniences.
     def finish(self, w: str, reqs: dict[str, list[int]], start: tuple[str, ...] = ()) -> None:
@@ -162,14 +121,39 @@ class PeerProc:
             except (AssertionError, OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        self._err.close()
+        self.close_stderr()
 
 
-class Peers:
-    def __init__(self, log_dir: Path) -> None:
+def coords_of(engine: str, port: int) -> dict[str, Any]:
+    """The RecvStart fields that say where a prefill engine is."""
+    return {"remote_engine": engine, "remote_host": HOST, "remote_port": port, "remote_tp_size": 1}
+
+
+class PrefillPeers:
+    """A module's prefill engines (worker name -> engine id), each on its own port with
+    its own event log; subclasses start the worker_peer.py processes that serve them."""
+
+    def __init__(self, log_dir: Path, engines: dict[str, str]) -> None:
         self.log_dir = log_dir
-        self.port = {w: free_port() for w in ENGINES}
-        self.log = {w: log_dir / f"{ENGINES[w]}.jsonl" for w in ENGINES}
+        self.engines = engines
+        self.port = {w: free_port() for w in engines}
+        self.log = {w: log_dir / f"{engines[w]}.jsonl" for w in engines}
+
+    def coords(self, w: str) -> dict[str, Any]:
+        """The RecvStart fields that say where worker ``w`` is."""
+        return coords_of(self.engines[w], self.port[w])
+
+    def flush(self) -> None:
+        """Every live peer writes out its event logs."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class Peers(PrefillPeers):
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(log_dir, ENGINES)
         self.log["K2"] = log_dir / "prefill-K-restarted.jsonl"
 
         def spec(w: str, lease_s: float, seed_key: str | None = None, log_key: str | None = None) -> dict[str, Any]:
@@ -191,12 +175,7 @@ class Peers:
         self.procs.append(PeerProc(label, workers, self.log_dir, defer_start))
         return self.procs[-1]
 
-    def coords(self, w: str) -> dict[str, Any]:
-        """The RecvStart fields that say where worker ``w`` is."""
-        return {"remote_engine": ENGINES[w], "remote_host": HOST, "remote_port": self.port[w], "remote_tp_size": 1}
-
     def flush(self) -> None:
-        """Every live peer writes out its event logs."""
         for p in self.procs:
             if p.proc.poll() is None:
                 p.call("flush")
@@ -204,20 +183,6 @@ class Peers:
     def close(self) -> None:
         for p in self.procs:
             p.close()
-
-
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("worker-nixl-logs")
-
-
-@pytest.fixture(scope="module")
-def peers(log_dir: Path):
-    p = Peers(log_dir)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture(scope="module")
@@ -256,15 +221,17 @@ def silent_port():
 class Decode:
     """A decode-side WorkerHalf over zeroed caches, with vLLM's view of its results."""
 
-    def __init__(self, name: str, log_dir: Path, *, compat: dict[str, Any] | None = None, **cfg: Any) -> None:
+    def __init__(self, name: str, log_dir: Path, *, geom: dict[str, int] | None = None,
+                 compat: dict[str, Any] | None = None, **cfg: Any) -> None:
+        self.geom = geometry(geom)  # ``GEOMETRY`` unless overridden (the prefill worker's must match)
         self.engine_id = f"decode-{name}"
-        self.caches = make_caches(None)
+        self.caches = make_caches(None, geom)
         self.transport = NixlTransport(agent_name(self.engine_id), describe_kv_caches(self.caches))
-        self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_consumer", 1, **cfg))
+        self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_consumer", 1, geom, **cfg))
         self.log_path = log_dir / f"{self.engine_id}.jsonl"
         self.log = EventLog(self.log_path, role="worker", engine_id=self.engine_id)
         self.half = WorkerHalf(self.cfg, 0, event_log=self.log)
-        self.half.start(self.transport, CompatInfo(**compat_fields(**(compat or {}))))
+        self.half.start(self.transport, CompatInfo(**compat_fields(geom, **(compat or {}))))
         self.recving: dict[str, float] = {}  # req -> when first seen in finished_recving
         self.failed: dict[str, float] = {}
         self.invalid: set[int] = set()
@@ -274,13 +241,14 @@ class Decode:
         self._step = 0
         self._next_block = 0
         self._closed = False
+        self._patterns: dict[int, np.ndarray] = {}
 
     # -- inputs
     def blocks(self, n: int) -> tuple[int, ...]:
         """``n`` local blocks no other request of this worker was given."""
         out = tuple(range(self._next_block, self._next_block + n))
         self._next_block += n
-        assert self._next_block <= NUM_BLOCKS, "test bug: out of decode blocks"
+        assert self._next_block <= self.geom["num_blocks"], "test bug: out of decode blocks"
         return out
 
     def start(self, req: str, coords: dict[str, Any], remote_req: str, remote_blocks: tuple[int, ...] | list[int],
@@ -289,7 +257,7 @@ class Decode:
         local = self.blocks(len(remote_blocks)) if local is None else local
         self.local_of[req] = local
         return RecvStart(req=req, remote_req=remote_req, remote_block_ids=remote_blocks, local_block_ids=local,
-                         num_tokens=max(1, len(remote_blocks)) * BLOCK_TOKENS, awaited=awaited, **coords)
+                         num_tokens=max(1, len(remote_blocks)) * self.geom["block_size"], awaited=awaited, **coords)
 
     def submit(self, *, recv_start=(), recv_abort=(), recv_abandon=(), heartbeats=()) -> float:
         self._step += 1
@@ -348,15 +316,21 @@ class Decode:
     def layer(self, i: int) -> np.ndarray:
         return self.caches[f"model.layers.{i}.self_attn.attn"].view(torch.int32).numpy()
 
-    def holds(self, local: tuple[int, ...], remote: tuple[int, ...], seed: int) -> bool:
+    def pattern(self, seed: int) -> np.ndarray:
+        """The bytes of a prefill worker filled with ``seed`` (computed once per seed)."""
+        if seed not in self._patterns:
+            self._patterns[seed] = pattern(seed, self.geom)
+        return self._patterns[seed]
+
+    def holds(self, local: tuple[int, ...], remote: tuple[int, ...] | list[int], seed: int) -> bool:
         """Every layer's local blocks equal the prefill's ``remote`` blocks, pairwise."""
-        want = pattern(seed)
+        want = self.pattern(seed)
         return all(np.array_equal(self.layer(i)[list(local)], want[i][list(remote)])
-                   for i in range(GEOMETRY["layers"]))
+                   for i in range(self.geom["layers"]))
 
     def zero_except(self, written: set[int]) -> bool:
-        others = [b for b in range(NUM_BLOCKS) if b not in written]
-        return all(not self.layer(i)[others].any() for i in range(GEOMETRY["layers"]))
+        others = [b for b in range(self.geom["num_blocks"]) if b not in written]
+        return all(not self.layer(i)[others].any() for i in range(self.geom["layers"]))
 
     # -- the log
     def records(self, req: str | None = None) -> list[dict[str, Any]]:
@@ -374,35 +348,68 @@ class Decode:
             self.half.shutdown()
 
 
-@pytest.fixture
-def decode(log_dir: Path):
-    """Factory of decode workers (closed at the end of the test); ``clean=False`` keeps
-    the log out of the final replay."""
-    made: list[Decode] = []
+def harness_fixtures(make_peers: Callable[[Path], PrefillPeers], make_decode: Callable[..., Decode],
+                     logs: str) -> tuple[Any, Any, Any]:
+    """A module's fixtures: ``log_dir`` (one temp directory ``logs`` for every log),
+    ``peers`` (``make_peers(log_dir)``: started once, closed at the end of the module)
+    and ``decode``, a factory of decode workers (``make_decode(name, log_dir, **kw)``)
+    that closes each at the end of the test."""
 
-    def make(name: str, *, clean: bool = True, **kw: Any) -> Decode:
-        d = Decode(name, log_dir, **kw)
-        made.append(d)
-        if clean:
-            CLEAN_DECODE_LOGS.append(d.log_path)
-        return d
+    @pytest.fixture(scope="module")
+    def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return tmp_path_factory.mktemp(logs)
 
-    try:
-        yield make
-    finally:
-        for d in made:
-            d.close()
+    @pytest.fixture(scope="module")
+    def peers(log_dir: Path) -> Iterator[PrefillPeers]:
+        p = make_peers(log_dir)
+        try:
+            yield p
+        finally:
+            p.close()
+
+    @pytest.fixture
+    def decode(log_dir: Path) -> Iterator[Callable[..., Decode]]:
+        made: list[Decode] = []
+
+        def make(name: str, **kw: Any) -> Decode:
+            made.append(make_decode(name, log_dir, **kw))
+            return made[-1]
+
+        try:
+            yield make
+        finally:
+            for d in made:
+                d.close()
+
+    return log_dir, peers, decode
 
 
-def replay(peers: Peers, decodes: list[Decode], reqs: set[str], prefill: tuple[str, ...] = ("A",)):
-    """analyse() over these decode logs and the prefill logs: the findings about
-    ``reqs`` (and any that name no request), and every machine's final state."""
+def _decode(name: str, log_dir: Path, *, clean: bool = True, **kw: Any) -> Decode:
+    """A decode worker; ``clean=False`` keeps its log out of the final replay."""
+    d = Decode(name, log_dir, **kw)
+    if clean:
+        CLEAN_DECODE_LOGS.append(d.log_path)
+    return d
+
+
+log_dir, peers, decode = harness_fixtures(Peers, _decode, "worker-nixl-logs")
+
+
+def replay_logs(peers: PrefillPeers, decodes: list[Decode], reqs: set[str], prefill_logs: list[Path]):
+    """analyse() over these decode logs and these prefill logs: the findings about
+    ``reqs`` (and any that name no request), every machine's final state, the report."""
     peers.flush()
     for d in decodes:
         d.log.flush()
-    report = analyse([d.log_path for d in decodes] + [peers.log[w] for w in prefill])
+    report = analyse([d.log_path for d in decodes] + prefill_logs)
     findings = [(f.kind, f.req) for f in report.findings if f.req is None or f.req in reqs]
     finals = {(m.lifecycle, m.req): m.final_state for m in report.machines if m.req in reqs}
+    return findings, finals, report
+
+
+def replay(peers: Peers, decodes: list[Decode], reqs: set[str], prefill: tuple[str, ...] = ("A",)):
+    """``replay_logs`` over the logs of prefill workers ``prefill``: (findings, finals)."""
+    findings, finals, _ = replay_logs(peers, decodes, reqs, [peers.log[w] for w in prefill])
     return findings, finals
 
 

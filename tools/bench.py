@@ -73,7 +73,6 @@ import random
 import signal
 import socket
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -81,9 +80,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsm.testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports no vLLM
+
+if TYPE_CHECKING:
+    from kvsm.testing.servers import RouterProcess
 
 # --------------------------------------------------------------------------- results
 
@@ -868,7 +870,7 @@ class ServerPair:
     down, whatever happened before."""
 
     def __init__(self, connector: str, model: str, workdir: Path, event_log_dir: Path | None = None) -> None:
-        from kvsm.testing.servers import VLLMServer, free_port, pd_specs
+        from kvsm.testing.servers import VLLMServer, pd_specs
 
         self.model = model
         self.workdir = workdir
@@ -876,12 +878,9 @@ class ServerPair:
         for spec in specs:
             spec.log_stats = True  # prompt tokens by source (transfer or local compute) in /metrics
         self.prefill, self.decode = (VLLMServer(s, model, workdir) for s in specs)
-        self.router_port = free_port()
-        self.router_url = f"http://127.0.0.1:{self.router_port}"
-        self.router: subprocess.Popen | None = None
-        self._router_log: Any = None
+        self.router = self._router()
         # Every port a process of this pair listened on (HTTP and side channels): all closed after stop().
-        self.ports = [self.router_port] + [p for s in (self.prefill, self.decode)
+        self.ports = [self.router.port] + [p for s in (self.prefill, self.decode)
                                            for p in (s.spec.port, s.spec.side_channel_port)]
 
     def start(self, timeout_s: float = 600.0) -> float:
@@ -891,49 +890,29 @@ class ServerPair:
             s.start()
         for s in (self.prefill, self.decode):
             s.wait_ready(timeout=timeout_s)
-        self._start_router()
+        self.router.start(ready_timeout=60)
         return time.perf_counter() - t0
 
-    def _start_router(self) -> None:
-        if self._router_log is None:
-            self._router_log = open(self.workdir / "router.log", "a")  # noqa: SIM115 - closed in stop()
-        self.router = subprocess.Popen(
-            [sys.executable, "-m", "kvsm.router", "--prefill", self.prefill.url, "--decode", self.decode.url,
-             "--port", str(self.router_port), "--host", "127.0.0.1", "--timeout", str(E2E_REQUEST_TIMEOUT_S + 60)],
-            cwd=str(ROOT), stdout=self._router_log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.router_url + "/health", timeout=1).read()
-                break
-            except (urllib.error.URLError, OSError) as e:
-                if self.router.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the router did not start: {e}\n"
-                                       f"{(self.workdir / 'router.log').read_text()[-3000:]}") from e
-                time.sleep(0.2)
+    def _router(self) -> RouterProcess:
+        """The router in front of the current servers (not started yet)."""
+        from kvsm.testing.servers import RouterProcess
 
-    def _stop_router(self) -> None:
-        if self.router is not None and self.router.poll() is None:
-            self.router.terminate()
-            try:
-                self.router.wait(10)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-                self.router.wait(10)
-        self.router = None
+        return RouterProcess([self.prefill.url], [self.decode.url], self.workdir,
+                             timeout_s=E2E_REQUEST_TIMEOUT_S + 60)
+
+    @property
+    def router_url(self) -> str:
+        return self.router.url
 
     def stop(self) -> None:
         """Stop the router and both servers (SIGTERM, then SIGKILL to whatever is
         left of each process group after 20 s); a signal meanwhile waits until done."""
         with _interrupts_deferred():
-            self._stop_router()
+            self.router.stop()
             for s in (self.prefill, self.decode):  # both at once, then wait for each
                 s.terminate()
             for s in (self.prefill, self.decode):
                 s.stop(timeout=20)
-            if self._router_log is not None:
-                self._router_log.close()
-                self._router_log = None
 
     def replace_prefill(self, engine_id: str, timeout_s: float = 600.0) -> float:
         """Stop the prefill server and start a new one (new engine id and ports:
@@ -944,16 +923,17 @@ class ServerPair:
         from kvsm.testing.servers import VLLMServer, free_ports
 
         t0 = time.perf_counter()
-        self._stop_router()
+        self.router.stop()
         self.prefill.stop(timeout=20)
         http_port, side_port = free_ports(2)
         spec = dc.replace(self.prefill.spec, name=engine_id, engine_id=engine_id, port=http_port,
                           side_channel_port=side_port)
         self.prefill = VLLMServer(spec, self.model, self.workdir)
-        self.ports += [http_port, side_port]
+        self.router = self._router()  # to the new prefill server (on a port of its own)
+        self.ports += [http_port, side_port, self.router.port]
         self.prefill.start()
         self.prefill.wait_ready(timeout=timeout_s)
-        self._start_router()
+        self.router.start(ready_timeout=60)
         return time.perf_counter() - t0
 
     def plain(self, server: Any, prompt: list[int]) -> str:
@@ -1045,19 +1025,27 @@ def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: in
             "first": first, "second": second, "mix": mix, "load": load, "burst": burst, "prompt_sources": sources}
 
 
-def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+def _runs_per_connector(repeat: int, run: Callable[[str, str, str, int], dict[str, Any]]
+                        ) -> dict[str, list[dict[str, Any]]]:
+    """``run(label, connector, model, rep)`` for every server pair of ``E2E_CONNECTORS``,
+    ``repeat`` times: one pair at a time (2 cores), the order alternating per
+    repetition, SIGTERM raising meanwhile (so that the running pair is stopped)."""
     from kvsm.testing import build_tiny_model
 
-    sec = Section(6, "e2e", f"end to end on servers: demo prompt mix, then {sizes.e2e_requests} concurrent "
-                  "requests (kvsm vs upstream NixlConnector)")
     model = str(build_tiny_model())
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in E2E_CONNECTORS}
     with _sigterm_raises():
         for rep in range(repeat):
-            # One pair at a time (2 cores), the order alternating per repetition.
             for label, connector in _rotated(E2E_CONNECTORS, rep):
-                runs[label].append(_e2e_run(label, connector, model, tmp / f"e2e-{rep}-{label}",
-                                            sizes.e2e_requests, seed=7 + rep))
+                runs[label].append(run(label, connector, model, rep))
+    return runs
+
+
+def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
+    sec = Section(6, "e2e", f"end to end on servers: demo prompt mix, then {sizes.e2e_requests} concurrent "
+                  "requests (kvsm vs upstream NixlConnector)")
+    runs = _runs_per_connector(repeat, lambda label, connector, model, rep: _e2e_run(
+        label, connector, model, tmp / f"e2e-{rep}-{label}", sizes.e2e_requests, seed=7 + rep))
 
     def everyone(run: dict[str, Any]) -> list[E2ERequest]:
         return [run["first"], run["second"], *run["mix"], *run["load"], *run["burst"]]
@@ -1368,15 +1356,8 @@ def _handshake_servers_run(label: str, connector: str, model: str, workdir: Path
 
 def _handshake_server_rows(sec: Section, repeat: int, tmp: Path) -> None:
     """Section 7 on real servers, kvsm and upstream: see ``_handshake_servers_run``."""
-    from kvsm.testing import build_tiny_model
-
-    model = str(build_tiny_model())
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in E2E_CONNECTORS}
-    with _sigterm_raises():
-        for rep in range(repeat):
-            for label, connector in _rotated(E2E_CONNECTORS, rep):
-                runs[label].append(_handshake_servers_run(label, connector, model, tmp / f"hs-{rep}-{label}",
-                                                          seed=11 + rep))
+    runs = _runs_per_connector(repeat, lambda label, connector, model, rep: _handshake_servers_run(
+        label, connector, model, tmp / f"hs-{rep}-{label}", seed=11 + rep))
     names = ("fresh", "known", "behind", "behind_known")
     failed = frozenset(label for label, rs in runs.items() if any(run[k].mismatch for run in rs for k in names))
     for label in sorted(failed):

@@ -38,14 +38,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
-import queue
 import signal
 import statistics
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import NO_TARGET, Row, Section, Sizes, Target, _rotated
+
+from kvsm.testing.peer_process import PeerProcess
 from kvsm.testing.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,64 +77,22 @@ class PeerError(RuntimeError):
     pass
 
 
-class Peer:
+class Peer(PeerProcess):
     """One bench_nixl_peer.py process, driven by JSON lines."""
 
+    error = PeerError
+
     def __init__(self, label: str, spec: dict[str, Any], log_dir: Path) -> None:
-        self.label = label
-        self.err_path = log_dir / f"peer-{label}.stderr"
-        self._err = open(self.err_path, "wb")  # noqa: SIM115 - closed in close()
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                   KVSM_BENCH_PARENT=str(os.getpid()), VLLM_LOGGING_LEVEL="ERROR")
         # Own session: a Ctrl-C reaches only the benchmark, which then stops every
         # peer in order (and the peers die with it anyway: PR_SET_PDEATHSIG).
-        self.proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, env=env, cwd=ROOT, text=True,
-                                     bufsize=1, start_new_session=True)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name=f"bench-peer-{label}", daemon=True).start()
-        self.hello: dict[str, Any] = {}
+        super().__init__(label, PEER_SCRIPT, spec, log_dir, root=ROOT, start_new_session=True,
+                         env={"KVSM_BENCH_PARENT": str(os.getpid()), "VLLM_LOGGING_LEVEL": "ERROR"})
         self.frozen = False
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def stderr_tail(self, chars: int = 3000) -> str:
-        self._err.flush()
-        return self.err_path.read_text(errors="replace")[-chars:]
-
-    def _next(self, timeout: float, what: str) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise PeerError(f"peer {self.label}: no answer to {what} within {timeout:.0f} s; "
-                            f"stderr:\n{self.stderr_tail()}") from None
-        if line is None:
-            raise PeerError(f"peer {self.label} exited ({self.proc.poll()}) during {what}; "
-                            f"stderr:\n{self.stderr_tail()}")
-        return json.loads(line)
-
-    def ready(self, timeout: float) -> Peer:
-        self.hello = self._next(timeout, "start-up")
-        if not self.hello.get("ready"):
-            raise PeerError(f"peer {self.label} failed to start: {self.hello.get('error')}; "
-                            f"stderr:\n{self.stderr_tail()}")
-        return self
-
     def call(self, op: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
         if self.frozen:
             raise PeerError(f"peer {self.label}: {op} sent while frozen")
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._next(timeout, op)
-        if not reply.get("ok"):
-            raise PeerError(f"peer {self.label}: {op} failed: {reply.get('error')}; "
-                            f"stderr:\n{self.stderr_tail()}")
-        return reply
+        return super().call(op, timeout, **kw)
 
     def cpu(self) -> float:
         return float(self.call("cpu")["cpu_s"])
@@ -156,8 +112,7 @@ class Peer:
         self.thaw()
         if self.proc.poll() is None and self.proc.stdin is not None:
             with contextlib.suppress(OSError):
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
+                self.send("quit")
 
     def close(self, timeout: float = 20.0) -> None:
         """Stop the process: it shuts its connector down on "quit" (or on EOF);
@@ -176,7 +131,7 @@ class Peer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         finally:
-            self._err.close()
+            self.close_stderr()
 
 
 @dataclass(frozen=True)

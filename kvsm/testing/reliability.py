@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,13 +23,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvsm.lifecycle.table import LIFECYCLES
-from kvsm.testing.servers import ServerSpec, VLLMServer, free_port
+from kvsm.testing.servers import ServerSpec, VLLMServer
 
 __all__ = ["Node", "StreamOutcome", "live_kvsm_requests", "metric", "post_json", "read_records",
-           "recv_machines", "start_router", "stop_router", "stream_completion", "wait_until"]
+           "recv_machines", "stream_completion", "wait_until"]
 
 T = TypeVar("T")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
@@ -70,22 +67,23 @@ def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def recv_machines(records: Iterable[dict[str, Any]], rid: str) -> dict[str, list[dict[str, Any]]]:
-    """The recv-lifecycle records of each engine request whose id contains ``rid``."""
+def machines(records: Iterable[dict[str, Any]], lifecycle: str, rid: str) -> dict[str, list[dict[str, Any]]]:
+    """The ``lifecycle`` records (create, transitions) of each engine request whose id contains ``rid``."""
     out: dict[str, list[dict[str, Any]]] = {}
     for r in records:
-        if r.get("lifecycle") == "recv" and r["kind"] in ("create", "transition") and rid in (r.get("req") or ""):
+        if r.get("lifecycle") == lifecycle and r["kind"] in ("create", "transition") and rid in (r.get("req") or ""):
             out.setdefault(r["req"], []).append(r)
     return out
+
+
+def recv_machines(records: Iterable[dict[str, Any]], rid: str) -> dict[str, list[dict[str, Any]]]:
+    """The recv-lifecycle records of each engine request whose id contains ``rid``."""
+    return machines(records, "recv", rid)
 
 
 def send_machines(records: Iterable[dict[str, Any]], rid: str) -> dict[str, list[dict[str, Any]]]:
     """The send-lifecycle records of each engine request whose id contains ``rid``."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        if r.get("lifecycle") == "send" and r["kind"] in ("create", "transition") and rid in (r.get("req") or ""):
-            out.setdefault(r["req"], []).append(r)
-    return out
+    return machines(records, "send", rid)
 
 
 def is_terminal(lifecycle: str, recs: list[dict[str, Any]]) -> bool:
@@ -287,43 +285,3 @@ def stream_completion(base: str, body: dict[str, Any], rid: str, *, leave_after_
             if conn.sock is not None:
                 conn.sock.close()  # a hang-up, not a polite drain
         conn.close()
-
-
-# -- the router --------------------------------------------------------------------------------
-
-
-def start_router(prefill: list[str], decode: list[str], log_path: Path, timeout_s: float = 60.0,
-                 ready_timeout: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m kvsm.router`` as its CLI runs it; (process, URL) once /health answers."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "kvsm.router", "--port", str(port), "--timeout", str(timeout_s)]
-    for u in prefill:
-        args += ["--prefill", u]
-    for u in decode:
-        args += ["--decode", u]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        def healthy() -> bool:
-            assert proc.poll() is None, f"router exited with {proc.returncode}"
-            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=1) as r:
-                return r.status == 200
-            return False
-
-        wait_until(healthy, ready_timeout, "the router's /health", interval=0.1)
-    except BaseException:
-        stop_router(proc)
-        raise
-    return proc, url
-
-
-def stop_router(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
