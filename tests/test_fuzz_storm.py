@@ -66,7 +66,9 @@ from kvsm.testing.servers import (
     RouterProcess,
     VLLMServer,
     pd_specs,
+    running_pair,
     side_channel_pid,
+    stop_pair,
     vm_rss_bytes,
 )
 
@@ -135,12 +137,6 @@ class Stack:
         return call
 
 
-def _stop_all(stack: Stack) -> None:
-    stack.router.stop()
-    stack.decode.stop(timeout=40)  # first: its claims stop before the prefill's books close
-    stack.prefill.stop(timeout=40)
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("storm")
@@ -152,16 +148,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         spec.extra_args = SHUTDOWN_ARGS
     prefill, decode = VLLMServer(p_spec, model, tmp), VLLMServer(d_spec, model, tmp)
     router = RouterProcess([prefill.url], [decode.url], tmp)
-    s = Stack(model, prefill, decode, router, events)
-    try:
-        for server in (prefill, decode):
-            server.start()
-        for server in (prefill, decode):
-            server.wait_ready(timeout=600)
-        router.start()
-        yield s
-    finally:
-        _stop_all(s)
+    with running_pair(prefill, decode, router):
+        yield Stack(model, prefill, decode, router, events)
 
 
 def _wrong(stack: Stack, calls: list[Call]) -> list[str]:
@@ -291,7 +279,7 @@ def test_the_books_balance_after_a_clean_stop(stack: Stack) -> None:
     report = stack.report
     if report is None:
         pytest.skip("the storm did not run")
-    _stop_all(stack)
+    stop_pair(stack.prefill, stack.decode, stack.router)
     records = [json.loads(line) for f in sorted(stack.events.glob("*.jsonl")) for line in f.read_text().splitlines()
                if line.strip()]
     shutdown = {r["engine_id"]: r for r in records if r.get("event") == "worker.shutdown"}

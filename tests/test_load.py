@@ -487,7 +487,7 @@ def _rss(servers: Sequence[Any]) -> dict[str, int]:
 
 def test_a_thousand_requests_through_the_router(tmp_path: Path) -> None:
     from kvsm.testing import build_tiny_model
-    from kvsm.testing.servers import RouterProcess, VLLMServer, pd_specs
+    from kvsm.testing.servers import RouterProcess, VLLMServer, pd_specs, running_pair
 
     model = str(build_tiny_model())
     events = tmp_path / "events"
@@ -505,12 +505,7 @@ def test_a_thousand_requests_through_the_router(tmp_path: Path) -> None:
         return {"model": model, "prompt": prompts[i], "max_tokens": E2E_MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True}
 
-    try:
-        for server in (prefill, decode):
-            server.start()
-        for server in (prefill, decode):
-            server.wait_ready(timeout=600)
-        router.start()
+    with running_pair(prefill, decode, router):
         with ThreadPoolExecutor(8) as pool:  # the prefill server's own greedy outputs
             reference = list(pool.map(lambda i: _post(prefill.url, body(i)), range(E2E_DISTINCT)))
         assert [r[1] for r in reference if r[1]] == []
@@ -523,10 +518,6 @@ def test_a_thousand_requests_through_the_router(tmp_path: Path) -> None:
             elapsed = time.monotonic() - t0
         time.sleep(1.0)
         rss_after = _rss([prefill, decode])
-    finally:
-        router.stop()
-        decode.stop(timeout=40)
-        prefill.stop(timeout=40)
 
     wrong = [(i, text, err) for i, (text, err, _) in zip(order, warm + run) if err or text != reference[i][0]]
     assert wrong == [], wrong[:5]

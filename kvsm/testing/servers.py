@@ -15,6 +15,7 @@ engine settings.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from typing import Any
 from kvsm.testing.engine import engine_env
 from kvsm.testing.ports import free_port, free_ports
 
-__all__ = ["RouterProcess", "ServerSpec", "VLLMServer", "free_port", "free_ports", "pd_specs", "server_pids",
+__all__ = ["RouterProcess", "ServerSpec", "VLLMServer", "free_port", "free_ports", "pd_specs", "running_pair",
+           "server_pids", "stop_pair",
            "side_channel_pid", "vm_rss_bytes"]
 
 
@@ -342,3 +344,30 @@ class RouterProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running_pair(prefill: VLLMServer, decode: VLLMServer, router: RouterProcess | None = None, *,
+                 ready_timeout: float = 600.0, stop_timeout: float = 40.0) -> Iterator[None]:
+    """Both servers started together and ready, then the router; on the way out
+    (always) the router, then decode (its claims stop before the prefill's books
+    close), then prefill."""
+    try:
+        for server in (prefill, decode):
+            server.start()
+        for server in (prefill, decode):
+            server.wait_ready(timeout=ready_timeout)
+        if router is not None:
+            router.start()
+        yield
+    finally:
+        stop_pair(prefill, decode, router, timeout=stop_timeout)
+
+
+def stop_pair(prefill: VLLMServer, decode: VLLMServer, router: RouterProcess | None = None, *,
+              timeout: float = 40.0) -> None:
+    """Stop the router, then decode, then prefill (each stop is idempotent)."""
+    if router is not None:
+        router.stop()
+    decode.stop(timeout=timeout)
+    prefill.stop(timeout=timeout)
