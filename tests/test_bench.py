@@ -181,3 +181,22 @@ def test_bench_servers_smoke(tmp_path: Path) -> None:
               for p in run["ports"]]
     assert len(ports) >= 2 * 5 + 2 * 7, ports
     assert all(_closed(p) for p in ports), [p for p in ports if not _closed(p)]
+
+
+def test_ttft_breakdown_smoke() -> None:
+    """tools/ttft_breakdown.py on a real pair: every decode leg lined up with both
+    workers' logs, and the parts fit inside the TTFT they split."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ttft_breakdown.py"), "--rounds", "1",
+                           "--concurrency", "4"], check=False, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    assert "4 of 4 decode legs" in proc.stdout, proc.stdout
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and re.fullmatch(NUMBER, cells[1]):
+            rows[cells[0]] = [_num(c) for c in cells[1:]]
+    assert len(rows) == 6, proc.stdout
+    ttft = rows.pop("decode TTFT (leg start to first chunk)")
+    assert all(v >= 0 for vals in rows.values() for v in vals), rows
+    # The parts of one request add up to its TTFT, so no part's median can exceed the largest TTFT.
+    assert all(vals[0] <= ttft[3] for vals in rows.values()), (ttft, rows)
