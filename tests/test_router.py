@@ -29,7 +29,6 @@ import random
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -50,7 +49,7 @@ web = pytest.importorskip("aiohttp.web")
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.router import create_app
 from kvsm.testing import build_tiny_model
-from kvsm.testing.servers import VLLMServer, free_port, pd_specs
+from kvsm.testing.servers import RouterProcess, VLLMServer, free_port, pd_specs, running_pair
 
 REPO = Path(__file__).resolve().parents[1]
 RECV_TERMINAL = LIFECYCLES["recv"].terminal
@@ -97,27 +96,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     p_spec, d_spec = pd_specs(event_log_dir=str(events))
     d_spec.extra_args = ("--enable-log-requests",)  # "Request ... aborted." for the disconnect test
     servers = [VLLMServer(p_spec, model, tmp), VLLMServer(d_spec, model, tmp)]
-    router: subprocess.Popen[bytes] | None = None
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready(timeout=240)
-        pair = Pair(model, servers[0], servers[1], events)
-        port = free_port()
-        pair.router, pair.router_log = f"http://127.0.0.1:{port}", tmp / "router.log"
-        with open(pair.router_log, "wb") as log:
-            router = subprocess.Popen([sys.executable, "-m", "kvsm.router", "--prefill", pair.prefill.url,
-                                       "--decode", pair.decode.url, "--port", str(port), "--timeout", "60"],
-                                      cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        _wait_http(pair.router + "/health", router)
-        yield pair
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(10)
-        for s in servers:
-            s.stop()
+    router = RouterProcess([servers[0].url], [servers[1].url], tmp, timeout_s=60)
+    with running_pair(*servers, router, ready_timeout=240, stop_timeout=20):
+        yield Pair(model, servers[0], servers[1], events, router.url, router.log_path)
     left = [p for s in servers for p in _vllm_left(s)]
     assert not left, f"vLLM processes left behind: {left}"
 
@@ -255,6 +236,19 @@ def _recv_final(pair: Pair, rid: str, timeout: float = 15) -> list[dict[str, Any
         time.sleep(0.05)
 
 
+def _router_line(pair: Pair, rid: str, timeout: float = 10) -> str:
+    """The router's log line for ``rid``: written once the response is over, which
+    the client may see a moment before the router logs it."""
+    assert pair.router_log is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        line = next((ln for ln in pair.router_log.read_text().splitlines() if f"req={rid} " in ln), None)
+        if line is not None:
+            return line
+        assert time.monotonic() < deadline, f"no router log line for {rid} within {timeout} s"
+        time.sleep(0.05)
+
+
 def _assert_loaded_remotely(pair: Pair, rid: str, prompt_tokens: int | None = None) -> None:
     recs = _recv_final(pair, rid)
     events = [r["event"] for r in recs if r["kind"] == "transition"]
@@ -292,7 +286,7 @@ def test_completions_equal_reference_and_load_remotely(pair: Pair) -> None:
         assert len(choice["token_ids"]) == 16
         _assert_loaded_remotely(pair, rid, out["usage"]["prompt_tokens"])
     # The router logs one line per request, with both backends and the timings.
-    line = next(ln for ln in pair.router_log.read_text().splitlines() if f"req={rid}" in ln)
+    line = _router_line(pair, rid)
     assert re.search(rf"status=200 prefill={pair.prefill.url} prefill_ms=[\d.]+ decode={pair.decode.url} "
                      r"decode_ttfb_ms=- decode_ms=[\d.]+", line), line
 
@@ -343,7 +337,7 @@ def test_streaming_passes_chunks_through_as_they_come(pair: Pair) -> None:
     assert times[-1] - times[0] > 0.1, f"all {len(times)} events within {times[-1] - times[0]:.3f} s"
     assert len({round(t, 3) for t in times}) > 10
     _assert_loaded_remotely(pair, rid)
-    line = next(ln for ln in pair.router_log.read_text().splitlines() if f"req={rid}" in ln)
+    line = _router_line(pair, rid)
     assert re.search(r"stream=1 status=200 .* decode_ttfb_ms=[\d.]+ decode_ms=[\d.]+", line), line
 
 
@@ -384,10 +378,7 @@ def test_client_disconnect_mid_stream_aborts_on_decode(pair: Pair, router: str) 
             time.sleep(0.05)
         assert _recv_final(pair, rid)[-1]["dst"] in RECV_TERMINAL
         if router == "cli":
-            line = ""
-            while f"req={rid}" not in line:
-                line = next((ln for ln in pair.router_log.read_text().splitlines() if f"req={rid}" in ln), "")
-                time.sleep(0.05)
+            line = _router_line(pair, rid)
             assert "status=499" in line and "client disconnected" in line, line
         # The next request goes through as usual.
         body = _completion(pair, f"After the disconnect ({router})", 8)
