@@ -82,6 +82,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvsm.testing.ports import free_port as _free_port
 from kvsm.testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports no vLLM
 
 if TYPE_CHECKING:
@@ -306,12 +307,6 @@ QUICK_SIZES = Sizes((200, 1_000), 256, 50_000, 200_000, 100_000, 10, 200, worker
                     e2e_requests=20, hs_server_repeat=2)
 SMOKE_SIZES = Sizes((64, 256), 64, 5_000, 20_000, 10_000, 3, 100, worker_inflight=(4, 16), worker_steps=5,
                     transfer_blocks=64, transfer_block_kib=16, e2e_requests=4, hs_server_repeat=1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rotated(items: Sequence[Any], k: int) -> list[Any]:

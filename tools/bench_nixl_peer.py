@@ -48,7 +48,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -62,6 +61,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from kvsm.testing.ports import free_port as _free_port  # noqa: E402  (outside the ephemeral range)
 
 LAYERS = 2
 KV_HEADS = 2
@@ -118,12 +119,6 @@ def _die_with_parent() -> None:
 
 
 # --------------------------------------------------------------------------- connectors
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def make_caches(num_blocks: int, block_size: int, fill: bool) -> dict[str, Any]:
