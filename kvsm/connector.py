@@ -19,8 +19,11 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from dataclasses import dataclass
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -32,6 +35,7 @@ from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.handshake import CompatInfo
 from kvsm.metadata import KVSMConnectorMetadata
+from kvsm.pin_channel import PinTarget
 from kvsm.scheduler import SchedulerHalf
 from kvsm.worker import WorkerHalf
 
@@ -53,6 +57,18 @@ def _open_log(cfg: KVSMConfig, role: str, rank: int) -> EventLog | None:
     if path is None:
         return None
     return EventLog(path, role=role, engine_id=cfg.engine_id, rank=rank)
+
+
+@dataclass
+class KVSMWorkerChannel(KVConnectorHandshakeMetadata):
+    """What each worker publishes at start for its own engine's scheduler (vLLM
+    collects it inside the engine and hands it to the scheduler-side instance):
+    where and how to tell it that a finished prefill is pinned."""
+
+    tp_rank: int
+    pid: int
+    endpoint: str
+    token: bytes
 
 
 class KVSMConnector(KVConnectorBase_V1):
@@ -140,6 +156,13 @@ class KVSMConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._require_worker().take_invalid_blocks()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        target = self._require_worker().pin_target()
+        if target is None:
+            return None
+        return KVSMWorkerChannel(tp_rank=target.tp_rank, pid=target.pid, endpoint=target.endpoint,
+                                 token=target.token)
+
     def get_kv_connector_stats(self) -> kvsm_stats.KVSMStats | None:
         if self._worker is None:
             return None
@@ -181,6 +204,17 @@ class KVSMConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._require_scheduler().request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """The workers' pin channels, handed over by vLLM once they all started."""
+        targets = []
+        for rank, channel in sorted(metadata.items()):
+            if not isinstance(channel, KVSMWorkerChannel):
+                raise TypeError(f"KVSMConnector: worker {rank} published {type(channel).__name__}, "
+                                f"expected KVSMWorkerChannel (a different connector in the workers?)")
+            targets.append(PinTarget(tp_rank=channel.tp_rank, pid=channel.pid, endpoint=channel.endpoint,
+                                     token=channel.token))
+        self._require_scheduler().connect_workers(targets)
 
     # ================================================================ helpers
 

@@ -65,12 +65,16 @@ class SendStart(msgspec.Struct, frozen=True):
 
 class SendFinish(msgspec.Struct, frozen=True):
     """Prefill side: the request finished. ``ok``: its blocks are pinned for
-    the decode side (``block_ids``); otherwise nothing is pinned."""
+    the decode side (``block_ids``) from ``pinned_ns`` (the scheduler's
+    monotonic clock when it decided, which starts the lease); otherwise
+    nothing is pinned. Sent straight to the workers (``kvsm.pin_channel``),
+    or with the next step when no worker could be reached directly."""
 
     req: str
     ok: bool
     block_ids: tuple[int, ...] = ()
     reason: str = ""
+    pinned_ns: int = 0
 
 
 class HeartbeatTarget(msgspec.Struct, frozen=True):

@@ -17,6 +17,13 @@ What it must remember, and why:
   not waiting for, so the worker must know exactly which.
 * ``_sending``: prefill requests whose worker-side machine was started.
 
+A finished prefill does not wait for a step: ``request_finished`` sends the
+pin (or "nothing pinned") straight to every local worker through
+``kvsm.pin_channel`` and records the decision (``sched.pinned``) in this
+process's log, so replay can tell "decided, never received" from "never
+decided". The step's metadata carries it only where no worker could be
+reached directly.
+
 Per-request cost is a few dict operations. What a hook decides reaches a
 worker as an event its machine records (``matched``, ``allocated``,
 ``finished_ok``, ``abort``...), so this process's log carries only the
@@ -27,12 +34,14 @@ during the load, an abnormal prefill finish): the hot path writes nothing.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
+from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.metadata import (
     BadTransferParams,
     HeartbeatTarget,
@@ -45,6 +54,7 @@ from kvsm.metadata import (
     SendStart,
     parse_remote_params,
 )
+from kvsm.pin_channel import PinChannelClient, PinTarget
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -56,14 +66,21 @@ log = logging.getLogger("kvsm.scheduler")
 
 # vLLM's RequestStatus names of a normal finish: the prefill KV is complete.
 _NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
+# Tests and benchmarks only: send pins with the next step, as before the pin
+# channel existed (reproduces an offline prefill engine's stuck pins).
+PIN_VIA_STEP_ENV = "KVSM_PIN_VIA_STEP"
 
 
 class SchedulerHalf:
     """Scheduler-side state of one engine's connector."""
 
-    def __init__(self, cfg: KVSMConfig, event_log: EventLog | None = None) -> None:
+    def __init__(self, cfg: KVSMConfig, event_log: EventLog | None = None, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
         self.log = event_log
+        self._clock = clock
+        self._pins: PinChannelClient | None = None
+        self._pin_via_step = os.environ.get(PIN_VIA_STEP_ENV, "") not in ("", "0")
+        self._warned_no_channel = False
         self._block_size = cfg.block_size
         self._remote: dict[str, RemoteParams] = {}
         self._awaited: set[str] = set()
@@ -75,6 +92,51 @@ class SchedulerHalf:
         self._next_heartbeat = time.monotonic() + cfg.heartbeat_interval_s
         self._step = 0
         self._meta = KVSMConnectorMetadata(0)
+
+    # -- the workers ----------------------------------------------------------
+
+    def connect_workers(self, targets: list[PinTarget]) -> None:
+        """Open the pin channel to this engine's workers (vLLM hands over what each
+        worker published at start, once they all registered their KV caches)."""
+        if self._pins is not None:
+            self._pins.close()
+        self._pins = PinChannelClient(targets) if targets else None
+        self._note("sched.workers_connected", None, workers=len(targets),
+                   via=self._pins.via if self._pins else None,
+                   ranks=sorted(t.tp_rank for t in targets), pin_via_step=self._pin_via_step)
+
+    def _hand_to_workers(self, finish: SendFinish) -> str:
+        """Tell every worker now; where that is not possible, with the next step.
+        Returns the path taken (recorded with the decision)."""
+        pins = self._pins
+        if pins is None or self._pin_via_step:
+            if pins is None and not self._warned_no_channel and not self._pin_via_step:
+                self._warned_no_channel = True
+                log.warning("kvsm: no direct channel to this engine's workers (vLLM did not hand over their "
+                            "handshake metadata); finished prefills reach them with the next engine step")
+            self._meta.send_finish.append(finish)
+            return "next_step"
+        failed = pins.send([finish])
+        if failed:
+            for rank, why in failed:
+                self._note("sched.pin_handoff_failed", finish.req, rank=rank, error=why)
+            log.error("kvsm: could not hand request %s's finish to workers %s directly (%s); it goes with "
+                      "the next engine step", finish.req, [r for r, _ in failed], failed[0][1])
+            self._meta.send_finish.append(finish)
+            return "next_step"
+        return pins.via
+
+    def _take_undelivered(self) -> None:
+        """Pins a socket send failed for go with this step (the workers ignore a
+        finish they already have)."""
+        if self._pins is None:
+            return
+        seen: set[str] = set()
+        for finish, rank, why in self._pins.take_undelivered():
+            self._note("sched.pin_handoff_failed", finish.req, rank=rank, error=why)
+            if finish.req not in seen:
+                seen.add(finish.req)
+                self._meta.send_finish.append(finish)
 
     # -- both roles -----------------------------------------------------------
 
@@ -194,12 +256,17 @@ class SchedulerHalf:
         self._sending.discard(req)
         status = request.status.name
         if status not in _NORMAL_FINISH or not block_ids:
-            self._meta.send_finish.append(SendFinish(req=req, ok=False, reason=status))
-            self._note("sched.prefill_finished", req, ok=False, status=status)
+            via = self._hand_to_workers(SendFinish(req=req, ok=False, reason=status))
+            self._note("sched.prefill_finished", req, ok=False, status=status, via=via)
             return False, None
         blocks = tuple(block_ids)
-        self._meta.send_finish.append(SendFinish(req=req, ok=True, block_ids=blocks))
         cfg = self.cfg
+        pinned_ns = self._clock.monotonic_ns()
+        via = self._hand_to_workers(SendFinish(req=req, ok=True, block_ids=blocks, pinned_ns=pinned_ns))
+        if self.log is not None:
+            self.log.emit("log", "sched.pinned", req, block_ids=blocks, pinned_ns=pinned_ns,
+                          lease_deadline_ns=pinned_ns + cfg.lease_ns, via=via,
+                          workers=self._pins.workers if self._pins else 0)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -219,6 +286,7 @@ class SchedulerHalf:
     # -- per step -------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVSMConnectorMetadata:
+        self._take_undelivered()
         meta = self._meta
         self._step += 1
         self._meta = KVSMConnectorMetadata(self._step)
@@ -243,10 +311,13 @@ class SchedulerHalf:
         return {"remote": len(self._remote), "awaited": len(self._awaited), "sending": len(self._sending),
                 "heartbeat_groups": len(self._claims), "ignored": len(self._bad)}
 
-    def _note(self, event: str, req: str, **fields: Any) -> None:
+    def _note(self, event: str, req: str | None, **fields: Any) -> None:
         if self.log is not None:
             self.log.emit("log", event, req, **fields)
 
     def shutdown(self) -> None:
+        if self._pins is not None:
+            self._pins.close()
+            self._pins = None
         if self.log is not None:
             self.log.close()

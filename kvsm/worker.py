@@ -18,7 +18,9 @@ decode   RecvStart -> matched, allocated -> start_handshake: claim the remote
          request over the side channel (fetching the peer's NIXL agent the
          first time) -> handshake_ok -> post_reads: one NIXL READ carrying a
          notification -> all_reads_done -> deliver_blocks: finished_recving.
-prefill  SendFinish(ok) -> finished_ok: pin, arm the lease -> the decode
+prefill  SendFinish(ok), straight from the scheduler (``kvsm.pin_channel``,
+         not with a later step) -> finished_ok: pin, arm the lease from the
+         scheduler's decision -> the decode
          side's read notification -> read_notif: free_blocks, i.e.
          finished_sending. Heartbeats and claims extend the lease; expiry
          frees the blocks, and a claim after it is answered "expired".
@@ -67,6 +69,7 @@ from kvsm.metadata import (
     RecvStart,
     SendFinish,
 )
+from kvsm.pin_channel import PinChannelServer, PinTarget
 from kvsm.stats import StatsRecorder
 from kvsm.transport.base import TransferState, Transport, XferHandle
 
@@ -200,6 +203,7 @@ class WorkerHalf:
         self.transport: Transport | None = None
         self.server: HandshakeServer | None = None
         self.client: HandshakeClient | None = None
+        self.pins: PinChannelServer | None = None
         self.compat: CompatInfo | None = None
         self.agent_name = ""
         # Loop-thread state.
@@ -272,6 +276,11 @@ class WorkerHalf:
             log.error("kvsm worker %s: could not post step %d's metadata to the loop (%s)",
                       self.loop.name, meta.step, self.loop.stats())
 
+    def pin_target(self) -> PinTarget | None:
+        """How this engine's scheduler reaches this worker's pin channel (None: it
+        serves no prefills, or has not started)."""
+        return self.pins.target(self.tp_rank) if self.pins is not None else None
+
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         return self.results.take()
 
@@ -300,6 +309,10 @@ class WorkerHalf:
                 context=self.loop.context, lease_ms=int(self.cfg.lease_s * 1000))
             for sock in self.server.sockets():
                 self.loop.add_reader(sock, self._on_side_channel, label="handshake server")
+            self.pins = PinChannelServer(self.loop.context, self._on_pins,
+                                         lambda fn, label: self.loop.post(fn, label=label))
+            for sock in self.pins.sockets():
+                self.loop.add_reader(sock, self.pins.on_readable, label="pin channel")
         if self.cfg.consumes:
             self.client = HandshakeClient(
                 self.compat, requester=f"{self.cfg.engine_id}/tp{self.tp_rank}", context=self.loop.context,
@@ -329,6 +342,7 @@ class WorkerHalf:
                          "send": {m.req: m.state for m in self.send.live()}},
                    resources=self.resources(),
                    side_channel=self.server.stats() if self.server else None,
+                   pin_channel=self.pins.stats() if self.pins else None,
                    client=self.client.stats() if self.client else None)
         for h in self._timers():
             self.loop.cancel(h)
@@ -338,6 +352,10 @@ class WorkerHalf:
             for sock in self.server.sockets():
                 self.loop.remove_reader(sock)
             self.server.close()
+        if self.pins is not None:
+            for sock in self.pins.sockets():
+                self.loop.remove_reader(sock)
+            self.pins.close()
         if self.transport is not None:
             close = getattr(self.transport, "close", None)
             if close is not None:
@@ -482,10 +500,11 @@ class WorkerHalf:
         for abort in meta.recv_abort:
             self._guard(abort.req, self._on_recv_abort, abort)
         for s in meta.send_start:
-            if s.req not in self.send:
-                self.send.create(s.req)
+            if s.req in self.send or self.send.final_state(s.req) is not None:
+                continue  # its finish came first, straight from the scheduler
+            self.send.create(s.req)
         for finish in meta.send_finish:
-            self._guard(finish.req, self._on_send_finish, finish)
+            self._guard(finish.req, self._on_send_finish, (finish, "next_step"))
         for target in meta.heartbeats:
             self._guard(None, self._send_heartbeat, target)
         self._flush_claims()
@@ -740,6 +759,8 @@ class WorkerHalf:
         peer = claim.peer
         outcome = result.outcome
         if isinstance(outcome, HandshakeError):
+            self._note("worker.claim_failed", None, peer=peer.address, engine=peer.engine, fetch=claim.fetch,
+                       error=f"{outcome.code}: {outcome}"[:300], reqs=[req for req, _ in claim.reqs])
             if isinstance(outcome, HandshakeTimeout):
                 if claim.sent_ns >= peer.news_ns:
                     self._mark_dead(peer, str(outcome))
@@ -767,6 +788,12 @@ class WorkerHalf:
         peer.failures, peer.dead_until_ns = 0, 0
         peer.news_ns = max(peer.news_ns, claim.sent_ns)
         peer.backoff_ns = int(self.cfg.peer_backoff_s * _S)
+        if self.log is not None:  # one record per reply: replay counts each request's answers
+            answered: dict[str, list[str]] = {"ok": [], "unknown": [], "expired": []}
+            for req, remote_req in claim.reqs:
+                answered.setdefault(outcome.claims.get(remote_req, "unknown"), []).append(req)
+            self.log.emit("log", "worker.claims_answered", None, peer=peer.address, engine=peer.engine,
+                          fetch=claim.fetch, rtt_us=(self.loop.now_ns() - claim.sent_ns) // 1000, **answered)
         for req, remote_req in claim.reqs:
             m = self.recv.get(req)
             io = self._recv_io.get(req)
@@ -1057,18 +1084,29 @@ class WorkerHalf:
         if len(self._early_abandons) > _MAX_EARLY_ABANDONS:
             self._early_abandons.popitem(last=False)
 
-    def _on_send_finish(self, finish: SendFinish) -> None:
+    def _on_pins(self, pins: list[SendFinish], via: str) -> None:
+        """The scheduler's finishes, straight from it (loop thread)."""
+        for finish in pins:
+            self._guard(finish.req, self._on_send_finish, (finish, via))
+
+    def _on_send_finish(self, item: tuple[SendFinish, str]) -> None:
+        finish, via = item
         req = finish.req
-        if req not in self.send:
+        m = self.send.get(req)
+        if m is None:
             final = self.send.final_state(req)
             if final is not None:
-                self._note("worker.duplicate_send_finish", req, final=final)
+                self._note("worker.duplicate_send_finish", req, final=final, via=via)
                 return
             self.send.create(req)
+        elif m.state != "prefilling":
+            # Told twice (a direct hand-off that partly failed also goes with a step).
+            self._note("worker.duplicate_send_finish", req, state=m.state, via=via)
+            return
         if finish.ok:
             self._send_io[req] = _SendIO()
             self._apply_send(ev.FinishedOk(req=req, block_ids=finish.block_ids, expected_reads=1,
-                                           lease_ns=self.cfg.lease_ns))
+                                           lease_ns=self.cfg.lease_ns, pinned_ns=finish.pinned_ns, via=via))
             if req in self._early_abandons:
                 del self._early_abandons[req]
                 self._apply_send(ev.RemoteAbandoned(req=req, reason="abandoned before the prefill finished"))
@@ -1180,6 +1218,7 @@ class WorkerHalf:
                 "io": {"recv": len(self._recv_io), "send": len(self._send_io), "claims": len(self._claims),
                        "oneway": len(self._oneway), "polling": len(self._polling)},
                 "server": self.server.stats() if self.server else None,
+                "pin_channel": self.pins.stats() if self.pins else None,
                 "client": self.client.stats() if self.client else None,
                 "loop": self.loop.stats(),
                 "resources": self.resources(),

@@ -65,10 +65,9 @@ class Pair:
         self.closed = False
 
     def prefill_params(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        # As a user does it: after generate returns, nothing steps the prefill
+        # engine again; its worker must have the blocks pinned all the same.
         outs = self.prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
-        # The engine only tells its worker to pin the blocks in the step after the
-        # one that finished them; offline nothing else steps it.
-        self.prefill.request({"op": "idle", "seconds": 0.05})
         params = []
         for o in outs:
             p = dict(o["kv_transfer_params"])

@@ -115,11 +115,15 @@ class ReadsQuiesced(Event, frozen=True, tag="reads_quiesced"):
 
 
 class FinishedOk(Event, frozen=True, tag="finished_ok"):
-    """Prefill finished normally: the blocks are pinned for the decode side."""
+    """Prefill finished normally: the blocks are pinned for the decode side.
+    ``pinned_ns``: when the scheduler pinned them (the lease runs from then;
+    0: from this event); ``via``: how the worker heard of it."""
 
     block_ids: tuple[int, ...] = ()
     expected_reads: int = 1
     lease_ns: int = 30_000_000_000
+    pinned_ns: int = 0
+    via: str = ""
 
 
 class FinishedAbnormally(Event, frozen=True, tag="finished_abnormally"):

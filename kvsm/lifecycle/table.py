@@ -93,7 +93,10 @@ def _pin_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
     m.block_ids = tuple(ev.block_ids)
     m.reads_expected = ev.expected_reads
     m.reads_seen = 0
-    m.lease_deadline_ns = now_ns + ev.lease_ns
+    # The lease runs from the scheduler's decision, never from later: a worker
+    # that hears of the pin late must not hold the blocks longer than promised.
+    start = min(ev.pinned_ns, now_ns) if ev.pinned_ns > 0 else now_ns
+    m.lease_deadline_ns = start + ev.lease_ns
 
 
 def _extend_lease(m: RequestMachine, ev: Any, now_ns: int) -> None:

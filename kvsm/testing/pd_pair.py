@@ -14,7 +14,6 @@ Commands::
         -> {"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens", "finish_reason"}]}
     {"op": "corrupt", "block_ids": [...]}     overwrite those KV blocks with noise (prefill side)
     {"op": "state"}                           kvsm's worker and scheduler state, free blocks
-    {"op": "idle", "seconds": S}              run empty engine steps for S seconds
     {"op": "quit"}
 
 ``PDEngine`` is the parent's handle on one such process.
@@ -29,7 +28,6 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -121,14 +119,6 @@ def _serve(args: argparse.Namespace) -> int:
                        "scheduler": sched.pending_counts() if sched else None,
                        "free_blocks": pool.get_num_free_blocks(),
                        "requests": len(core.scheduler.requests)})
-            elif op == "idle":
-                _, _, core = connector_halves()
-                until = time.monotonic() + float(cmd.get("seconds", 0.5))
-                while time.monotonic() < until:
-                    if core.scheduler.has_requests():  # e.g. finished prefills awaiting finished_sending
-                        core.step()
-                    time.sleep(0.01)
-                reply({"idle": True})
             elif op == "quit":
                 reply({"bye": True})
                 break
