@@ -1,90 +1,44 @@
-"""What the scheduler half tells the worker half each step, and kv_transfer_params.
+"""What the scheduler half tells the worker half each step (vLLM's side of it).
 
-The scheduler sees vLLM's decisions (a remote prefill was matched and its
-blocks allocated, a request finished or was aborted); the worker owns the
-lifecycle machines and all I/O. Each step the scheduler relays the new facts
-as plain msgspec structs inside ``KVSMConnectorMetadata`` (vLLM pickles it to
-the workers, or hands it over in-process), and the worker turns each into a
-lifecycle event. Nothing here holds a reference to a vLLM object.
-
-``parse_remote_params`` reads the ``kv_transfer_params`` a router forwards
-from the prefill engine, in upstream ``NixlConnector``'s format, and says
-exactly which key is missing or wrong.
+Each step the scheduler relays the new facts (``kvsm.facts``) inside
+``KVSMConnectorMetadata``, which vLLM pickles to the workers or hands over
+in-process; the worker turns each into a lifecycle event. Nothing here holds
+a reference to a vLLM object. The facts themselves live in ``kvsm.facts``
+(no vLLM import) and are re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvsm.facts import (
+    REQUIRED_REMOTE_KEYS,
+    BadTransferParams,
+    HeartbeatTarget,
+    RecvAbandon,
+    RecvAbort,
+    RecvStart,
+    RemoteParams,
+    SendFinish,
+    SendStart,
+    parse_remote_params,
+)
 
-class _RemoteRequest(msgspec.Struct, frozen=True):
-    """A local decode request and the prefill request (and engine) it reads from."""
-
-    req: str
-    remote_engine: str
-    remote_req: str
-    remote_host: str
-    remote_port: int
-    remote_tp_size: int
-
-
-class RecvStart(_RemoteRequest, frozen=True):
-    """Decode side: vLLM matched ``num_tokens`` remote tokens and allocated
-    ``local_block_ids`` for them (empty: a full local prefix hit, notify only)."""
-
-    remote_block_ids: tuple[int, ...]
-    local_block_ids: tuple[int, ...]
-    num_tokens: int
-    # vLLM parked the request in WAITING_FOR_REMOTE_KVS and waits for it in
-    # finished_recving; False for a full local hit (reporting it would be wrong).
-    awaited: bool
-
-
-class RecvAbort(msgspec.Struct, frozen=True):
-    """Decode side: vLLM finished a request whose transfer was started.
-    ``awaited``: vLLM keeps its blocks until finished_recving names it."""
-
-    req: str
-    awaited: bool
-
-
-class RecvAbandon(_RemoteRequest, frozen=True):
-    """Decode side: a remote-prefill request ended before any block was
-    allocated; the prefill side must be told so it can unpin at once."""
-
-
-class SendStart(msgspec.Struct, frozen=True):
-    """Prefill side: a ``do_remote_decode`` request got its first blocks."""
-
-    req: str
-
-
-class SendFinish(msgspec.Struct, frozen=True):
-    """Prefill side: the request finished. ``ok``: its blocks are pinned for
-    the decode side (``block_ids``) from ``pinned_ns`` (the scheduler's
-    monotonic clock when it decided, which starts the lease); otherwise
-    nothing is pinned. Sent straight to the workers (``kvsm.pin_channel``),
-    or with the next step when no worker could be reached directly."""
-
-    req: str
-    ok: bool
-    block_ids: tuple[int, ...] = ()
-    reason: str = ""
-    pinned_ns: int = 0
-
-
-class HeartbeatTarget(msgspec.Struct, frozen=True):
-    """Decode side: remote requests still waiting here; keep their leases alive."""
-
-    remote_engine: str
-    remote_host: str
-    remote_port: int
-    remote_tp_size: int
-    claims: tuple[str, ...]
+__all__ = [
+    "REQUIRED_REMOTE_KEYS",
+    "BadTransferParams",
+    "HeartbeatTarget",
+    "KVSMConnectorMetadata",
+    "RecvAbandon",
+    "RecvAbort",
+    "RecvStart",
+    "RemoteParams",
+    "SendFinish",
+    "SendStart",
+    "parse_remote_params",
+]
 
 
 class KVSMConnectorMetadata(KVConnectorMetadata):
@@ -117,62 +71,3 @@ class KVSMConnectorMetadata(KVConnectorMetadata):
                 f"recv_abort={len(self.recv_abort)}, recv_abandon={len(self.recv_abandon)}, "
                 f"send_start={len(self.send_start)}, send_finish={len(self.send_finish)}, "
                 f"heartbeats={len(self.heartbeats)})")
-
-
-# --- kv_transfer_params ------------------------------------------------------
-
-class RemoteParams(msgspec.Struct, frozen=True):
-    """A decode request's view of its prefill: where to read what."""
-
-    remote_engine: str
-    remote_req: str
-    remote_host: str
-    remote_port: int
-    remote_tp_size: int
-    remote_block_ids: tuple[int, ...]
-    remote_num_tokens: int | None
-
-
-class BadTransferParams(ValueError):
-    """kv_transfer_params that cannot be acted on; the message names the key."""
-
-
-REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-
-
-def _block_ids(value: Any) -> tuple[int, ...]:
-    """Upstream writes one list per KV cache group; a flat list is accepted too."""
-    if not isinstance(value, (list, tuple)):
-        raise BadTransferParams(f"remote_block_ids must be a list, got {type(value).__name__}")
-    if value and all(isinstance(g, (list, tuple)) for g in value):
-        if len(value) != 1:
-            raise BadTransferParams(f"remote_block_ids has {len(value)} KV cache groups; kvsm supports one")
-        value = value[0]
-    if not all(type(b) is int and b >= 0 for b in value):
-        raise BadTransferParams(f"remote_block_ids must be non-negative integers, got {list(value)[:8]!r}")
-    return tuple(value)
-
-
-def parse_remote_params(params: Mapping[str, Any]) -> RemoteParams:
-    """The prefill's coordinates from ``kv_transfer_params``; raises BadTransferParams."""
-    missing = [k for k in REQUIRED_REMOTE_KEYS if params.get(k) in (None, "")]
-    if missing:
-        raise BadTransferParams(f"kv_transfer_params lack {', '.join(missing)}")
-    if "remote_block_ids" not in params:
-        raise BadTransferParams("kv_transfer_params lack remote_block_ids")
-    port = params["remote_port"]
-    if type(port) is not int or not 0 < port < 65536:
-        raise BadTransferParams(f"remote_port must be a port number, got {port!r}")
-    tp_size = params.get("tp_size", 1)
-    if type(tp_size) is not int or tp_size < 1:
-        raise BadTransferParams(f"tp_size must be a positive integer, got {tp_size!r}")
-    num_tokens = params.get("remote_num_tokens")
-    if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 0):
-        raise BadTransferParams(f"remote_num_tokens must be a non-negative integer, got {num_tokens!r}")
-    for key in ("remote_engine_id", "remote_request_id", "remote_host"):
-        if not isinstance(params[key], str):
-            raise BadTransferParams(f"{key} must be a string, got {type(params[key]).__name__}")
-    return RemoteParams(
-        remote_engine=params["remote_engine_id"], remote_req=params["remote_request_id"],
-        remote_host=params["remote_host"], remote_port=port, remote_tp_size=tp_size,
-        remote_block_ids=_block_ids(params["remote_block_ids"]), remote_num_tokens=num_tokens)

@@ -51,7 +51,7 @@ import msgspec
 import zmq
 
 from kvsm.loop import EventLoop
-from kvsm.metadata import SendFinish
+from kvsm.facts import SendFinish
 
 log = logging.getLogger("kvsm.pin_channel")
 

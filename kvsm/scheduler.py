@@ -119,7 +119,7 @@ class SchedulerHalf:
         failed = pins.send([finish])
         if failed:
             for rank, why in failed:
-                self._note("sched.pin_handoff_failed", finish.req, rank=rank, error=why)
+                self._note("sched.pin_handoff_failed", finish.req, worker_rank=rank, error=why)
             log.error("kvsm: could not hand request %s's finish to workers %s directly (%s); it goes with "
                       "the next engine step", finish.req, [r for r, _ in failed], failed[0][1])
             self._meta.send_finish.append(finish)
@@ -133,7 +133,7 @@ class SchedulerHalf:
             return
         seen: set[str] = set()
         for finish, rank, why in self._pins.take_undelivered():
-            self._note("sched.pin_handoff_failed", finish.req, rank=rank, error=why)
+            self._note("sched.pin_handoff_failed", finish.req, worker_rank=rank, error=why)
             if finish.req not in seen:
                 seen.add(finish.req)
                 self._meta.send_finish.append(finish)

@@ -246,6 +246,89 @@ def test_prefill_finish_pins_blocks_and_returns_upstream_params() -> None:
         drained(h)
 
 
+class _InProcessWorker:
+    """A worker's pin channel on a real loop in this process (a TP 1 engine)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from kvsm.loop import EventLoop
+        from kvsm.pin_channel import PinChannelServer
+
+        self.loop = EventLoop("sched-test-pins").start()
+        self.got: list[tuple[Any, str]] = []
+        self.arrived = threading.Event()
+
+        def on_pins(pins: list[Any], via: str) -> None:
+            self.got += [(p, via) for p in pins]
+            self.arrived.set()
+
+        self.server = self.loop.call(lambda: PinChannelServer(
+            self.loop.context, on_pins, lambda fn, label: self.loop.post(fn, label=label)), timeout=10)
+
+    def close(self) -> None:
+        self.loop.call(self.server.close, timeout=10)
+        self.loop.stop()
+
+
+def _log_events(tmp_path: Path, event: str) -> list[dict[str, Any]]:
+    out = []
+    for f in (tmp_path / "logs").glob("*.scheduler.*.jsonl"):
+        out += [r for r in map(json.loads, f.read_text().splitlines()) if r["event"] == event]
+    return out
+
+
+def test_prefill_finish_reaches_the_worker_without_another_step(tmp_path: Path) -> None:
+    """The pin goes to the worker from request_finished itself: an engine that
+    never steps again (offline, after generate returns) still serves it."""
+    worker = _InProcessWorker()
+    try:
+        with harness("kv_producer", tmp_path, engine_id="prefill-8") as h:
+            h.connector.set_xfer_handshake_metadata({0: _channel(worker.server.target(0))})
+            h.add_request(40, kv_transfer_params=remote_decode_params(), max_tokens=1, request_id="p-1")
+            s = h.step()
+            blocks = s.finished["p-1"].kv_transfer_params["remote_block_ids"][0]
+            assert worker.arrived.wait(2.0), "the worker heard nothing without another step"
+            (finish, via), = worker.got
+            assert (finish.req, finish.ok, list(finish.block_ids), via) == ("p-1", True, blocks, "in_process")
+            assert finish.pinned_ns > 0
+            assert meta_of(h.step()).send_finish == []  # not a second time with the step
+            h.step(finished_sending={"p-1"})
+            drained(h)
+        (pinned,) = _log_events(tmp_path, "sched.pinned")
+        assert (pinned["req"], pinned["block_ids"], pinned["via"], pinned["workers"]) == ("p-1", blocks,
+                                                                                            "in_process", 1)
+        assert pinned["lease_deadline_ns"] - pinned["pinned_ns"] == 30 * 10**9
+    finally:
+        worker.close()
+
+
+def test_prefill_finish_falls_back_to_the_step_when_the_worker_cannot_take_it(tmp_path: Path) -> None:
+    worker = _InProcessWorker()
+    with harness("kv_producer", tmp_path) as h:
+        h.connector.set_xfer_handshake_metadata({0: _channel(worker.server.target(0))})
+        worker.close()  # its loop no longer takes posts
+        h.add_request(40, kv_transfer_params=remote_decode_params(), max_tokens=1, request_id="p-1")
+        h.step()
+        meta = meta_of(h.step())
+        assert [(f.req, f.ok) for f in meta.send_finish] == [("p-1", True)]
+        h.step(finished_sending={"p-1"})
+        drained(h)
+    assert [r["worker_rank"] for r in _log_events(tmp_path, "sched.pin_handoff_failed")] == [0]
+    assert [r["via"] for r in _log_events(tmp_path, "sched.pinned")] == ["next_step"]
+
+
+def test_handshake_metadata_of_another_connector_is_refused() -> None:
+    with harness("kv_producer") as h, pytest.raises(TypeError, match="KVSMWorkerChannel"):
+        h.connector.set_xfer_handshake_metadata({0: object()})
+
+
+def _channel(target: Any) -> Any:
+    from kvsm.connector import KVSMWorkerChannel
+
+    return KVSMWorkerChannel(tp_rank=target.tp_rank, pid=target.pid, endpoint=target.endpoint, token=target.token)
+
+
 def test_prefill_abort_frees_at_once_and_tells_the_worker() -> None:
     with harness("kv_producer", max_num_batched_tokens=32, max_num_seqs=4, max_model_len=512) as h:
         free0 = h.free_blocks()

@@ -1,0 +1,194 @@
+"""The pin channel: a scheduler's finishes reach its workers at once, and nobody
+else's do (kvsm.pin_channel; real ZMQ sockets, a real second process)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from kvsm.loop import EventLoop
+from kvsm.facts import SendFinish
+from kvsm.pin_channel import (
+    MAX_MESSAGE_BYTES,
+    MAX_PINS_PER_MESSAGE,
+    PinChannelClient,
+    PinChannelServer,
+    PinTarget,
+    decode_pins,
+    encode_pins,
+)
+from kvsm.testing.peer_process import PeerProcess
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class LocalWorker:
+    """A pin channel on a real loop in this process, as a TP 1 worker has it."""
+
+    def __init__(self) -> None:
+        self.loop = EventLoop("pin-test").start()
+        self.got: list[tuple[SendFinish, str, int]] = []
+        self.arrived = threading.Event()
+
+        def on_pins(pins: list[SendFinish], via: str) -> None:
+            assert self.loop.in_loop_thread()
+            self.got += [(p, via, time.monotonic_ns()) for p in pins]
+            self.arrived.set()
+
+        def open_server() -> PinChannelServer:
+            server = PinChannelServer(self.loop.context, on_pins, lambda fn, label: self.loop.post(fn, label=label))
+            for sock in server.sockets():
+                self.loop.add_reader(sock, server.on_readable, label="pin channel")
+            return server
+
+        self.server = self.loop.call(open_server, timeout=10.0)
+
+    def close(self) -> None:
+        def close() -> None:
+            for sock in self.server.sockets():
+                self.loop.remove_reader(sock)
+            self.server.close()
+        self.loop.call(close, timeout=10.0)
+        self.loop.stop()
+
+
+@pytest.fixture
+def worker() -> Iterator[LocalWorker]:
+    w = LocalWorker()
+    try:
+        yield w
+    finally:
+        if w.loop.thread is not None and w.loop.thread.is_alive():
+            w.close()
+
+
+@pytest.fixture
+def peer(tmp_path: Path) -> Iterator[PeerProcess]:
+    p = PeerProcess("pins", REPO / "tests" / "pin_peer.py", {}, tmp_path, root=REPO).ready(timeout=60)
+    try:
+        yield p
+    finally:
+        if p.proc.poll() is None:
+            try:
+                p.call("quit", timeout=10)
+            finally:
+                p.proc.wait(timeout=10)
+        p.close_stderr()
+
+
+def _target(hello: dict) -> PinTarget:
+    return PinTarget(tp_rank=1, pid=hello["pid"], endpoint=hello["endpoint"], token=bytes.fromhex(hello["token"]))
+
+
+def _wait_received(p: PeerProcess, n: int, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = p.call("received")
+        if len(reply["received"]) >= n or time.monotonic() > deadline:
+            return reply
+        time.sleep(0.01)
+
+
+def test_codec_round_trip_and_bounds() -> None:
+    pins = [SendFinish(req="r-1", ok=True, block_ids=(3, 4, 5), pinned_ns=123),
+            SendFinish(req="r-2", ok=False, reason="FINISHED_ABORTED")]
+    assert decode_pins(encode_pins(pins)) == pins
+    with pytest.raises(msgspec.ValidationError, match="length"):
+        decode_pins(encode_pins([SendFinish(req=f"r{i}", ok=True) for i in range(MAX_PINS_PER_MESSAGE + 1)]))
+    with pytest.raises(msgspec.ValidationError):
+        decode_pins(encode_pins([SendFinish(req="", ok=True)]))  # an empty request id
+    with pytest.raises(msgspec.ValidationError):
+        decode_pins(msgspec.msgpack.encode([["r", True, [-1], "", 0]]))  # a negative block id
+
+
+def test_in_process_worker_gets_the_pin_at_once(worker: LocalWorker) -> None:
+    client = PinChannelClient([worker.server.target(0)])
+    assert client.via == "in_process" and client.workers == 1
+    sent_ns = time.monotonic_ns()
+    assert client.send([SendFinish(req="p-1", ok=True, block_ids=(7, 8), pinned_ns=sent_ns)]) == []
+    assert worker.arrived.wait(2.0), "the pin never reached the worker's loop"
+    (finish, via, at_ns), = worker.got
+    assert (finish.req, finish.block_ids, finish.pinned_ns, via) == ("p-1", (7, 8), sent_ns, "in_process")
+    assert at_ns - sent_ns < 200_000_000  # a loop post; typically tens of microseconds
+    client.close()
+
+
+def test_a_stopped_worker_loop_is_reported_not_swallowed(worker: LocalWorker) -> None:
+    client = PinChannelClient([worker.server.target(0)])
+    worker.close()
+    failed = client.send([SendFinish(req="p-2", ok=True, block_ids=(1,))])
+    assert [rank for rank, _ in failed] == [0] and "did not take" in failed[0][1]
+    assert worker.got == []
+
+
+def test_worker_in_another_process_gets_the_pin_over_its_socket(peer: PeerProcess) -> None:
+    client = PinChannelClient([_target(peer.hello)])
+    try:
+        assert client.via == "local_socket"
+        t0 = time.monotonic_ns()
+        for i in range(50):
+            assert client.send([SendFinish(req=f"p-{i}", ok=True, block_ids=(i, i + 1), pinned_ns=t0)]) == []
+        reply = _wait_received(peer, 50)
+        got = reply["received"]
+        assert [g["req"] for g in got] == [f"p-{i}" for i in range(50)]  # all, in order
+        assert {g["via"] for g in got} == {"local_socket"} and got[3]["block_ids"] == [3, 4]
+        assert got[0]["received_ns"] - t0 < 1_000_000_000
+        assert reply["stats"] == {"accepted": 50, "pins": 50}
+        assert client.take_undelivered() == []
+    finally:
+        client.close()
+
+
+def test_socket_is_private_to_this_user_and_removed_at_close(peer: PeerProcess) -> None:
+    directory = Path(peer.hello["dir"])
+    path = Path(peer.hello["endpoint"].removeprefix("ipc://"))
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert directory.stat().st_uid == os.getuid()
+    peer.call("quit", timeout=10)
+    peer.proc.wait(timeout=10)
+    assert not directory.exists()
+
+
+def test_nothing_but_its_own_scheduler_can_pin(peer: PeerProcess) -> None:
+    """Whatever a local process sends to the socket, only a message with the
+    engine's token pins anything, and the channel keeps serving."""
+    token = bytes.fromhex(peer.hello["token"])
+    good = encode_pins([SendFinish(req="real", ok=True, block_ids=(1,))])
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(peer.hello["endpoint"])
+    hostile = [
+        [b"x" * 32, good],  # a wrong token of the right size
+        [token[:16], good],  # a short token
+        [good],  # no token
+        [token, good, b"more"],  # an extra frame
+        [token, b"\xc1garbage"],  # not msgpack
+        [token, msgspec.msgpack.encode({"req": "r"})],  # the wrong shape
+        [token, msgspec.msgpack.encode([["r", True, ["a"], "", 0]])],  # wrong types
+        [token, encode_pins([SendFinish(req=f"r{i}", ok=True) for i in range(MAX_PINS_PER_MESSAGE + 1)])],
+    ]
+    for frames in hostile:
+        sock.send_multipart(frames)
+    # Over libzmq's frame limit: the connection is dropped, nothing reaches Python.
+    big = ctx.socket(zmq.PUSH)
+    big.setsockopt(zmq.LINGER, 1000)
+    big.connect(peer.hello["endpoint"])
+    big.send_multipart([token, b"\0" * (MAX_MESSAGE_BYTES + 1)])
+    time.sleep(0.2)
+    sock.send_multipart([token, good])  # still served afterwards
+    reply = _wait_received(peer, 1)
+    assert [g["req"] for g in reply["received"]] == ["real"]
+    stats = reply["stats"]
+    assert stats["accepted"] == 1 and stats["bad_token"] == 2 and stats["malformed"] == 6, stats
+    sock.close()
+    big.close()
