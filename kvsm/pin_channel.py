@@ -201,7 +201,7 @@ class PinChannelServer:
             self._accept(pins, "local_socket")
 
     def _accept(self, pins: list[SendFinish], via: str) -> None:
-        self._stats["accepted"] += 1
+        self._stats[f"accepted_{via}"] += 1
         self._stats["pins"] += len(pins)
         self._on_pins(pins, via)
 
@@ -213,7 +213,8 @@ class PinChannelServer:
                         if self._stats[code] == _LOG_FIRST_REFUSALS else "")
 
     def stats(self) -> dict[str, int]:
-        """accepted, pins, and each refusal's count (bad_token, malformed, recv_failed)."""
+        """accepted_in_process, accepted_local_socket (messages), pins, and each
+        refusal's count (bad_token, malformed, recv_failed)."""
         return dict(self._stats)
 
     def close(self) -> None:

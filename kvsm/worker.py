@@ -262,7 +262,8 @@ class WorkerHalf:
         self._started = True
         self.loop.call(self._open_side_channel, timeout=30.0, label="open side channel")
         self._note("worker.started", None, agent=self.agent_name, kv_role=self.cfg.kv_role,
-                   side_channel=self.server.address if self.server else None)
+                   side_channel=self.server.address if self.server else None,
+                   pin_channel=self.pins.endpoint if self.pins else None)
 
     def submit(self, meta: KVSMConnectorMetadata) -> None:
         """Hand one step's metadata to the loop (never blocks)."""

@@ -141,7 +141,7 @@ def test_worker_in_another_process_gets_the_pin_over_its_socket(peer: PeerProces
         assert [g["req"] for g in got] == [f"p-{i}" for i in range(50)]  # all, in order
         assert {g["via"] for g in got} == {"local_socket"} and got[3]["block_ids"] == [3, 4]
         assert got[0]["received_ns"] - t0 < 1_000_000_000
-        assert reply["stats"] == {"accepted": 50, "pins": 50}
+        assert reply["stats"] == {"accepted_local_socket": 50, "pins": 50}
         assert client.take_undelivered() == []
     finally:
         client.close()
@@ -189,6 +189,6 @@ def test_nothing_but_its_own_scheduler_can_pin(peer: PeerProcess) -> None:
     reply = _wait_received(peer, 1)
     assert [g["req"] for g in reply["received"]] == ["real"]
     stats = reply["stats"]
-    assert stats["accepted"] == 1 and stats["bad_token"] == 2 and stats["malformed"] == 6, stats
+    assert stats["accepted_local_socket"] == 1 and stats["bad_token"] == 2 and stats["malformed"] == 6, stats
     sock.close()
     big.close()
