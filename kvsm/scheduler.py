@@ -81,6 +81,8 @@ class SchedulerHalf:
         self._pins: PinChannelClient | None = None
         self._pin_via_step = os.environ.get(PIN_VIA_STEP_ENV, "") not in ("", "0")
         self._warned_no_channel = False
+        self._warned_late_flush = False
+        self._pending_pins: list[SendFinish] = []
         self._block_size = cfg.block_size
         self._remote: dict[str, RemoteParams] = {}
         self._awaited: set[str] = set()
@@ -105,26 +107,39 @@ class SchedulerHalf:
                    via=self._pins.via if self._pins else None,
                    ranks=sorted(t.tp_rank for t in targets), pin_via_step=self._pin_via_step)
 
-    def _hand_to_workers(self, finish: SendFinish) -> str:
-        """Tell every worker now; where that is not possible, with the next step.
-        Returns the path taken (recorded with the decision)."""
-        pins = self._pins
-        if pins is None or self._pin_via_step:
-            if pins is None and not self._warned_no_channel and not self._pin_via_step:
+    def _path(self) -> str:
+        """How a finish decided now reaches the workers."""
+        if self._pins is None or self._pin_via_step:
+            if self._pins is None and not self._warned_no_channel and not self._pin_via_step:
                 self._warned_no_channel = True
                 log.warning("kvsm: no direct channel to this engine's workers (vLLM did not hand over their "
                             "handshake metadata); finished prefills reach them with the next engine step")
-            self._meta.send_finish.append(finish)
             return "next_step"
-        failed = pins.send([finish])
+        return self._pins.via
+
+    def _hand_to_workers(self, finishes: list[SendFinish]) -> None:
+        """Tell every worker now; what cannot be handed over goes with the next step."""
+        if not finishes:
+            return
+        pins = self._pins
+        if pins is None or self._pin_via_step:
+            self._meta.send_finish += finishes
+            return
+        failed = pins.send(finishes)
         if failed:
-            for rank, why in failed:
-                self._note("sched.pin_handoff_failed", finish.req, worker_rank=rank, error=why)
-            log.error("kvsm: could not hand request %s's finish to workers %s directly (%s); it goes with "
-                      "the next engine step", finish.req, [r for r, _ in failed], failed[0][1])
-            self._meta.send_finish.append(finish)
-            return "next_step"
-        return pins.via
+            for finish in finishes:
+                for rank, why in failed:
+                    self._note("sched.pin_handoff_failed", finish.req, worker_rank=rank, error=why)
+            log.error("kvsm: could not hand %d finished request(s) (%s...) to workers %s directly (%s); they go "
+                      "with the next engine step", len(finishes), finishes[0].req, [r for r, _ in failed],
+                      failed[0][1])
+            self._meta.send_finish += finishes
+
+    def _flush_pins(self) -> None:
+        """The finishes of this step, in one hand-off per worker."""
+        if self._pending_pins:
+            pending, self._pending_pins = self._pending_pins, []
+            self._hand_to_workers(pending)
 
     def _take_undelivered(self) -> None:
         """Pins a socket send failed for go with this step (the workers ignore a
@@ -256,13 +271,18 @@ class SchedulerHalf:
         self._sending.discard(req)
         status = request.status.name
         if status not in _NORMAL_FINISH or not block_ids:
-            via = self._hand_to_workers(SendFinish(req=req, ok=False, reason=status))
-            self._note("sched.prefill_finished", req, ok=False, status=status, via=via)
+            # Nothing pinned: no hurry, but no step needed either.
+            self._hand_to_workers([SendFinish(req=req, ok=False, reason=status)])
+            self._note("sched.prefill_finished", req, ok=False, status=status, via=self._path())
             return False, None
         blocks = tuple(block_ids)
         cfg = self.cfg
         pinned_ns = self._clock.monotonic_ns()
-        via = self._hand_to_workers(SendFinish(req=req, ok=True, block_ids=blocks, pinned_ns=pinned_ns))
+        # Handed over in one batch per step, by update_connector_output, which vLLM
+        # calls in the same update_from_output once every request of the step is
+        # through request_finished (else by the next build_connector_meta).
+        self._pending_pins.append(SendFinish(req=req, ok=True, block_ids=blocks, pinned_ns=pinned_ns))
+        via = self._path()
         if self.log is not None:
             self.log.emit("log", "sched.pinned", req, block_ids=blocks, pinned_ns=pinned_ns,
                           lease_deadline_ns=pinned_ns + cfg.lease_ns, via=via,
@@ -286,6 +306,13 @@ class SchedulerHalf:
     # -- per step -------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVSMConnectorMetadata:
+        if self._pending_pins:  # vLLM finished requests without update_connector_output after them
+            self._note("sched.pins_flushed_late", None, reqs=[f.req for f in self._pending_pins])
+            if not self._warned_late_flush:
+                self._warned_late_flush = True
+                log.warning("kvsm: finished prefills were handed to the workers only at the next step "
+                            "(vLLM did not call update_connector_output after request_finished)")
+            self._flush_pins()
         self._take_undelivered()
         meta = self._meta
         self._step += 1
@@ -301,6 +328,7 @@ class SchedulerHalf:
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._flush_pins()
         for req in connector_output.finished_recving or ():
             self._awaited.discard(req)
 
@@ -316,6 +344,7 @@ class SchedulerHalf:
             self.log.emit("log", event, req, **fields)
 
     def shutdown(self) -> None:
+        self._flush_pins()
         if self._pins is not None:
             self._pins.close()
             self._pins = None

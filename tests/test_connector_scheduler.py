@@ -315,7 +315,8 @@ def test_prefill_finish_falls_back_to_the_step_when_the_worker_cannot_take_it(tm
         h.step(finished_sending={"p-1"})
         drained(h)
     assert [r["worker_rank"] for r in _log_events(tmp_path, "sched.pin_handoff_failed")] == [0]
-    assert [r["via"] for r in _log_events(tmp_path, "sched.pinned")] == ["next_step"]
+    # The decision names the path it was meant for; the failed hand-off says what happened.
+    assert [r["via"] for r in _log_events(tmp_path, "sched.pinned")] == ["in_process"]
 
 
 def test_handshake_metadata_of_another_connector_is_refused() -> None:
