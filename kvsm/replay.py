@@ -17,6 +17,10 @@ logs of several processes of several engines and:
   at a clean shutdown* (information, not a violation). A request the record
   does not list, or lists in another state, and any record after it, are
   violations; a log without the record (a crash) keeps ``not_terminal_at_end``,
+* names the cause of every failed, expired or stuck request in one line, from
+  the logs of both engines (``kvsm.replay_causes``: claim answers, the prefill
+  scheduler's pin, its workers' receipt, a dead peer's reason...): information,
+  not violations (a failed request is a legal outcome),
 * exports a Perfetto / Chrome trace with one track per request (``--trace``),
 * prints everything as JSON (``--json``).
 
@@ -70,6 +74,7 @@ from kvsm.lifecycle.table import (
     SHARED_HOLDING_EFFECTS,
     LifecycleSpec,
 )
+from kvsm.replay_causes import CAUSE_STATES, NOTE_EVENTS, Cause, explain
 
 StreamKey = tuple[str, str, int, int]  # engine_id, role, rank, pid
 MachineKey = tuple[str, str, int, int, str, str]  # stream + lifecycle, req
@@ -240,6 +245,9 @@ class Report:
     open_at_shutdown: list[OpenAtShutdown] = field(default_factory=list)
     # The first worker.shutdown record of each process log that has one.
     shutdowns: dict[StreamKey, Record] = field(default_factory=dict)
+    # One line per failed, expired or stuck machine: what the logs of both engines
+    # show for it (kvsm.replay_causes). Information: a failure is a legal outcome.
+    causes: list[Cause] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -270,6 +278,7 @@ class Report:
                 for m in self.machines
             ],
             "open_at_shutdown": [asdict(o) for o in self.open_at_shutdown],
+            "causes": [asdict(c) for c in self.causes],
             "violations": [asdict(f) for f in self.findings],
             "unreadable": [asdict(f) for f in self.unreadable],
             "exit_code": self.exit_code,
@@ -345,6 +354,9 @@ def _analyse(paths: Sequence[str | Path]) -> Report:
 
     machines: list[Machine] = []
     notes: dict[tuple[str, str], list[Record]] = {}
+    stream_notes: dict[StreamKey, list[Record]] = {}  # request-less notes the causes read
+    log_events: dict[StreamKey, set[str]] = {}  # the diagnostic record names of each log
+    by_req: dict[StreamKey, dict[str, dict[str, Machine]]] = {}  # each log: lifecycle -> req -> machine
     ledgers: dict[StreamKey, _Ledger] = {}
     shutdowns: dict[StreamKey, Record] = {}
     live_at_shutdown: dict[StreamKey, dict[str, dict[str, str]]] = {}
@@ -352,7 +364,7 @@ def _analyse(paths: Sequence[str | Path]) -> Report:
         if not all(map(eq, map(_SEQ_OF, recs), count())):  # not already 0, 1, 2... in order
             recs.sort(key=_SEQ_OF)
             findings.extend(_check_seq(key, recs))
-        folded, ledger, markers = _fold_stream(key, recs, findings, notes)
+        folded, ledger, markers = _fold_stream(key, recs, findings, notes, stream_notes, log_events, by_req)
         ledgers[key] = ledger
         machines += folded
         if markers:
@@ -363,15 +375,18 @@ def _analyse(paths: Sequence[str | Path]) -> Report:
 
     machines.sort(key=_FIRST_WALL_AND_KEY)
     open_at_shutdown: list[OpenAtShutdown] = []
+    todo: list[Machine] = []  # failed, expired or stuck: each gets a cause line
     for m in machines:
-        _check_machine(m, findings, live_at_shutdown, shutdowns, ledgers, open_at_shutdown)
+        if _check_machine(m, findings, live_at_shutdown, shutdowns, ledgers, open_at_shutdown):
+            todo.append(m)
     if live_at_shutdown:
         by_key = {m.key: m for m in machines}
         for key, live in live_at_shutdown.items():
             findings.extend(_check_listed(key, live, by_key, shutdowns[key]))
     findings.extend(_check_reads_after_expiry(machines))
+    causes = explain(todo, by_req, notes, stream_notes, streams, log_events, shutdowns)
     return Report([str(p) for p in paths], num_records, machines, findings, unreadable,
-                  {k: len(v) for k, v in streams.items()}, notes, open_at_shutdown, shutdowns)
+                  {k: len(v) for k, v in streams.items()}, notes, open_at_shutdown, shutdowns, causes)
 
 
 def _well_formed(items: Sequence[Record | dict[str, Any]], findings: list[Finding]) -> list[Record]:
@@ -586,13 +601,19 @@ def _start_machine(key: StreamKey, r: Record) -> Machine:
 
 def _fold_stream(key: StreamKey, recs: list[Record], findings: list[Finding],
                  notes: dict[tuple[str, str], list[Record]],
+                 stream_notes: dict[StreamKey, list[Record]] | None = None,
+                 log_events: dict[StreamKey, set[str]] | None = None,
+                 indexes: dict[StreamKey, dict[str, dict[str, Machine]]] | None = None,
                  ) -> tuple[list[Machine], _Ledger, list[Record]]:
     """One pass over a process log in ``seq`` order (the order its records were
     written, and the order they lie in memory): the machine of each (lifecycle,
     request) with its records re-applied (``_reapply_step``; a create or a legal
     transition recorded as the table has it, most records, takes the short way
-    here: a lookup and a few comparisons), the block ledger, diagnostic notes,
-    dropped-record reports, and the clean-shutdown records (returned)."""
+    here: a lookup and a few comparisons), the block ledger, diagnostic notes
+    (by request; those without one that the causes read in ``stream_notes``;
+    the names of all in ``log_events``), the machines by
+    lifecycle and request (``indexes``), dropped-record reports, and the
+    clean-shutdown records (returned)."""
     engine = key[0]
     ledger = _Ledger(f"{engine}/{key[1]}#{key[2]}")
     hold = ledger.hold
@@ -603,6 +624,8 @@ def _fold_stream(key: StreamKey, recs: list[Record], findings: list[Finding],
     # states, reads its data); an undeclared lifecycle gets no re-apply.
     lifecycles: dict[str, tuple[dict[str, Machine], frozenset[str], Any, frozenset[str], bool] | None] = {}
     markers: list[Record] = []
+    events_seen: set[str] = set()
+    mine: list[Record] = []  # request-less notes for the causes
     block_ops = _BLOCK_OPS
     reapply = _reapply_step
     for r in recs:
@@ -683,19 +706,29 @@ def _fold_stream(key: StreamKey, recs: list[Record], findings: list[Finding],
                 if m._divergence is None and steps is not None:
                     reapply(m, r)
         elif kind == "log":
-            if r.event == SHUTDOWN_EVENT:
+            event = r.event
+            events_seen.add(event)
+            if event == SHUTDOWN_EVENT:
                 markers.append(r)
             if r.req is not None:
                 try:
                     notes.setdefault((engine, r.req), []).append(r)
                 except TypeError:  # an unhashable 'req' on a diagnostic line: nothing to index it by
                     pass
+            elif event in NOTE_EVENTS:
+                mine.append(r)
         elif kind == "log_overflow":
             findings.append(Finding("records_dropped",
                                     f"the in-memory log buffer overflowed: {r.dropped} records lost",
                                     engine_id=engine, file=r.file, line=r.line))
     for kind, req, detail, where in ledger.violations:
         findings.append(Finding(kind, detail, req=req, engine_id=engine, file=where.file, line=where.line))
+    if log_events is not None:
+        log_events[key] = events_seen
+    if indexes is not None:
+        indexes[key] = {name: info[0] for name, info in lifecycles.items() if info is not None}
+    if mine and stream_notes is not None:
+        stream_notes[key] = mine
     return machines, ledger, markers
 
 
@@ -737,19 +770,24 @@ def _check_shutdown(key: StreamKey, recs: list[Record], marker: Record,
 
 def _check_machine(m: Machine, findings: list[Finding], live_at_shutdown: dict[StreamKey, dict[str, dict[str, str]]],
                    shutdowns: dict[StreamKey, Record], ledgers: dict[StreamKey, _Ledger],
-                   open_at_shutdown: list[OpenAtShutdown]) -> None:
+                   open_at_shutdown: list[OpenAtShutdown]) -> bool:
+    """Report what is wrong with one machine; True when it needs a cause line
+    (it failed, expired, or is stuck: not terminal and not open at a clean
+    shutdown that listed it)."""
     spec = LIFECYCLES.get(m.lifecycle)
     last = m.records[-1]
     if spec is None:
         findings.append(Finding("unknown_lifecycle", f"lifecycle {m.lifecycle!r} is not declared", m.req,
                                 **_where(last)))
-        return
+        return False
     for r in m._illegal or ():
         findings.append(Finding(r.violation or "illegal_transition",
                                 f"{m.lifecycle} request in state {r.src!r} got event {r.event!r}",
                                 m.req, **_where(r)))
     final = m.final_state
+    needs_cause = final in CAUSE_STATES
     if final not in spec.terminal:
+        needs_cause = True
         stream = m.stream
         live = live_at_shutdown.get(stream)
         if live is None:
@@ -760,6 +798,7 @@ def _check_machine(m: Machine, findings: list[Finding], live_at_shutdown: dict[S
             listed = live.get(m.lifecycle, {}).get(m.req)
             if listed is not None and listed == final:
                 m.open_at_shutdown = True
+                needs_cause = False
                 open_at_shutdown.append(OpenAtShutdown(*stream, m.lifecycle, m.req, final,
                                                        len(ledgers[stream].held(m.req)), marker.file, marker.line))
             else:
@@ -769,6 +808,7 @@ def _check_machine(m: Machine, findings: list[Finding], live_at_shutdown: dict[S
                                         f"record {said} ({m.label()})", m.req, **_where(marker)))
     if m._divergence is not None:
         findings.append(m._divergence)
+    return needs_cause
 
 
 def _check_listed(key: StreamKey, live: dict[str, dict[str, str]], by_key: dict[MachineKey, Machine],
@@ -1119,10 +1159,14 @@ def render_text(report: Report, request: str | None = None, limit: int = 50) -> 
             rows = full_records(recs)
             t0 = rows[0]["t_wall_ns"]
             lines.extend(_fmt_row(r, t0, request) for r in rows)
+            cause_of = {(c.engine_id, c.role, c.rank, c.pid, c.lifecycle, c.req): c for c in report.causes}
             for m in story(report, request):
                 state = ("" if m.terminal else "  (open at a clean shutdown)" if m.open_at_shutdown
                          else "  (NOT TERMINAL)")
                 lines.append(f"  final: {m.label()} -> {m.final_state}{state}")
+                cause = cause_of.get(m.key)
+                if cause is not None:
+                    lines.append(f"    cause: {cause.line}")
     else:
         lines.append("")
         lines.append(f"{'request':>12}  {'engine':>12} {'side':5} {'final':12} {'ms':>9}  events")
@@ -1132,6 +1176,12 @@ def render_text(report: Report, request: str | None = None, limit: int = 50) -> 
                          + ("  (open at a clean shutdown)" if m.open_at_shutdown else ""))
         if len(report.machines) > limit:
             lines.append(f"  ... {len(report.machines) - limit} more (use --limit or --json)")
+        if report.causes:
+            lines.append("")
+            lines.append(f"causes ({len(report.causes):,} failed or stuck; not violations unless stuck):")
+            lines.extend(f"  {c}" for c in report.causes[:limit])
+            if len(report.causes) > limit:
+                lines.append(f"  ... {len(report.causes) - limit} more (use --limit or --json)")
     lines.append("")
     for f in report.unreadable:
         lines.append(f"UNREADABLE {f}")

@@ -1,0 +1,555 @@
+"""Why a request failed or got stuck, from the logs of both engines: one line each.
+
+``kvsm.replay`` hands over the machines that ended ``failed`` (recv) or
+``expired`` (send), and those left mid-lifecycle without a clean shutdown that
+listed them; everything else is never looked at. Each is sorted to one rule of
+``RULES`` by what its own log shows (a failure trigger, an expiry, no end), and
+the rule's explainer reads what the other side's logs say about it:
+
+* the decode worker's ``worker.claims_answered`` replies (how often the prefill
+  side answered "unknown", "ok", "expired" for the request),
+  ``worker.claim_failed`` and ``worker.peer_dead`` notes;
+* the prefill scheduler's ``sched.pinned`` / ``sched.pin_handoff_failed`` /
+  ``sched.prefill_finished`` notes for the remote request, and its workers'
+  ``send`` machines (``finished_ok``: the worker received the pin).
+
+A record kind an older log does not have is said to be "not logged". Times
+are seconds after the earliest record of the run (wall clock, so engines on
+different hosts line up; a monotonic stamp inside a record is moved onto the
+wall clock by that record's own offset).
+
+The typed records replay folds do not keep a log record's own fields; the few
+lines a cause needs are read again from their files (``_Lines``), and only for
+the engines a cause asks about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from kvsm.eventlog.reader import Record
+from kvsm.lifecycle.events import Event
+from kvsm.lifecycle.table import LIFECYCLES
+
+if TYPE_CHECKING:
+    from kvsm.replay import Machine
+
+StreamKey = tuple[str, str, int, int]
+
+__all__ = ["CAUSE_STATES", "NOTE_EVENTS", "RULES", "Cause", "explain"]
+
+# Final states whose machines get a cause line (besides every non-terminal one).
+CAUSE_STATES = frozenset({"failed", "expired"})
+# Diagnostic records with no request that causes read (collected by replay's fold).
+CLAIMS_ANSWERED = "worker.claims_answered"
+CLAIM_FAILED = "worker.claim_failed"
+PEER_DEAD = "worker.peer_dead"
+NOTE_EVENTS = frozenset({CLAIMS_ANSWERED, CLAIM_FAILED, PEER_DEAD})
+PINNED = "sched.pinned"
+HANDOFF_FAILED = "sched.pin_handoff_failed"
+PREFILL_FINISHED = "sched.prefill_finished"
+# A scheduler log that writes either has the pin records (a newer scheduler).
+_PIN_LOGGING = frozenset({PINNED, "sched.workers_connected"})
+_PEER_DEAD_LOGGING = frozenset({PEER_DEAD})
+_FAILURES = ("error", "timeout", "peer_dead", "internal_error")
+_ANSWERS = ("unknown", "ok", "expired")
+CLIP = 200  # characters of an error's detail kept in a line
+_NONE: dict[str, Any] = {}
+
+
+@dataclass
+class Cause:
+    """One failed or stuck machine and what the logs of both engines show for it."""
+
+    engine_id: str
+    role: str
+    rank: int
+    pid: int
+    lifecycle: str
+    req: str
+    final_state: str | None
+    rule: str  # the RULES entry that explained it
+    line: str
+
+    def __str__(self) -> str:
+        return f"{self.engine_id}/{self.role}#{self.rank} {self.lifecycle}:{self.req} {self.final_state}: {self.line}"
+
+
+# --- formatting ---------------------------------------------------------------
+
+
+def _times(n: int) -> str:
+    return f"{n:,} time" if n == 1 else f"{n:,} times"
+
+
+def _secs(ns: int) -> str:
+    s = ns / 1e9
+    return f"{s:.1f} s" if abs(s) >= 1 else f"{s:.3f} s"
+
+
+def _clip(value: Any, n: int = CLIP) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _inp(r: Record, name: str, default: Any = None) -> Any:
+    value = r.input
+    if isinstance(value, Event):
+        return getattr(value, name, default)
+    return value.get(name, default) if type(value) is dict else default
+
+
+class _Lines:
+    """A log record's own fields, read again from its file (the typed records
+    keep only the header): one read per file, one parse per record asked for."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, list[bytes] | None] = {}
+        self._fields: dict[int, dict[str, Any]] = {}
+
+    def fields(self, r: Record, keep: bool = True) -> dict[str, Any]:
+        """``r``'s line as written (``{}`` if it is gone or changed since);
+        ``keep``: remember the parse for the next caller."""
+        got = self._fields.get(id(r))
+        if got is not None:
+            return got
+        if r.file not in self._files:
+            try:
+                with open(r.file, "rb") as f:
+                    self._files[r.file] = f.read().split(b"\n")
+            except OSError:
+                self._files[r.file] = None
+        lines = self._files[r.file]
+        d: Any = None
+        if lines is not None and 0 < r.line <= len(lines):
+            try:
+                d = orjson.loads(lines[r.line - 1])
+            except orjson.JSONDecodeError:
+                d = None
+        if type(d) is not dict or d.get("seq") != r.seq or d.get("event") != r.event:
+            d = {}  # gone or changed since: nothing to say beyond the header
+        if keep:
+            self._fields[id(r)] = d
+        return d
+
+
+@dataclass
+class _Claims:
+    """What one decode engine's claim replies said about each of its requests."""
+
+    answers: dict[str, list[int]]  # local req -> [unknown, ok, expired]
+    failed: dict[str, list[Any]]  # local req -> [count, last error]
+    logged: bool  # the engine's logs have claim records at all
+
+
+# --- what the logs hold, indexed once -----------------------------------------
+
+
+class _Context:
+    def __init__(self, todo: Sequence[Machine], by_req: dict[StreamKey, dict[str, dict[str, Machine]]],
+                 notes: dict[tuple[str, str], list[Record]], stream_notes: dict[StreamKey, list[Record]],
+                 streams: dict[StreamKey, list[Record]], log_events: dict[StreamKey, set[str]],
+                 shutdowns: dict[StreamKey, Record]) -> None:
+        self.notes = notes
+        self.stream_notes = stream_notes
+        self.streams = streams
+        self.log_events = log_events
+        self.shutdowns = shutdowns
+        self.lines = _Lines()
+        self.t0 = min((recs[0].t_wall_ns for recs in streams.values() if recs), default=0)
+        self.by_engine: dict[str, list[StreamKey]] = {}
+        for key in streams:
+            self.by_engine.setdefault(key[0], []).append(key)
+        self._claims: dict[StreamKey, _Claims] = {}
+        self._streams_of: dict[tuple[str, str | None], list[StreamKey]] = {}
+        self._logs: dict[tuple[str, frozenset[str], str | None], bool] = {}
+        self.by_req = by_req
+        self.any_recv = any(d.get("recv") for d in by_req.values())
+        # The decode requests that read from the failed prefill ones: one pass over
+        # the recv machines, only when a send machine needs it.
+        want = {(m.engine_id, m.req) for m in todo if m.lifecycle == "send"}
+        self.recv_of: dict[tuple[str, str], list[Machine]] = {}
+        if want:
+            recv_of = self.recv_of
+            for lifecycles in by_req.values():
+                for m in lifecycles.get("recv", _NONE).values():
+                    matched = m.matched
+                    if matched is None:
+                        continue
+                    inp = matched.input
+                    try:  # the decoded Matched event, as nearly always
+                        remote = (inp.remote_engine, inp.remote_req)
+                    except AttributeError:
+                        remote = (_inp(matched, "remote_engine", ""), _inp(matched, "remote_req", ""))
+                    if remote in want:
+                        recv_of.setdefault(remote, []).append(m)
+
+    def send_of(self, remote: tuple[str, str]) -> list[Machine]:
+        """The send machines of a prefill request, one per log of its engine holding it."""
+        found = []
+        for key in self.by_engine.get(remote[0], ()):
+            m = self.by_req.get(key, _NONE).get("send", _NONE).get(remote[1])
+            if m is not None:
+                found.append(m)
+        return found
+
+    def at(self, r: Record) -> str:
+        return f"+{(r.t_wall_ns - self.t0) / 1e9:.3f} s"
+
+    def at_mono(self, mono_ns: int, ref: Record) -> str:
+        """A monotonic stamp of ``ref``'s process, on the run's clock."""
+        return f"+{(mono_ns + ref.t_wall_ns - ref.t_mono_ns - self.t0) / 1e9:.3f} s"
+
+    def streams_of(self, engine: str, role: str | None = None) -> list[StreamKey]:
+        got = self._streams_of.get((engine, role))
+        if got is None:
+            got = self._streams_of[(engine, role)] = [
+                k for k in self.by_engine.get(engine, ()) if role is None or k[1] == role]
+        return got
+
+    def logs(self, engine: str, events: frozenset[str], role: str | None = None) -> bool:
+        """Whether any log of ``engine`` (of ``role``) holds a record of one of ``events``."""
+        got = self._logs.get((engine, events, role))
+        if got is None:
+            got = self._logs[(engine, events, role)] = any(
+                not events.isdisjoint(self.log_events.get(k, ())) for k in self.streams_of(engine, role))
+        return got
+
+    def claims(self, stream: StreamKey) -> _Claims:
+        """The claim replies one decode process logged (each worker rank claims for itself)."""
+        got = self._claims.get(stream)
+        if got is not None:
+            return got
+        answers: dict[str, list[int]] = {}
+        failed: dict[str, list[Any]] = {}
+        logged = False
+        for r in self.stream_notes.get(stream, ()):
+            if r.event == CLAIMS_ANSWERED:
+                logged = True
+                f = self.lines.fields(r, keep=False)  # read once, here: there may be many
+                for i, name in enumerate(_ANSWERS):
+                    reqs = f.get(name)
+                    if type(reqs) is list:
+                        for req in reqs:
+                            if type(req) is str:
+                                answers.setdefault(req, [0, 0, 0])[i] += 1
+            elif r.event == CLAIM_FAILED:
+                logged = True
+                f = self.lines.fields(r)
+                reqs = f.get("reqs")
+                for req in reqs if type(reqs) is list else ():
+                    if type(req) is str:
+                        entry = failed.setdefault(req, [0, None])
+                        entry[0] += 1
+                        entry[1] = f.get("error")
+        got = self._claims[stream] = _Claims(answers, failed, logged)
+        return got
+
+
+# --- the pieces a line is made of -----------------------------------------------
+
+
+def _first_failure(m: Machine) -> Record | None:
+    for r in m.records:
+        if r.kind == "transition" and r.event in _FAILURES:
+            return r
+    return None
+
+
+def _armed(m: Machine, effect: str, before: Record) -> Record:
+    """The last record before ``before`` that armed ``effect`` (else the first)."""
+    found = m.records[0]
+    for r in m.records:
+        if r is before:
+            break
+        if effect in r.effects:
+            found = r
+    return found
+
+
+def _claims_said(ctx: _Context, m: Machine) -> str:
+    """What the claim replies logged by a decode machine's process said about it."""
+    c = ctx.claims(m.stream)
+    req = m.req
+    if not c.logged:
+        return "claims answered: not logged"
+    unknown, ok, expired = c.answers.get(req, (0, 0, 0))
+    said = [f"{name} {_times(n)}" for name, n in (("ok", ok), ("expired", expired)) if n]
+    if unknown or not said:
+        said.insert(0, f"unknown {_times(unknown)}")
+    text = "claims answered " + ", ".join(said) if unknown or ok or expired else "no claim answered"
+    fails = c.failed.get(req)
+    if fails:
+        text += f", a claim failed {_times(fails[0])} (last: {_clip(fails[1], 120)})"
+    return text
+
+
+def _scheduler_said(ctx: _Context, engine: str, req: str) -> str:
+    """What the prefill scheduler's log says about ``req``: pinned, when, how."""
+    if not ctx.streams_of(engine, "scheduler"):
+        return f"no scheduler log of {engine} was given"
+    notes = [r for r in ctx.notes.get((engine, req), ()) if r.role == "scheduler"]
+    parts: list[str] = []
+    for r in notes:
+        if r.event == PINNED:
+            f = ctx.lines.fields(r)
+            pinned = f.get("pinned_ns")
+            when = ctx.at_mono(pinned, r) if type(pinned) is int else ctx.at(r)
+            parts.append(f"the prefill scheduler pinned it at {when} (via {f.get('via', '?')})")
+            break
+    for r in notes:
+        if r.event == PREFILL_FINISHED:
+            f = ctx.lines.fields(r)
+            if f.get("ok") is False:
+                parts.append(f"the prefill scheduler finished it abnormally at {ctx.at(r)} ({f.get('status', '?')})")
+                break
+    failed = [ctx.lines.fields(r) for r in notes if r.event == HANDOFF_FAILED]
+    if failed:
+        # ("rank" is a header field: the scheduler's own.)
+        ranks = sorted({str(f.get("worker_rank", f.get("tp_rank", "?"))) for f in failed})
+        parts.append(f"handing it to worker rank {', '.join(ranks)} failed {_times(len(failed))} "
+                     f"(last: {_clip(failed[-1].get('error'), 120)})")
+    if parts:
+        return ", ".join(parts)
+    if ctx.logs(engine, _PIN_LOGGING, "scheduler"):
+        return "the prefill scheduler never pinned it"
+    return "the prefill scheduler's pins: not logged"
+
+
+def _send_said(ctx: _Context, m: Machine, who: str) -> str:
+    """What one prefill send machine shows: received (the pin), and how it ended."""
+    got = next((r for r in m.records if r.kind == "transition" and r.event == "finished_ok"), None)
+    last = m.records[-1]
+    state = m.final_state
+    if got is None:
+        if state == "prefilling" or state is None:
+            return f"{who} had it still prefilling (never received the pin)"
+        reason = _inp(last, "reason", "") or ""
+        return f"{who} released it unpinned at {ctx.at(last)} ({last.event}{': ' + _clip(reason, 80) if reason else ''})"
+    via = _inp(got, "via", "") or ""
+    text = f"{who} received it at {ctx.at(got)}" + (f" (via {via})" if via else "")
+    if state == "expired":
+        return text + f", its lease expired at {ctx.at(last)}"
+    if state == "released":
+        return text + f", released it at {ctx.at(last)} ({last.event})"
+    return text + f", held it {state} at the end of its log"
+
+
+def _prefill_said(ctx: _Context, remote: tuple[str, str] | None, scheduler: bool = True) -> str:
+    """What the prefill engine's logs (scheduler and workers) show for a remote request."""
+    if remote is None or not remote[0]:
+        return "no remote known (never matched)"
+    engine, req = remote
+    if engine not in ctx.by_engine:
+        return f"no log of prefill engine {engine} was given"
+    parts = [_scheduler_said(ctx, engine, req)] if scheduler else []
+    found = ctx.send_of(remote)
+    workers = ctx.streams_of(engine, "worker")
+    if not found and not workers:
+        parts.append(f"no worker log of {engine} was given")
+    elif len(workers) <= 1 and len(found) <= 1:
+        if found:
+            m = found[0]
+            parts.append(_send_said(ctx, m, "its worker" if m.role == "worker" else f"its {m.role}"))
+        else:
+            parts.append("its worker never received it")
+    else:  # tensor-parallel ranks: each says for itself
+        by_rank = {(m.role, m.rank): m for m in found}
+        told = [_send_said(ctx, by_rank.pop((k[1], k[2])), f"worker rank {k[2]}") if (k[1], k[2]) in by_rank
+                else f"worker rank {k[2]} never received it" for k in sorted(workers, key=lambda k: k[2])]
+        told += [_send_said(ctx, m, f"{m.role} rank {m.rank}") for m in by_rank.values()]
+        parts.append(", ".join(told))
+    return ", ".join(parts)
+
+
+def _decode_said(ctx: _Context, m: Machine) -> str:
+    """Which decode requests read (claimed) a prefill request, and what they were answered."""
+    readers = ctx.recv_of.get((m.engine_id, m.req), [])
+    if not readers:
+        if ctx.any_recv or ctx.stream_notes:
+            return "no decode request in the given logs matched it"
+        return "no decode log was given"
+    told = []
+    for d in readers:
+        told.append(f"{d.engine_id} recv:{d.req} ({d.final_state}) matched it, {_claims_said(ctx, d)}")
+    return "; ".join(told)
+
+
+# --- the rules ----------------------------------------------------------------
+
+
+def _handshake_timeout(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    assert fail is not None
+    start = _armed(m, "arm_handshake_timer", fail)
+    return (f"handshake timed out after {_secs(fail.t_mono_ns - start.t_mono_ns)}: "
+            f"{_claims_said(ctx, m)}; {_prefill_said(ctx, m.remote)}")
+
+
+def _transfer_timeout(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    assert fail is not None
+    start = _armed(m, "arm_transfer_timer", fail)
+    blocks = _inp(start, "num_blocks", 0) if start.event == "reads_posted" else 0
+    posted = f"reads of {blocks:,} block(s) posted at {ctx.at(start)}" if blocks else f"reads posted at {ctx.at(start)}"
+    return (f"transfer timed out after {_secs(fail.t_mono_ns - start.t_mono_ns)}: {posted}; "
+            f"{_prefill_said(ctx, m.remote, scheduler=False)}")
+
+
+def _other_timeout(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    assert fail is not None
+    what = _inp(fail, "what", "?")
+    return (f"{what} timer fired after {_secs(fail.t_mono_ns - m.records[0].t_mono_ns)} in {fail.src}; "
+            f"{_prefill_said(ctx, m.remote, scheduler=False)}")
+
+
+def _peer_dead(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    assert fail is not None
+    peer = str(_inp(fail, "peer", "") or "?")
+    engine, _, address = peer.partition("@")
+    best: tuple[int, dict[str, Any]] | None = None  # (rank: same stream, before it; ...)
+    for r in (r for k in ctx.streams_of(m.engine_id) for r in ctx.stream_notes.get(k, ())):
+        if r.event != PEER_DEAD:
+            continue
+        f = ctx.lines.fields(r)
+        if f.get("peer") != address or (engine and f.get("engine") not in (engine, None)):
+            continue
+        same = _stream(r) == m.stream
+        score = (2 if same else 0) + (1 if (r.t_mono_ns <= fail.t_mono_ns if same else r.t_wall_ns <= fail.t_wall_ns)
+                                      else 0)
+        if best is None or score >= best[0]:
+            best = (score, f)
+    if best is not None:
+        return f"peer {peer} dead: {_clip(best[1].get('why', '?'))}"
+    if ctx.logs(m.engine_id, _PEER_DEAD_LOGGING):
+        return f"peer {peer} dead (no worker.peer_dead note names it)"
+    return f"peer {peer} dead (why: not logged)"
+
+
+def _error(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    assert fail is not None
+    kind = _inp(fail, "kind", "?")
+    detail = _inp(fail, "detail", "")
+    line = f"error {kind}" + (f": {_clip(detail)}" if detail else "")
+    if kind == "lease_expired":
+        line += f"; {_prefill_said(ctx, m.remote)}"
+    return line
+
+
+def _internal_error(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    assert fail is not None
+    detail = _inp(fail, "detail", "")
+    return f"internal error in {_inp(fail, 'where', '?')}" + (f": {_clip(detail)}" if detail else "")
+
+
+def _failed_unexplained(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    last = m.records[-1]
+    return f"failed on {last.event} at {ctx.at(last)} (no failure event in its log)"
+
+
+def _lease_expired(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    last = m.records[-1]
+    got = next((r for r in m.records if r.kind == "transition" and r.event == "finished_ok"), None)
+    if got is None:
+        return f"expired at {ctx.at(last)} without a recorded pin; {_decode_said(ctx, m)}"
+    pinned = _inp(got, "pinned_ns", 0) or 0
+    start_mono = min(pinned, got.t_mono_ns) if pinned > 0 else got.t_mono_ns
+    return (f"lease expired unread after {_secs(last.t_mono_ns - start_mono)} "
+            f"(pinned at {ctx.at_mono(start_mono, got)}, expired at {ctx.at(last)}); {_decode_said(ctx, m)}")
+
+
+def _stuck(ctx: _Context, m: Machine, fail: Record | None) -> str:
+    state = m.final_state
+    last = m.records[-1]
+    since = m.records[0]
+    for r in reversed(m.records):
+        if r.kind == "create" or (r.dst == state and r.src != state and r.kind == "transition"):
+            since = r
+            break
+    stream = m.stream
+    recs = ctx.streams.get(stream) or [last]
+    marker = ctx.shutdowns.get(stream)
+    if marker is not None and marker.clean is True and marker is recs[-1]:
+        live = marker.live if type(marker.live) is dict else {}
+        listed = live.get(m.lifecycle, {}).get(m.req) if type(live.get(m.lifecycle)) is dict else None
+        ending = (f"its clean shutdown at {ctx.at(marker)} does not list it" if listed is None
+                  else f"its clean shutdown at {ctx.at(marker)} lists it as {listed!r}")
+    else:
+        ending = f"its log ends at {ctx.at(recs[-1])} with no clean shutdown"
+    line = f"stuck in {state} since {ctx.at(since)}: last event {last.event} at {ctx.at(last)}, {ending}"
+    extra = _STUCK_DETAIL.get((m.lifecycle, state or ""))
+    if extra is not None:
+        line += "; " + extra(ctx, m)
+    elif m.lifecycle == "recv":
+        fail = _first_failure(m)
+        if fail is not None:  # failing / aborting after a failure: say which
+            line += "; after: " + _EXPLAIN[_failure_rule(fail)](ctx, m, fail)
+        elif m.matched is not None:
+            line += "; " + _prefill_said(ctx, m.remote, scheduler=False)
+    return line
+
+
+_STUCK_DETAIL: dict[tuple[str, str], Callable[[_Context, Machine], str]] = {
+    ("send", "prefilling"): lambda ctx, m: _scheduler_said(ctx, m.engine_id, m.req),
+    ("send", "awaiting_pull"): _decode_said,
+    ("recv", "pending_handshake"): lambda ctx, m: f"{_claims_said(ctx, m)}; "
+                                                  f"{_prefill_said(ctx, m.remote)}",
+}
+
+# rule -> explainer(context, machine, the deciding record); _rule_of picks the rule.
+_EXPLAIN: dict[str, Callable[[_Context, Machine, Record | None], str]] = {
+    "handshake_timeout": _handshake_timeout,
+    "transfer_timeout": _transfer_timeout,
+    "timeout": _other_timeout,
+    "peer_dead": _peer_dead,
+    "error": _error,
+    "internal_error": _internal_error,
+    "failed": _failed_unexplained,
+    "lease_expired": _lease_expired,
+    "stuck": _stuck,
+}
+RULES = tuple(_EXPLAIN)
+
+
+def _rule_of(m: Machine, fail: Record | None) -> str:
+    spec = LIFECYCLES.get(m.lifecycle)
+    if spec is None or m.final_state not in spec.terminal:
+        return "stuck"
+    if m.final_state == "expired":
+        return "lease_expired"
+    return _failure_rule(fail)
+
+
+def _failure_rule(fail: Record | None) -> str:
+    if fail is None:
+        return "failed"
+    if fail.event == "timeout":
+        what = _inp(fail, "what", "")
+        return f"{what}_timeout" if f"{what}_timeout" in _EXPLAIN else "timeout"
+    return fail.event
+
+
+def _stream(r: Record) -> StreamKey:
+    return (r.engine_id, r.role, r.rank, r.pid)
+
+
+def explain(todo: Sequence[Machine], by_req: dict[StreamKey, dict[str, dict[str, Machine]]],
+            notes: dict[tuple[str, str], list[Record]], stream_notes: dict[StreamKey, list[Record]],
+            streams: dict[StreamKey, list[Record]], log_events: dict[StreamKey, set[str]],
+            shutdowns: dict[StreamKey, Record]) -> list[Cause]:
+    """One ``Cause`` per machine of ``todo`` (failed, expired or stuck), in its order."""
+    if not todo:
+        return []
+    ctx = _Context(todo, by_req, notes, stream_notes, streams, log_events, shutdowns)
+    out: list[Cause] = []
+    for m in todo:
+        fail = None if m.lifecycle != "recv" else _first_failure(m)
+        rule = _rule_of(m, fail)
+        try:
+            line = _EXPLAIN[rule](ctx, m, fail)
+        except Exception as e:  # noqa: BLE001 - a damaged log must not take the report down
+            line = f"(cannot explain: {type(e).__name__}: {_clip(e, 120)})"
+        out.append(Cause(*m.stream, m.lifecycle, m.req, m.final_state, rule, line))
+    return out
