@@ -10,6 +10,7 @@ line is the clock's time: ``+0.120 s`` is ``clock.set(120 * MS)``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -399,3 +400,21 @@ def test_an_aborted_or_done_request_gets_no_cause(run, tmp_path: Path) -> None:
     report = report_of(tmp_path)
     assert report.causes == [] and report.exit_code == 0
     assert "causes" not in render_text(report)
+
+
+def test_the_recorded_offline_failure_is_named() -> None:
+    """tests/data/unpinned-offline: the logs of a real offline pair with the pins sent
+    only with the next step (KVSM_PIN_VIA_STEP=1, tools/make_unpinned_fixture.py), the
+    failure this project once shipped: the prefill engine never stepped again, so
+    its worker never learned of the pins and every claim was answered unknown."""
+    from kvsm.replay import analyse
+
+    data = Path(__file__).resolve().parent / "data" / "unpinned-offline"
+    report = analyse(sorted(data.glob("*.jsonl")))
+    assert report.exit_code == 0 and not report.findings
+    assert len(report.causes) == 2 and {c.final_state for c in report.causes} == {"failed"}
+    for cause in report.causes:
+        assert cause.rule == "handshake_timeout" and cause.engine_id == "decode-0"
+        assert re.search(r"claims answered unknown \d{2,} times", cause.line), cause.line
+        assert "the prefill scheduler pinned it at +" in cause.line and "(via next_step)" in cause.line
+        assert "its worker had it still prefilling (never received the pin)" in cause.line
