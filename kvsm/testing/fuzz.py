@@ -1,4 +1,7 @@
-"""A hostile client for kvsm's side channel (``kvsm.handshake.HandshakeServer``).
+"""Hostile clients for kvsm's sockets: the side channel
+(``kvsm.handshake.HandshakeServer``, :class:`SideChannelFuzzer`) and the pin
+channel (``kvsm.pin_channel.PinChannelServer``, :class:`PinChannelFuzzer`,
+described there).
 
 Why: the upstream listener thread dies on the first malformed message (vLLM
 #54757). kvsm's server promises never to stop, to answer or refuse every
@@ -35,7 +38,8 @@ every such message's reply is read and compared (``answered``,
 drop before the server's handler; ``raw_bytes`` bounds what raw TCP may add to
 ``malformed``.
 
-Nothing here imports vLLM; only ``kvsm.handshake``, ZMQ and msgspec.
+Nothing here imports vLLM; only ``kvsm.handshake``, ``kvsm.pin_channel``,
+ZMQ and msgspec.
 """
 
 from __future__ import annotations
@@ -70,8 +74,19 @@ from kvsm.handshake import (
     decode_request,
     peer_address,
 )
+from kvsm.facts import SendFinish
+from kvsm.pin_channel import (
+    MAX_BLOCKS_PER_PIN,
+    MAX_MESSAGE_BYTES,
+    MAX_PINS_PER_MESSAGE,
+    TOKEN_BYTES,
+    PinChannelServer,
+    decode_pins,
+    encode_pins,
+)
 
-__all__ = ["FuzzReport", "SideChannelFuzzer", "zmtp3_greeting"]
+__all__ = ["FuzzReport", "PinChannelFuzzer", "PinFuzzReport", "SideChannelFuzzer", "foreign_engine_token",
+           "zmtp3_greeting"]
 
 MiB = 1 << 20
 # Socket types a ROUTER does not accept: their ZMTP handshake fails, nothing is delivered.
@@ -651,6 +666,489 @@ class SideChannelFuzzer:
                     s.sendall(zmtp3_greeting() + _long_frame_header(MAX_REQUEST_BYTES // 2) + b"\x00" * 1024)
             except OSError:
                 pass
+            self._held.append(s)
+            self.report.held_open += 1
+            self.report.connections[f"held_{kind}"] += 1
+
+
+# =============================================================================== the pin channel
+
+
+@dataclass
+class PinFuzzReport:
+    """The pin-channel fuzzer's books (see :class:`PinChannelFuzzer`)."""
+
+    sent: Counter[str] = field(default_factory=Counter)  # messages sent, by case (delivered or not)
+    expected: Counter[str] = field(default_factory=Counter)  # server stats key -> messages it must count so
+    undeliverable: Counter[str] = field(default_factory=Counter)  # case -> messages libzmq must drop
+    connections: Counter[str] = field(default_factory=Counter)  # kind -> connections opened
+    mismatches: list[str] = field(default_factory=list)  # the fuzzer's own rules disagreeing, stalled sends
+    real_id_pins: int = 0  # pins naming a request the engine really has (always with a wrong token)
+    real_ids: set[str] = field(default_factory=set)  # which requests those named
+    held_open: int = 0
+    big_bytes: int = 0  # bytes sent in frames of at least 1 MiB
+    seconds: float = 0.0
+
+    @property
+    def messages(self) -> int:
+        """Every message sent, delivered or not."""
+        return sum(self.sent.values())
+
+    @property
+    def delivered(self) -> int:
+        """Messages that must reach the server's ``on_readable`` (each counted once)."""
+        return sum(self.expected.values())
+
+    def summary(self) -> str:
+        rate = self.messages / self.seconds if self.seconds else 0.0
+        return (f"{self.messages} messages in {self.seconds:.1f} s ({rate:.0f}/s): {self.delivered} delivered "
+                f"({dict(sorted(self.expected.items()))}), {sum(self.undeliverable.values())} undeliverable "
+                f"({dict(sorted(self.undeliverable.items()))}), {self.real_id_pins} pins naming "
+                f"{len(self.real_ids)} real requests, {self.held_open} held half-open, "
+                f"{self.big_bytes / MiB:.0f} MiB in big frames, connections {dict(sorted(self.connections.items()))}; "
+                f"mismatches {len(self.mismatches)}; sent by case {dict(sorted(self.sent.items()))}")
+
+
+# Socket types whose ZMTP handshake a PULL fails (libzmq accepts only PUSH peers):
+# whatever they send is never delivered. Checked in tests/test_fuzz_storm.py with a
+# socket monitor.
+PULL_REFUSED_SOCKET_TYPES = {"PUB": zmq.PUB, "DEALER": zmq.DEALER, "PAIR": zmq.PAIR, "REQ": zmq.REQ,
+                             "XPUB": zmq.XPUB, "XSUB": zmq.XSUB, "ROUTER": zmq.ROUTER, "PULL": zmq.PULL,
+                             "SUB": zmq.SUB, "REP": zmq.REP}
+_PULL_SENDING_TYPES = {"PUB": 3, "DEALER": 3, "PAIR": 3, "REQ": 1, "XPUB": 3, "XSUB": 3}  # messages each sends
+_PIN_WEIGHTS: dict[str, int] = {
+    "random_frames": 14, "wrong_token": 10, "bad_size_token": 6, "foreign_token": 6, "real_ids": 14,
+    "wrong_shape": 10, "wrong_types": 12, "too_many_pins": 2, "bad_framing": 8, "empty": 2,
+}
+
+
+def foreign_engine_token() -> bytes:
+    """The token of another engine's pin channel: a real one (opened and closed here)."""
+    server = PinChannelServer(zmq.Context.instance(), lambda pins, via: None, lambda fn, label: False)
+    try:
+        return server.token
+    finally:
+        server.close()
+
+
+class PinChannelFuzzer:
+    """A hostile LOCAL sender (same user) against a worker's pin channel
+    (``kvsm.pin_channel.PinChannelServer``) at ``endpoint`` (``ipc://...``).
+
+    What it sends (all seeded), through PUSH sockets (the only type a PULL's
+    ZMTP handshake accepts), a fresh one every ~1000 messages:
+
+    * random bytes in 1..3 frames; empty frames;
+    * a valid pins payload behind a right-sized wrong token (random, zeros,
+      ones, another engine's token with one bit flipped), a wrong-sized one
+      (0..4096 bytes), and another engine's real token (``foreign_engine_token``);
+    * correct-looking pins for requests the engine really has (``real_ids``,
+      e.g. read from its log during the run) behind a wrong token: they must
+      pin, release and expire nothing;
+    * wrong shapes (maps, scalars, pins of 4 or 6 fields, truncated or
+      non-msgpack bytes) and wrong types or ranges in each field; too many pins
+      (``MAX_PINS_PER_MESSAGE + 1``), a pin of ``MAX_BLOCKS_PER_PIN + 1``
+      blocks, a msgpack header claiming 2**32 - 1 pins;
+    * bad framing: 3..64 frames, token and payload in one frame;
+
+    interleaved with (one every ``messages / side attacks``): frames of
+    ``MAX_MESSAGE_BYTES`` and one byte less (delivered, refused),
+    frames over ``MAX_MESSAGE_BYTES`` on their own PUSH (libzmq drops the
+    connection: never delivered, nor anything behind them on it), connect /
+    disconnect churn (silent, or 1..20 messages and a lingering close: those
+    are delivered), and sockets of the types a PULL refuses
+    (``PULL_REFUSED_SOCKET_TYPES``: never delivered). Raw connections held
+    half-open for the storm (silent, half a greeting, a PUSH handshake and half
+    a frame, a frame header over the limit) deliver nothing. Raw garbage is not
+    sent: libzmq may read it as ZMTP 1.0 frames, and the books are exact.
+
+    The rules (``expected_outcome``): not two frames -> ``malformed``; a token
+    that is not the engine's -> ``bad_token`` (checked before the payload is
+    decoded); the right token and a payload ``decode_pins`` refuses ->
+    ``malformed``; else ``accepted_local_socket``. Against a live engine the
+    fuzzer never knows the token (``token=None``), so every two-frame message
+    is ``bad_token``; a test that owns the server can pass its token and so
+    reach the decoder. Each case also says what it means to produce; a
+    disagreement with the rules is a mismatch.
+
+    ``storm`` sends are blocking with a timeout (a server that stops reading
+    stalls the fuzzer, and each stalled send is a mismatch, not sent).
+    """
+
+    def __init__(self, endpoint: str, *, seed: int = 0, real_ids: Callable[[], list[str]] | None = None,
+                 token: bytes | None = None, foreign_token: bytes | None = None, send_timeout_s: float = 30.0,
+                 linger_s: float = 10.0, context: zmq.Context | None = None) -> None:
+        if not endpoint.startswith("ipc://"):
+            raise ValueError(f"not a pin channel endpoint: {endpoint!r}")
+        self.endpoint = endpoint
+        self.path = endpoint.removeprefix("ipc://")
+        self.rng = random.Random(seed)
+        self.token = token
+        self.foreign = foreign_token if foreign_token is not None else foreign_engine_token()
+        self._real_ids = real_ids
+        self._ids: list[str] = []
+        self._named: list[str] = []  # the real request ids the message being built names
+        self.send_timeout_s = send_timeout_s
+        self.linger_s = linger_s
+        self.report = PinFuzzReport()
+        self._ctx = context or zmq.Context.instance()
+        self._push: zmq.Socket | None = None
+        self._push_uses = 0
+        self._held: list[socket.socket] = []
+        self._parked: list[zmq.Socket] = []
+        self._fake_ids = 0
+        self._foreign_types = 0
+        self._too_many: list[bytes] = []  # built once: they are big
+        self._cases = [(name, getattr(self, f"_pin_{name}")) for name in _PIN_WEIGHTS]
+        self._case_weights = list(_PIN_WEIGHTS.values())
+
+    # ------------------------------------------------------------------ rules
+
+    def expected_outcome(self, frames: list[bytes]) -> str:
+        """The server stats key a message of ``frames`` must land in
+        (kvsm.pin_channel's rules, applied here independently; a payload is judged
+        by kvsm's own decoder)."""
+        if len(frames) != 2:
+            return "malformed"
+        token, payload = frames
+        if self.token is None or len(token) != TOKEN_BYTES or token != self.token:
+            return "bad_token"
+        try:
+            decode_pins(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "malformed"
+        return "accepted_local_socket"
+
+    # ------------------------------------------------------------------ storm
+
+    def storm(self, messages: int, *, spread_s: float = 0.0, under_limit_frames: int = 4, over_limit_frames: int = 4,
+              churn: int = 24, foreign_types: int = 20, hold_open: int = 8, deadline_s: float = 120.0) -> PinFuzzReport:
+        """Send ``messages`` bulk messages with the side attacks interleaved, paced
+        to take about ``spread_s`` seconds (0: as fast as the server reads), then
+        close every socket (lingering, so what was sent gets out). Raises
+        TimeoutError past ``deadline_s``. The report accumulates over storms."""
+        t0 = time.monotonic()
+        deadline = t0 + deadline_s
+        self._hold_half_open(hold_open)
+        side = (["under_limit"] * under_limit_frames + ["over_limit"] * over_limit_frames + ["churn"] * churn
+                + ["foreign_type"] * foreign_types)
+        self.rng.shuffle(side)
+        every = max(1, messages // max(1, len(side)))
+        bulk = 0
+        i = 0
+        while bulk < messages or side:
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"pin storm past its {deadline_s} s deadline: {self.report.summary()}")
+            if spread_s > 0 and i % 64 == 0:
+                ahead = t0 + spread_s * bulk / max(1, messages) - now
+                if ahead > 0:
+                    time.sleep(ahead)
+            if i % 256 == 0 and self._real_ids is not None:
+                self._ids = list(self._real_ids())[-64:]
+            if side and (i % every == 0 or bulk >= messages):
+                getattr(self, f"_attack_{side.pop()}")()
+            else:
+                self._send_bulk()
+                bulk += 1
+            i += 1
+        self.close()
+        self.report.seconds += time.monotonic() - t0
+        return self.report
+
+    def close(self) -> None:
+        """Close every socket (lingering ones get ``linger_s`` to flush)."""
+        if self._push is not None:
+            self._push.close(linger=int(self.linger_s * 1000))
+            self._push = None
+        for s in self._held:
+            s.close()
+        self._held.clear()
+        for z in self._parked:
+            z.close(linger=0)
+        self._parked.clear()
+
+    # ------------------------------------------------------------------ sending
+
+    def _socket(self, kind: int = zmq.PUSH) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, int(self.linger_s * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(self.send_timeout_s * 1000))
+        sock.connect(self.endpoint)
+        return sock
+
+    def _send(self, sock: zmq.Socket, case: str, frames: list[bytes], intent: str | None) -> bool:
+        """Send one message that must be delivered, and book it; False if it stalled."""
+        try:
+            sock.send_multipart(frames, copy=all(len(f) < 65536 for f in frames))
+        except zmq.Again:
+            self._mismatch(f"{case}: send stalled for {self.send_timeout_s} s (the server stopped reading?)")
+            return False
+        expected = self.expected_outcome(frames)
+        if intent is not None and intent != expected:
+            self._mismatch(f"{case}: meant to be {intent}, the rules say {expected}: {[f[:80] for f in frames]}")
+        self.report.sent[case] += 1
+        self.report.expected[expected] += 1
+        self.report.big_bytes += sum(len(f) for f in frames if len(f) >= MiB)
+        return True
+
+    def _send_bulk(self, sock: zmq.Socket | None = None) -> None:
+        if sock is None:
+            if self._push is None or self._push_uses >= 1000:
+                if self._push is not None:
+                    self._push.close(linger=int(self.linger_s * 1000))
+                self._push = self._socket()
+                self._push_uses = 0
+                self.report.connections["push"] += 1
+            sock = self._push
+            self._push_uses += 1
+        name, make = self.rng.choices(self._cases, self._case_weights)[0]
+        self._named = []
+        frames, intent = make()
+        if self._send(sock, name, frames, intent) and self._named:
+            self.report.real_id_pins += len(self._named)
+            self.report.real_ids.update(self._named)
+
+    def _mismatch(self, text: str) -> None:
+        if len(self.report.mismatches) < 50:
+            self.report.mismatches.append(text)
+
+    # ------------------------------------------------------------------ payloads
+
+    def _fake_id(self) -> str:
+        self._fake_ids += 1
+        return f"pinfuzz-{self._fake_ids}-{self.rng.getrandbits(32):08x}"  # names no real request
+
+    def _pins(self, ids: list[str]) -> bytes:
+        r = self.rng
+        return encode_pins([SendFinish(req=req, ok=r.random() < 0.7,
+                                       block_ids=tuple(r.randrange(1, 64) for _ in range(r.randint(0, 3))),
+                                       reason=r.choice(["", "FINISHED_ABORTED"]), pinned_ns=time.monotonic_ns())
+                            for req in ids])
+
+    def _valid_payload(self) -> bytes:
+        return self._pins([self._fake_id() for _ in range(self.rng.randint(1, 4))])
+
+    def _wrong_token(self) -> bytes:
+        """A right-sized token that is not the engine's."""
+        r = self.rng
+        kind = r.randrange(5)
+        if kind == 0:
+            tok = r.randbytes(TOKEN_BYTES)
+        elif kind == 1:
+            tok = b"\x00" * TOKEN_BYTES
+        elif kind == 2:
+            tok = b"\xff" * TOKEN_BYTES
+        elif kind == 3:
+            flip = bytearray(self.foreign)
+            flip[r.randrange(len(flip))] ^= 1 << r.randrange(8)
+            tok = bytes(flip)
+        else:
+            tok = self.foreign[::-1]
+        return tok if tok != self.token else bytes(b ^ 1 for b in tok)
+
+    def _token_for_garbage(self) -> bytes:
+        """The engine's token where the fuzzer knows it (to reach the decoder), half the time."""
+        if self.token is not None and self.rng.random() < 0.5:
+            return self.token
+        return self._wrong_token()
+
+    def _refused_by(self, token: bytes) -> str:
+        return "malformed" if token == self.token else "bad_token"
+
+    def _pin_random_frames(self) -> tuple[list[bytes], str | None]:
+        r = self.rng
+        return [r.randbytes(r.randint(0, 256)) for _ in range(r.randint(1, 3))], None
+
+    def _pin_wrong_token(self) -> tuple[list[bytes], str | None]:
+        return [self._wrong_token(), self._valid_payload()], "bad_token"
+
+    def _pin_bad_size_token(self) -> tuple[list[bytes], str | None]:
+        r = self.rng
+        n = r.choice([0, 1, 16, TOKEN_BYTES - 1, TOKEN_BYTES + 1, 48, 64, 4096])
+        base = r.choice([self.foreign, self.token or self.foreign, r.randbytes(64)])
+        tok = (base * (n // len(base) + 1))[:n]
+        return [tok, self._valid_payload()], "bad_token"
+
+    def _pin_foreign_token(self) -> tuple[list[bytes], str | None]:
+        return [self.foreign, self._valid_payload()], "bad_token"
+
+    def _pin_real_ids(self) -> tuple[list[bytes], str | None]:
+        """Correct-looking pins for requests the engine has, behind a token that is
+        not its own (random, or another engine's). Before any is known: fake ids."""
+        if not self._ids:
+            return self._pin_wrong_token()
+        ids = self.rng.sample(self._ids, min(len(self._ids), self.rng.randint(1, 8)))
+        self._named = ids
+        tok = self.foreign if self.rng.random() < 0.3 else self._wrong_token()
+        return [tok, self._pins(ids)], "bad_token"
+
+    def _pin_wrong_shape(self) -> tuple[list[bytes], str | None]:
+        r = self.rng
+        tok = self._token_for_garbage()
+        good = ["r-1", True, [1, 2], "", 0]
+        shape = r.randrange(10)
+        if shape == 0:
+            value: Any = {"req": "r-1", "ok": True, "block_ids": [1]}  # a map, not a list
+        elif shape == 1:
+            value = good  # one pin, not a list of pins
+        elif shape == 2:
+            value = [{"req": "r-1", "ok": True, "block_ids": [1], "reason": "", "pinned_ns": 0}]
+        elif shape == 3:
+            value = [good[:4]]  # a field short
+        elif shape == 4:
+            value = [good + [7]]  # a field too many
+        elif shape == 5:
+            value = r.choice([None, 7, -1, "pins", 1.5, True, b"\x01\x02"])
+        elif shape == 6:
+            value = [[good]]  # nested one level too deep
+        elif shape == 7:
+            payload = self._valid_payload()
+            return [tok, payload[: r.randint(1, len(payload) - 1)]], self._refused_by(tok)  # truncated
+        elif shape == 8:
+            return [tok, b"\xc1" + r.randbytes(r.randint(0, 32))], self._refused_by(tok)  # never msgpack
+        else:
+            return [tok, b""], self._refused_by(tok)
+        return [tok, msgspec.msgpack.encode(value)], self._refused_by(tok)
+
+    def _pin_wrong_types(self) -> tuple[list[bytes], str | None]:
+        """One pin with one field of the wrong type or out of its range."""
+        r = self.rng
+        tok = self._token_for_garbage()
+        pin: list[Any] = [self._fake_id(), True, [1, 2, 3], "", 12345]
+        field_ = r.randrange(5)
+        pin[field_] = r.choice([
+            [7, None, "", "x" * 257, b"r", ["r"]],  # req: not a 1..256-character string
+            ["yes", 1, 0, None, 1.0, []],  # ok: not a bool
+            [["a"], [-1], [1 << 40], "1,2", {"0": 1}, [1.5], None, [True]],  # block_ids
+            [None, 5, "x" * 65, ["r"], b""],  # reason: not a string of at most 64 characters
+            [-1, "0", 1.5, None, [0], -(2**63)],  # pinned_ns: not an int >= 0
+        ][field_])
+        pins = [pin] if r.random() < 0.7 else [["ok-1", True, [], "", 0], pin]  # behind a good pin, too
+        return [tok, msgspec.msgpack.encode(pins)], self._refused_by(tok)
+
+    def _pin_too_many_pins(self) -> tuple[list[bytes], str | None]:
+        if not self._too_many:
+            one = msgspec.msgpack.encode(["r", True, [1], "", 0])
+            n = MAX_PINS_PER_MESSAGE + 1
+            many_pins = b"\xdd" + struct.pack(">I", n) + one * n
+            n = MAX_BLOCKS_PER_PIN + 1
+            big_pin = b"\x91\x95\xa1r\xc3\xdd" + struct.pack(">I", n) + b"\x01" * n + b"\xa0\x00"
+            self._too_many = [many_pins, big_pin, b"\xdd\xff\xff\xff\xff" + one]  # the last claims 2**32 - 1
+        tok = self._token_for_garbage()
+        return [tok, self.rng.choice(self._too_many)], self._refused_by(tok)
+
+    def _pin_bad_framing(self) -> tuple[list[bytes], str | None]:
+        r = self.rng
+        tok = self.token if self.token is not None and r.random() < 0.5 else self._wrong_token()
+        payload = self._valid_payload()
+        kind = r.randrange(3)
+        if kind == 0:
+            return [tok + payload], "malformed"  # one frame
+        if kind == 1:
+            return [payload], "malformed"  # no token
+        n = r.randint(3, 64)
+        return [tok, payload] + [r.randbytes(r.randint(0, 16)) for _ in range(n - 2)], "malformed"
+
+    def _pin_empty(self) -> tuple[list[bytes], str | None]:
+        return ([b""], "malformed") if self.rng.random() < 0.5 else ([b"", b""], "bad_token")
+
+    # ------------------------------------------------------------------ other attacks
+
+    def _attack_under_limit(self) -> None:
+        """A frame of MAX_MESSAGE_BYTES or one byte less (the largest libzmq delivers):
+        the server reads it and refuses it. Two sizes one allocator chunk apart, so
+        a buffer freed is reused and RSS measures leaks, not fragmentation."""
+        r = self.rng
+        size = MAX_MESSAGE_BYTES - r.randrange(2)
+        big = r.randbytes(16) * (size // 16) + b"\x00" * (size % 16)
+        kind = r.randrange(3)
+        if kind == 0:
+            frames, intent = [self._wrong_token(), big], "bad_token"
+        elif kind == 1:
+            frames, intent = [big], "malformed"
+        else:
+            frames, intent = [big, self._valid_payload()], "bad_token"  # the "token" is the big frame
+        if self._push is None:
+            self._push = self._socket()
+            self._push_uses = 0
+            self.report.connections["push"] += 1
+        self._send(self._push, "under_limit", frames, intent)
+
+    def _attack_over_limit(self) -> None:
+        """A frame over MAX_MESSAGE_BYTES, alone on its own PUSH: libzmq drops the
+        connection at the frame's header; nothing of the message reaches Python."""
+        r = self.rng
+        size = r.randint(MAX_MESSAGE_BYTES + 1, MAX_MESSAGE_BYTES + MiB)
+        big = b"\x00" * size
+        frames = r.choice([[big], [self._wrong_token(), big], [big, self._valid_payload()]])
+        sock = self._socket()
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # once dropped, stay away
+        try:
+            sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            self._mismatch("over_limit: send stalled")
+        self._parked.append(sock)
+        self.report.sent["over_limit"] += 1
+        self.report.undeliverable["over_limit"] += 1
+        self.report.connections["over_limit"] += 1
+        self.report.big_bytes += size
+
+    def _attack_churn(self) -> None:
+        """Connect and go: silently (nothing delivered), or after 1..20 messages and
+        a lingering close (all delivered)."""
+        sock = self._socket()
+        n = self.rng.choice([0, 0, 1, 1, 2, 5, 20])
+        self.report.connections[f"churn_{'silent' if n == 0 else 'send'}"] += 1
+        if n == 0:
+            sock.close(linger=0)
+            return
+        for _ in range(n):
+            self._send_bulk(sock)
+        sock.close(linger=int(self.linger_s * 1000))
+
+    def _attack_foreign_type(self) -> None:
+        """A socket type a PULL refuses: the ZMTP handshake fails, nothing is delivered."""
+        names = sorted(PULL_REFUSED_SOCKET_TYPES)
+        name = names[self._foreign_types % len(names)]  # each in turn: every one is tried
+        self._foreign_types += 1
+        sock = self._ctx.socket(PULL_REFUSED_SOCKET_TYPES[name])
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one failed handshake each, not one every 100 ms
+        sock.connect(self.endpoint)
+        self.report.connections[f"refused_{name}"] += 1
+        for _ in range(_PULL_SENDING_TYPES.get(name, 0)):
+            frames, _ = self._pin_wrong_token()
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue  # not even queued
+            self.report.sent[f"refused_{name}"] += 1
+            self.report.undeliverable[f"refused_{name}"] += 1
+        self._parked.append(sock)
+
+    def _hold_half_open(self, n: int) -> None:
+        """Raw connections left hanging for the storm: silent, half a ZMTP greeting, a
+        PUSH handshake and half a frame, a frame header over MAX_MESSAGE_BYTES."""
+        for i in range(n):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            try:
+                s.connect(self.path)
+            except OSError as e:
+                s.close()
+                self._mismatch(f"raw connect to {self.path} failed: {e}")
+                return
+            kind = ("silent", "half_greeting", "half_frame", "over_limit_header")[i % 4]
+            try:
+                if kind == "half_greeting":
+                    s.sendall(zmtp3_greeting(b"PUSH")[:11])
+                elif kind == "half_frame":
+                    s.sendall(zmtp3_greeting(b"PUSH") + _long_frame_header(64 * 1024) + b"\x00" * 1024)
+                elif kind == "over_limit_header":
+                    s.sendall(zmtp3_greeting(b"PUSH") + _long_frame_header(64 * MiB) + b"\x00" * 4096)
+            except OSError:
+                pass  # dropped already
             self._held.append(s)
             self.report.held_open += 1
             self.report.connections[f"held_{kind}"] += 1
