@@ -141,18 +141,6 @@ class SchedulerHalf:
             pending, self._pending_pins = self._pending_pins, []
             self._hand_to_workers(pending)
 
-    def _take_undelivered(self) -> None:
-        """Pins a socket send failed for go with this step (the workers ignore a
-        finish they already have)."""
-        if self._pins is None:
-            return
-        seen: set[str] = set()
-        for finish, rank, why in self._pins.take_undelivered():
-            self._note("sched.pin_handoff_failed", finish.req, worker_rank=rank, error=why)
-            if finish.req not in seen:
-                seen.add(finish.req)
-                self._meta.send_finish.append(finish)
-
     # -- both roles -----------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
@@ -313,7 +301,6 @@ class SchedulerHalf:
                 log.warning("kvsm: finished prefills were handed to the workers only at the next step "
                             "(vLLM did not call update_connector_output after request_finished)")
             self._flush_pins()
-        self._take_undelivered()
         meta = self._meta
         self._step += 1
         self._meta = KVSMConnectorMetadata(self._step)

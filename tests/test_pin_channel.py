@@ -142,7 +142,22 @@ def test_worker_in_another_process_gets_the_pin_over_its_socket(peer: PeerProces
         assert {g["via"] for g in got} == {"local_socket"} and got[3]["block_ids"] == [3, 4]
         assert got[0]["received_ns"] - t0 < 1_000_000_000
         assert reply["stats"] == {"accepted_local_socket": 50, "pins": 50}
-        assert client.take_undelivered() == []
+    finally:
+        client.close()
+
+
+def test_a_worker_socket_that_takes_nothing_is_reported(tmp_path: Path) -> None:
+    """Nobody reads the socket (a worker that stopped): once its queue is full the
+    send fails, and says so, instead of blocking the scheduler."""
+    target = PinTarget(tp_rank=3, pid=-1, endpoint=f"ipc://{tmp_path}/nobody", token=b"t" * 32)
+    client = PinChannelClient([target], send_hwm=2)
+    try:
+        results = [client.send([SendFinish(req=f"p-{i}", ok=True, block_ids=(i,))]) for i in range(50)]
+        failed = [r for r in results if r]
+        assert failed and failed[0][0][0] == 3 and "Again" in failed[0][0][1], results[:5]
+        start = time.monotonic()
+        client.send([SendFinish(req="p-x", ok=True)])
+        assert time.monotonic() - start < 0.1  # never blocks
     finally:
         client.close()
 
