@@ -11,6 +11,11 @@ Why it looks the way it does (compare vLLM's NixlConnector side channel):
   what is ready with ``NOBLOCK`` and returns. The server never raises out of
   :meth:`HandshakeServer.on_readable`, whatever arrives; the client keeps one
   DEALER socket per peer, so a dead peer only ever delays its own requests.
+* A prefill worker whose process is gone is known at once, not at a deadline:
+  each peer's DEALER has a socket monitor, and a connection attempt that the
+  peer's host refuses (nothing listens on the port) fails that peer's pending
+  requests with :class:`HandshakeRefused`. A peer that accepts the connection
+  and then never answers still fails at its deadline (:class:`HandshakeTimeout`).
 * Messages are msgspec Structs in a tagged union (``"type"`` field) encoded as
   msgpack maps, so a decode failure names the field that was wrong
   (``Expected `int`, got `str` - at `$.tp_rank```) instead of crashing a thread.
@@ -75,6 +80,7 @@ __all__ = [
     "HandshakeError",
     "HandshakeIncompatible",
     "HandshakeProtocolError",
+    "HandshakeRefused",
     "HandshakeRejected",
     "HandshakeResult",
     "HandshakeServer",
@@ -289,7 +295,17 @@ class HandshakeIncompatible(HandshakeError):
 
 
 class HandshakeTimeout(HandshakeError):
-    """No reply before the request's deadline (dead peer, closed port, slow peer)."""
+    """No reply before the request's deadline: a peer that accepted the connection
+    and never answered (hung, overloaded), a host that does not answer connection
+    attempts at all, a slow peer."""
+
+
+class HandshakeRefused(HandshakeError):
+    """The peer's host refused the TCP connection: nothing listens on that port (the
+    process is gone, or not started yet). Known from the socket monitor within about
+    a millisecond of the attempt (or a reconnect interval after a live connection
+    dropped), not at the deadline; code ``"refused"``. Retrying is the caller's call:
+    the next request to that address tries a fresh connection."""
 
 
 def _clip(text: str, limit: int = MAX_DETAIL_LENGTH) -> str:
@@ -718,7 +734,21 @@ class _Pending:
 class _Peer:
     address: str
     sock: zmq.Socket
+    monitor: zmq.Socket
     pending: set[int] = field(default_factory=set)
+    # A TCP connection is up (monitor: CONNECTED or ZMTP handshake seen since the
+    # socket was made or since the last DISCONNECTED).
+    connected: bool = False
+
+
+# What the client's monitors report. A connect attempt that fails on an opened fd
+# (ECONNREFUSED: nothing listens; or an ICMP-unreachable host) closes that fd:
+# EVENT_CLOSED, then EVENT_CONNECT_RETRIED. CLOSED alone is the signal: a
+# CONNECT_RETRIED also follows every DISCONNECTED (it announces the reconnect timer,
+# before any attempt) and every failed name lookup, and a peer that accepts TCP
+# and stays silent shows only CONNECTED (plus ZMTP success for a ZMQ peer).
+_CLIENT_MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                          | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
 
 
 class HandshakeClient:
@@ -734,16 +764,25 @@ class HandshakeClient:
     too-long claim id from ``kv_transfer_params``, a garbage reply): that becomes
     the request's result.
 
-    Connecting is lazy (ZMQ): a closed port or an unroutable host is not an error
-    at send time, the request times out at its deadline. ZMQ_IMMEDIATE is left off
-    on purpose: a request to a peer that is still starting is queued and delivered
-    when its port opens, if that happens before the deadline; with IMMEDIATE the
-    send would fail at once and the caller would need its own retry timer.
+    Connecting is lazy (ZMQ): nothing fails at send time; the request is queued
+    on the peer's socket and delivered once the connection is up. Each peer socket
+    has a monitor (in :meth:`sockets` too; hand it to :meth:`on_readable` like the
+    DEALER) so that a connection the peer's host *refuses* (a closed port: the
+    process is gone or not started yet; a host reported unreachable counts the
+    same) fails every request pending on that peer with :class:`HandshakeRefused`
+    about a millisecond after the attempt, and a peer that was connected and died
+    fails them when its reconnect is refused (a reconnect interval, 100 ms, later).
+    The refused socket is closed; the next request to that address makes a fresh
+    one and tries again. A peer that accepts the connection and never answers, and
+    a host that drops connection attempts without a word, still time out at the
+    deadline. ZMQ_IMMEDIATE is left off on purpose: with it a send fails while the
+    connection is still being set up, even to a live peer.
 
     A timeout closes that peer's socket, so nothing queued for or arriving from the
     dead connection can ever be read, and re-sends that peer's other pending
     requests on a fresh socket. Replies carry the request's nonce; one that matches
-    no pending request (late, duplicated, forged) is dropped and counted.
+    no pending request (late, duplicated, forged) is dropped and counted. A reply
+    already waiting on the socket wins over a timeout or a refusal noticed with it.
 
     Register sockets with the poller through ``on_socket_added`` and unregister them
     through ``on_socket_removed``, which is called *before* a socket is closed (a
@@ -844,13 +883,19 @@ class HandshakeClient:
     # ---- loop interface
 
     def sockets(self) -> list[zmq.Socket]:
-        """The sockets to poll for reading right now (one per peer in use)."""
-        return [p.sock for p in self._peers.values()]
+        """The sockets to poll for reading right now: per peer in use, its DEALER
+        and that DEALER's monitor."""
+        return [s for p in self._peers.values() for s in (p.sock, p.monitor)]
 
     def on_readable(self, sock: zmq.Socket) -> list[HandshakeResult]:
-        """Read every reply waiting on ``sock``; returns the results that became known."""
+        """Read every reply (DEALER) or connection event (monitor) waiting on
+        ``sock``; returns the results that became known."""
         peer = self._by_socket.get(sock)
-        if peer is not None:  # else a socket already replaced: nothing to read
+        if peer is None:
+            pass  # a socket already replaced: nothing to read
+        elif sock is peer.monitor:
+            self._drain_monitor(peer)
+        else:
             self._drain(peer)
         return self.poll_results()
 
@@ -863,10 +908,12 @@ class HandshakeClient:
             pending = self._pending.get(request_id)
             if pending is not None and pending.deadline_ns == deadline_ns:
                 due.append(pending)
-        # A reply that already arrived wins over a deadline the loop noticed first.
+        # A reply that already arrived wins over a deadline the loop noticed first,
+        # and so does a refusal (the more precise verdict).
         for address in {pending.peer for pending in due}:
             if (peer := self._peers.get(address)) is not None:
                 self._drain(peer)
+                self._drain_monitor(peer)
         reset: set[str] = set()
         for pending in due:
             if pending.request_id not in self._pending:
@@ -897,15 +944,19 @@ class HandshakeClient:
         return len(self._pending)
 
     def socket_count(self) -> int:
-        """Sockets open to peers (one per peer address; a timed-out one is replaced)."""
+        """Sockets open for peers: a DEALER and its monitor per peer address (a
+        timed-out or refused peer's pair is replaced)."""
         return len(self._by_socket)
 
     def stats(self) -> dict[str, int]:
-        """sent, replies, stale_replies, malformed_replies, timeouts, socket_resets..."""
+        """sent, replies, stale_replies, malformed_replies, timeouts, socket_resets,
+        refused (requests failed as refused), refused_sockets (peer sockets closed
+        on a refusal)..."""
         return dict(self._stats)
 
     def close(self) -> None:
-        """Close every socket; pending requests are dropped without a result."""
+        """Close every socket, monitors included (on_socket_removed first); pending
+        requests are dropped without a result."""
         self._closed = True
         for address in list(self._peers):
             self._drop_peer(address)
@@ -919,6 +970,7 @@ class HandshakeClient:
         if peer is not None:
             return peer
         sock = self._ctx.socket(zmq.DEALER)
+        monitor: zmq.Socket | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes)
@@ -927,15 +979,20 @@ class HandshakeClient:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
+            # Before connect(): the first attempt's refusal comes within a millisecond.
+            monitor = sock.get_monitor_socket(events=_CLIENT_MONITOR_EVENTS)
+            monitor.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
-        except zmq.ZMQError:
-            sock.close(linger=0)
+        except Exception:  # send() turns a bad address into the request's result
+            self._close_pair(sock, monitor)
             raise
-        peer = _Peer(address, sock)
+        peer = _Peer(address, sock, monitor)
         self._peers[address] = peer
         self._by_socket[sock] = peer
+        self._by_socket[monitor] = peer
         if self._on_added is not None:
             self._on_added(sock)
+            self._on_added(monitor)
         return peer
 
     def _transmit(self, peer: _Peer, pending: _Pending) -> None:
@@ -963,6 +1020,39 @@ class HandshakeClient:
             except Exception:  # a hostile peer must not break the loop
                 self._stats["internal"] += 1
                 log.exception("handshake client: failed handling a reply from %s", peer.address)
+
+    def _drain_monitor(self, peer: _Peer) -> None:
+        """Track the peer's connection; a connect attempt that failed while no
+        connection was up means the peer's host refuses it: fail its requests now."""
+        while True:
+            try:
+                event = parse_monitor_message(peer.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            except Exception:  # noqa: BLE001 - a monitor hiccup is not worth failing requests over
+                self._stats["monitor_unreadable"] += 1
+                return
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                peer.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                peer.connected = False
+            elif event == zmq.EVENT_CLOSED and not peer.connected:
+                self._refused(peer)
+                return  # its sockets are closed; later events are moot
+
+    def _refused(self, peer: _Peer) -> None:
+        """Fail every request pending on ``peer`` as refused and close its sockets,
+        so the next request to that address connects afresh."""
+        self._drain(peer)  # a reply that arrived before the connection went wins
+        self._drop_peer(peer.address)
+        self._stats["refused_sockets"] += 1
+        for request_id in sorted(peer.pending):
+            if request_id not in self._pending:
+                continue
+            self._take(request_id)
+            self._stats["refused"] += 1
+            self._results.append(HandshakeResult(request_id, peer.address, HandshakeRefused(
+                "refused", f"connection refused by {peer.address}", peer=peer.address, nonce=request_id)))
 
     def _on_reply(self, peer: _Peer, frames: list[bytes]) -> None:
         self._stats["replies"] += 1
@@ -1028,14 +1118,26 @@ class HandshakeClient:
         peer = self._peers.pop(address, None)
         if peer is None:
             return None
-        del self._by_socket[peer.sock]
-        if self._on_removed is not None:
-            try:
-                self._on_removed(peer.sock)
-            except Exception:
-                log.exception("handshake client: on_socket_removed failed")
-        peer.sock.close(linger=0)
+        for sock in (peer.sock, peer.monitor):
+            del self._by_socket[sock]
+            if self._on_removed is not None:
+                try:
+                    self._on_removed(sock)
+                except Exception:
+                    log.exception("handshake client: on_socket_removed failed")
+        self._close_pair(peer.sock, peer.monitor)
         return peer
+
+    @staticmethod
+    def _close_pair(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+        """Close a DEALER and its monitor (unregistered from the loop already)."""
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
+        sock.close(linger=0)
 
     def _reset_peer(self, address: str) -> None:
         """Fresh socket for a peer that missed a deadline; re-send what is still pending

@@ -51,6 +51,7 @@ from kvsm.handshake import (
     HandshakeClient,
     HandshakeError,
     HandshakeIncompatible,
+    HandshakeRefused,
     HandshakeResult,
     HandshakeServer,
     HandshakeTimeout,
@@ -144,6 +145,7 @@ class _Peer:
     backoff_ns: int = 0
     failures: int = 0
     last_error: str = ""
+    dead_reason: str = ""  # why it was last found dead: refused, silent, disconnected...
     # When we last learned whether it is alive (marked dead, or it answered a claim): a
     # message sent before then that times out tells nothing new about it.
     news_ns: int = 0
@@ -655,7 +657,8 @@ class WorkerHalf:
         if peer.dead_until_ns > self.loop.now_ns():
             # Known dead: fail now rather than wait out another timeout.
             self.stats.failure("peer_dead")
-            self._post_event(ev.PeerDead(req=req, peer=f"{peer.engine}@{peer.address}"), "peer known dead")
+            self._post_event(ev.PeerDead(req=req, peer=f"{peer.engine}@{peer.address}", reason="known_dead"),
+                             "peer known dead")
             return
         self._claim_queue.setdefault((peer.engine, peer.address), []).append(req)
 
@@ -751,10 +754,12 @@ class WorkerHalf:
                         self._on_loop_error(LoopError(e, req, "claim result", "reader"))
                 continue
             entry = self._oneway.pop(result.request_id, None)
-            if entry is not None and isinstance(result.outcome, HandshakeTimeout):
+            if entry is not None and isinstance(result.outcome, HandshakeRefused):
+                self._mark_dead(entry[0], str(result.outcome), reason="refused")
+            elif entry is not None and isinstance(result.outcome, HandshakeTimeout):
                 peer, sent_ns = entry
                 if sent_ns >= peer.news_ns:  # else: part of an outage already handled, or outdated
-                    self._mark_dead(peer, f"no answer to a heartbeat/abandon: {result.outcome}")
+                    self._mark_dead(peer, f"no answer to a heartbeat/abandon: {result.outcome}", reason="silent")
 
     def _on_claim_result(self, claim: _Claim, result: HandshakeResult) -> None:
         peer = claim.peer
@@ -762,9 +767,14 @@ class WorkerHalf:
         if isinstance(outcome, HandshakeError):
             self._note("worker.claim_failed", None, peer=peer.address, engine=peer.engine, fetch=claim.fetch,
                        error=f"{outcome.code}: {outcome}"[:300], reqs=[req for req, _ in claim.reqs])
+            if isinstance(outcome, HandshakeRefused):
+                # Nobody listens there any more (the process is gone): known at once,
+                # no need to wait for a timeout. A silent peer still times out.
+                self._mark_dead(peer, str(outcome), reason="refused")
+                return
             if isinstance(outcome, HandshakeTimeout):
                 if claim.sent_ns >= peer.news_ns:
-                    self._mark_dead(peer, str(outcome))
+                    self._mark_dead(peer, str(outcome), reason="silent")
                 return  # _mark_dead failed every request waiting on this peer
             kind = "incompatible" if isinstance(outcome, HandshakeIncompatible) else "handshake"
             if outcome.code == "engine_mismatch":
@@ -820,8 +830,9 @@ class WorkerHalf:
         if event.req in self.recv:
             self._apply_recv(event)
 
-    def _mark_dead(self, peer: _Peer, why: str) -> None:
-        """Remember ``peer`` as dead for a back-off and fail what depends on it."""
+    def _mark_dead(self, peer: _Peer, why: str, reason: str = "") -> None:
+        """Remember ``peer`` as dead for a back-off and fail what depends on it.
+        ``reason`` (refused, silent, disconnected, ...) goes into the failure kind."""
         now = self.loop.now_ns()
         if peer.dead_until_ns > now:  # already known: one outage, one back-off step
             return
@@ -829,7 +840,8 @@ class WorkerHalf:
         peer.last_error = why
         peer.dead_until_ns = now + peer.backoff_ns
         peer.news_ns = now
-        self._note("worker.peer_dead", None, peer=peer.address, engine=peer.engine, why=why,
+        peer.dead_reason = reason
+        self._note("worker.peer_dead", None, peer=peer.address, engine=peer.engine, why=why, reason=reason,
                    retry_in_s=peer.backoff_ns / _S, failures=peer.failures)
         log.warning("kvsm worker %s: peer %s (%s) is dead: %s; failing its requests fast for %.1f s",
                     self.loop.name, peer.address, peer.engine, why, peer.backoff_ns / _S)
@@ -837,10 +849,11 @@ class WorkerHalf:
         if peer.agent is not None and self.transport is not None:
             self.transport.remove_peer(peer.agent)  # settles its reads: none can write after this
             peer.agent = None
+        kind = f"peer_{reason}" if reason else "peer_dead"
         for req, io in list(self._recv_io.items()):
             if io.peer is peer and req in self.recv:
-                self.stats.failure("peer_dead")
-                self._apply_recv(ev.PeerDead(req=req, peer=f"{peer.engine}@{peer.address}"))
+                self.stats.failure(kind)
+                self._apply_recv(ev.PeerDead(req=req, peer=f"{peer.engine}@{peer.address}", reason=reason))
 
     # -- reads -------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""kvsm.handshake over real ZMQ sockets on 127.0.0.1 (OS-chosen ports).
+"""kvsm.handshake over real ZMQ sockets on 127.0.0.1 (OS-chosen ports, or ports
+from kvsm.testing.ports where a test needs one that it binds, closes or re-binds).
 
 The server runs in a thread driven by a small zmq.Poller loop, as kvsm's loop
 thread will drive it; the client is driven from the test thread the same way.
@@ -38,6 +39,7 @@ from kvsm.handshake import (
     HandshakeError,
     HandshakeIncompatible,
     HandshakeProtocolError,
+    HandshakeRefused,
     HandshakeRejected,
     HandshakeResult,
     HandshakeServer,
@@ -52,6 +54,7 @@ from kvsm.handshake import (
     encode,
     peer_address,
 )
+from kvsm.testing.ports import free_port
 
 COMPAT = CompatInfo(model="tiny-llama", dtype="float32", num_layers=2, num_kv_heads=2,
                     head_size=64, block_size=16, kv_layout="NHD")
@@ -121,9 +124,11 @@ class ServerThread:
 
 @contextmanager
 def serving(provide: Callable | None = None, on_claims: Callable | None = None,
-            engine_id: str = "prefill-engine-1") -> Iterator[tuple[HandshakeServer, ServerThread, FakePrefill]]:
+            engine_id: str = "prefill-engine-1", port: int = 0,
+            ) -> Iterator[tuple[HandshakeServer, ServerThread, FakePrefill]]:
     fake = FakePrefill()
-    server = HandshakeServer(engine_id, COMPAT, provide or fake.provide, on_claims or fake.on_claims)
+    server = HandshakeServer(engine_id, COMPAT, provide or fake.provide, on_claims or fake.on_claims,
+                             port=port)
     thread = ServerThread(server)
     try:
         yield server, thread, fake
@@ -140,19 +145,53 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 2.0, what: str = 
         time.sleep(0.005)
 
 
-def pump(client: HandshakeClient, until: Callable[[dict], bool], timeout_s: float
-         ) -> dict[int, tuple[HandshakeResult, int]]:
+class PollerLoop:
+    """What kvsm's loop does with a client's sockets: one long-lived zmq.Poller that
+    learns them only through on_socket_added / on_socket_removed. Checks that each
+    socket is added once, removed once and only while still open (a closed socket
+    left in a zmq.Poller makes poll() fail)."""
+
+    def __init__(self) -> None:
+        self.poller = zmq.Poller()
+        self.live: set[zmq.Socket] = set()
+        self.added: list[zmq.Socket] = []
+        self.removed: list[zmq.Socket] = []
+
+    def on_added(self, sock: zmq.Socket) -> None:
+        assert not sock.closed and sock not in self.live and sock not in self.added
+        self.added.append(sock)
+        self.live.add(sock)
+        self.poller.register(sock, zmq.POLLIN)
+
+    def on_removed(self, sock: zmq.Socket) -> None:
+        assert not sock.closed, "on_socket_removed called after the socket was closed"
+        assert sock in self.live, "removed a socket never added (or twice)"
+        self.removed.append(sock)
+        self.live.remove(sock)
+        self.poller.unregister(sock)
+
+    def client(self) -> HandshakeClient:
+        return HandshakeClient(COMPAT, "decode-engine-7/tp0", on_socket_added=self.on_added,
+                               on_socket_removed=self.on_removed)
+
+
+def pump(client: HandshakeClient, until: Callable[[dict], bool], timeout_s: float,
+         loop: PollerLoop | None = None) -> dict[int, tuple[HandshakeResult, int]]:
     """Run the client's side of the loop (poll its sockets, on_readable, expire)
     until ``until(results)`` or timeout_s; returns {request_id: (result, monotonic
-    ns when it arrived)}. A result delivered twice fails the test."""
+    ns when it arrived)}. A result delivered twice fails the test. With ``loop``,
+    polls the sockets the client registered with it, else ``client.sockets()``."""
     results: dict[int, tuple[HandshakeResult, int]] = {}
     end = time.monotonic() + timeout_s
     while not until(results) and time.monotonic() < end:
         next_deadline = client.next_deadline_ns()
         wait_ms = 5 if next_deadline is None else max(0, min(5, math.ceil((next_deadline - now_ns()) / MS)))
         got = client.poll_results()
-        sockets = client.sockets()
-        if sockets:
+        if loop is not None:
+            for sock, _ in loop.poller.poll(wait_ms):
+                if sock in loop.live:  # else removed by an earlier on_readable this round
+                    got += client.on_readable(sock)
+        elif sockets := client.sockets():
             poller = zmq.Poller()
             for sock in sockets:
                 poller.register(sock, zmq.POLLIN)
@@ -168,16 +207,22 @@ def pump(client: HandshakeClient, until: Callable[[dict], bool], timeout_s: floa
     return results
 
 
-def drive(client: HandshakeClient, want: set[int], timeout_s: float = 3.0
+def drive(client: HandshakeClient, want: set[int], timeout_s: float = 3.0, loop: PollerLoop | None = None
           ) -> dict[int, tuple[HandshakeResult, int]]:
     """Pump until every request in ``want`` has a result."""
-    results = pump(client, lambda r: want <= r.keys(), timeout_s)
+    results = pump(client, lambda r: want <= r.keys(), timeout_s, loop)
     assert want <= results.keys(), f"no result for {sorted(want - results.keys())}"
     return results
 
 
-def one(client: HandshakeClient, request_id: int, timeout_s: float = 3.0) -> HandshakeResult:
-    return drive(client, {request_id}, timeout_s)[request_id][0]
+def one(client: HandshakeClient, request_id: int, timeout_s: float = 3.0,
+        loop: PollerLoop | None = None) -> HandshakeResult:
+    return drive(client, {request_id}, timeout_s, loop)[request_id][0]
+
+
+def dealers(client: HandshakeClient) -> list[zmq.Socket]:
+    """The client's DEALER sockets (sockets() also lists each one's monitor)."""
+    return [s for s in client.sockets() if s.type == zmq.DEALER]
 
 
 @pytest.fixture
@@ -626,7 +671,8 @@ def test_dead_peer_delays_only_itself_and_late_replies_are_dropped(client: Hands
             assert isinstance(timeout.outcome, HandshakeTimeout) and timeout.peer == dead_address
             assert dead_deadline <= timed_out_at < dead_deadline + 250 * MS
             assert client.stats()["socket_resets"] == 1
-            assert len(client.sockets()) == 1  # the dead peer's socket is gone
+            assert len(dealers(client)) == 1  # the dead peer's socket is gone
+            assert len(client.sockets()) == client.socket_count() == 2  # the healthy one and its monitor
 
         # The "dead" peer wakes up: answers the timed-out request late, to the old
         # connection, then a new request with a stale reply first, then a duplicate.
@@ -653,19 +699,182 @@ def test_dead_peer_delays_only_itself_and_late_replies_are_dropped(client: Hands
         dead.close()
 
 
-def test_closed_port_times_out_at_its_deadline(client: HandshakeClient) -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()  # nothing listens there now
-    deadline = now_ns() + 300 * MS
-    rid = client.fetch_metadata(peer_address("127.0.0.1", port), 0, deadline_ns=deadline)
+@pytest.fixture
+def looped() -> Iterator[tuple[HandshakeClient, PollerLoop]]:
+    """A client whose sockets a PollerLoop learns through the callbacks; every
+    socket it was given is removed again, while still open, by close()."""
+    loop = PollerLoop()
+    c = loop.client()
+    yield c, loop
+    c.close()
+    assert loop.live == set() and sorted(map(id, loop.removed)) == sorted(map(id, loop.added))
+    assert all(sock.closed for sock in loop.added) and c.socket_count() == 0
+
+
+def is_refused(outcome: Any, address: str) -> bool:
+    return (isinstance(outcome, HandshakeRefused) and outcome.code == "refused"
+            and f"connection refused by {address}" in str(outcome) and outcome.peer == address)
+
+
+def test_closed_port_is_refused_at_once_not_at_its_deadline(looped: tuple[HandshakeClient, PollerLoop]) -> None:
+    client, loop = looped
+    address = peer_address("127.0.0.1", free_port())  # nothing listens there
+    sent = now_ns()
+    deadline = sent + 5000 * MS
+    ids = {client.fetch_metadata(address, 0, deadline_ns=deadline),
+           client.heartbeat(address, ["req-a"], deadline_ns=deadline)}
     assert client.next_deadline_ns() == deadline
-    result, at = drive(client, {rid})[rid]
-    assert isinstance(result.outcome, HandshakeTimeout)
-    assert "no reply from tcp://127.0.0.1:" in str(result.outcome)
-    assert deadline <= at < deadline + 250 * MS
+    results = drive(client, ids, timeout_s=1.0, loop=loop)
+    for result, at in results.values():
+        assert is_refused(result.outcome, address), result
+        assert at - sent < 1000 * MS, f"refused after {(at - sent) / MS:.0f} ms"
+    assert client.stats()["refused"] == 2 and client.stats()["refused_sockets"] == 1
+    assert "timeouts" not in client.stats()
     assert client.sockets() == [] and client.pending_count() == 0 and client.next_deadline_ns() is None
+    assert loop.live == set() and len(loop.added) == len(loop.removed) == 2  # DEALER and monitor
+
+    # The next request tries again on a fresh socket: refused again, just as fast.
+    again = client.abandon(address, ["req-a"], deadline_ns=now_ns() + 5000 * MS)
+    assert len(client.sockets()) == client.socket_count() == 2 and loop.live == set(client.sockets())
+    assert is_refused(one(client, again, timeout_s=1.0, loop=loop).outcome, address)
+    assert client.stats()["refused_sockets"] == 2 and loop.live == set()
+
+
+def test_tcp_listener_that_accepts_and_stays_silent_times_out(looped: tuple[HandshakeClient, PollerLoop]) -> None:
+    client, loop = looped
+    port = free_port()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", port))
+    listener.listen(8)
+    listener.setblocking(False)
+    accepted: list[socket.socket] = []
+
+    def accept_and_never_read(results: dict) -> bool:
+        try:
+            accepted.append(listener.accept()[0])
+        except BlockingIOError:
+            pass
+        return bool(results)
+
+    try:
+        deadline = now_ns() + 400 * MS
+        rid = client.fetch_metadata(peer_address("127.0.0.1", port), 0, deadline_ns=deadline)
+        result, at = pump(client, accept_and_never_read, 2.0, loop)[rid]
+        assert accepted, "the listener never saw the connection"
+        assert isinstance(result.outcome, HandshakeTimeout), result
+        assert deadline <= at < deadline + 250 * MS
+        assert "refused" not in client.stats()
+    finally:
+        for conn in accepted:
+            conn.close()
+        listener.close()
+
+
+def test_zmq_peer_that_never_replies_times_out(looped: tuple[HandshakeClient, PollerLoop]) -> None:
+    client, loop = looped
+    port = free_port()
+    silent = raw_socket(zmq.ROUTER)
+    silent.bind(peer_address("127.0.0.1", port))
+    try:
+        deadline = now_ns() + 400 * MS
+        rid = client.heartbeat(peer_address("127.0.0.1", port), ["req-a"], deadline_ns=deadline)
+        result, at = drive(client, {rid}, loop=loop)[rid]
+        assert isinstance(result.outcome, HandshakeTimeout), result
+        assert deadline <= at < deadline + 250 * MS
+        assert silent.poll(0), "the request never reached the peer"
+        assert "refused" not in client.stats() and client.stats()["socket_resets"] == 1
+    finally:
+        silent.close()
+
+
+def test_peer_that_dies_with_requests_pending_is_refused_on_reconnect(
+        looped: tuple[HandshakeClient, PollerLoop]) -> None:
+    client, loop = looped
+    address = peer_address("127.0.0.1", free_port())
+    peer = raw_socket(zmq.ROUTER)
+    peer.bind(address)
+    try:
+        rid = client.fetch_metadata(address, 0, deadline_ns=now_ns() + 5000 * MS)
+        assert peer.poll(1000)  # connected and delivered; no answer
+        assert pump(client, lambda r: bool(r), 0.2, loop) == {}  # connected and silent: nothing yet
+    finally:
+        peer.close()  # the process dies
+    died = now_ns()
+    result, at = drive(client, {rid}, timeout_s=1.0, loop=loop)[rid]
+    assert is_refused(result.outcome, address), result
+    assert at - died < 1000 * MS  # one reconnect interval (100 ms), not the 5 s deadline
+    assert client.sockets() == [] and loop.live == set()
+
+
+def test_server_closed_is_refused_then_a_new_one_on_that_port_answers(
+        looped: tuple[HandshakeClient, PollerLoop]) -> None:
+    client, loop = looped
+    port = free_port()
+    with serving(port=port, engine_id="prefill-engine-1") as (server, _thread, _fake):
+        address = server.address
+        assert address == peer_address("127.0.0.1", port)
+        first = one(client, client.fetch_metadata(address, 0, deadline_ns=now_ns() + 5000 * MS), loop=loop)
+        assert isinstance(first.outcome, MetadataReply) and first.outcome.engine_id == "prefill-engine-1"
+    # The server is closed, its port unbound: the next request is refused, quickly.
+    sent = now_ns()
+    refused, at = drive(client, {client.fetch_metadata(address, 0, deadline_ns=sent + 5000 * MS)},
+                        timeout_s=1.0, loop=loop).popitem()[1]
+    assert is_refused(refused.outcome, address), refused
+    assert at - sent < 1000 * MS
+    # A new server on that port: the request after that goes out on a fresh socket and is answered.
+    with serving(port=port, engine_id="prefill-engine-2") as (server, _thread, _fake):
+        again = one(client, client.fetch_metadata(address, 0, deadline_ns=now_ns() + 5000 * MS), loop=loop)
+        assert isinstance(again.outcome, MetadataReply) and again.outcome.engine_id == "prefill-engine-2"
+    stats = client.stats()
+    assert stats["refused"] == 1 and stats["completed"] == 2 and "timeouts" not in stats
+    assert len(loop.added) == 4  # two DEALER + monitor pairs: the refused one was replaced
+
+
+def test_sockets_and_callbacks_balance_through_refusals_timeouts_and_close() -> None:
+    loop = PollerLoop()
+    client = loop.client()
+    silent = raw_socket(zmq.ROUTER)
+    silent_address = peer_address("127.0.0.1", free_port())
+    silent.bind(silent_address)
+    closed_address = peer_address("127.0.0.1", free_port())
+
+    def balanced() -> None:
+        assert set(client.sockets()) == loop.live
+        assert client.socket_count() == len(loop.live) == len(loop.added) - len(loop.removed)
+        assert sum(s.type == zmq.PAIR for s in loop.live) == len(dealers(client))  # one monitor each
+
+    try:
+        with serving() as (server, _thread, _fake):
+            for _ in range(3):
+                ids = {client.fetch_metadata(server.address, 0, deadline_ns=now_ns() + 3000 * MS),
+                       client.heartbeat(silent_address, ["req-a"], deadline_ns=now_ns() + 150 * MS),
+                       client.abandon(closed_address, ["req-a"], deadline_ns=now_ns() + 3000 * MS)}
+                balanced()
+                assert client.socket_count() == 6
+                results = drive(client, ids, loop=loop)
+                outcomes = sorted(type(r.outcome).__name__ for r, _ in results.values())
+                assert outcomes == ["HandshakeRefused", "HandshakeTimeout", "MetadataReply"]
+                balanced()
+                assert client.socket_count() == 2  # the server's pair; the others were closed
+        stats = client.stats()
+        assert (stats["refused"], stats["timeouts"], stats["socket_resets"]) == (3, 3, 3)
+        assert len(loop.added) == 2 + 3 * 2 * 2
+    finally:
+        client.close()
+        silent.close()
+    assert loop.live == set() and len(loop.removed) == len(loop.added)
+    assert all(sock.closed for sock in loop.added) and client.sockets() == [] and client.socket_count() == 0
+
+
+def test_refusal_waiting_at_the_deadline_wins_over_the_timeout(client: HandshakeClient) -> None:
+    """expire() reads the monitor too: a refusal already reported is the verdict (virtual clock)."""
+    address = peer_address("127.0.0.1", free_port())
+    rid = client.heartbeat(address, ["req-a"], deadline_ns=1_000)
+    monitor = next(s for s in client.sockets() if s.type == zmq.PAIR)
+    assert monitor.poll(1000)  # the refusal arrived, but the loop has not read it yet
+    (result,) = client.expire(1_000)
+    assert result.request_id == rid and is_refused(result.outcome, address), result
+    assert "timeouts" not in client.stats() and client.sockets() == [] and client.next_deadline_ns() is None
 
 
 def test_reply_waiting_at_the_deadline_wins_over_the_timeout(client: HandshakeClient) -> None:
@@ -677,7 +886,7 @@ def test_reply_waiting_at_the_deadline_wins_over_the_timeout(client: HandshakeCl
         assert peer.poll(1000)
         identity, _payload = peer.recv_multipart()
         peer.send_multipart([identity, encode(ClaimsReply(nonce=rid, claims={"req-a": "ok"}))])
-        (sock,) = client.sockets()
+        (sock,) = dealers(client)
         assert sock.poll(1000)  # arrived, but the loop has not read it yet
         assert client.expire(999) == []
         (result,) = client.expire(1_000)
@@ -777,6 +986,7 @@ def test_requests_the_server_would_refuse_are_not_sent(client: HandshakeClient) 
     assert isinstance(results[too_long], HandshakeProtocolError) and "$.claims[0]" in results[too_long].detail
     assert results[bad_address].code == "bad_address" and "not an address" in str(results[bad_address])
     assert client.stats().get("sent", 0) == 0 and client.pending_count() == 0
+    assert client.sockets() == [] and client.socket_count() == 0  # nothing left half-made
     with pytest.raises(TypeError, match="MetadataRequest, Heartbeat or Abandon, got ClaimsReply"):
         client.send("tcp://127.0.0.1:9", ClaimsReply(claims={}), deadline)  # type: ignore[arg-type]
 

@@ -90,9 +90,12 @@ class Timeout(Event, frozen=True, tag="timeout"):
 
 
 class PeerDead(Event, frozen=True, tag="peer_dead"):
-    """The remote engine this request depends on is known to be dead."""
+    """The remote engine this request depends on is known to be dead.
+    ``reason``: how it was found out (refused: nothing listens; silent: no
+    answer in time; known_dead: found dead earlier, within its back-off)."""
 
     peer: str
+    reason: str = ""
 
 
 class InternalError(Event, frozen=True, tag="internal_error"):

@@ -108,7 +108,8 @@ def _count_read(m: RequestMachine, ev: Any, now_ns: int) -> None:
 
 
 def _note_failure(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    detail = getattr(ev, "kind", None) or getattr(ev, "what", None) or getattr(ev, "where", None)
+    detail = (getattr(ev, "kind", None) or getattr(ev, "what", None) or getattr(ev, "where", None)
+              or getattr(ev, "reason", None))
     m.failure = f"{ev.trigger}:{detail}" if detail else ev.trigger
 
 
