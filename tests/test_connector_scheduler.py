@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvsm.metadata import KVSMConnectorMetadata
+from kvsm.testing.pins import PinWorker
 from kvsm.testing.scheduler import (
     SchedulerHarness,
     make_scheduler,
@@ -246,31 +247,6 @@ def test_prefill_finish_pins_blocks_and_returns_upstream_params() -> None:
         drained(h)
 
 
-class _InProcessWorker:
-    """A worker's pin channel on a real loop in this process (a TP 1 engine)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        from kvsm.loop import EventLoop
-        from kvsm.pin_channel import PinChannelServer
-
-        self.loop = EventLoop("sched-test-pins").start()
-        self.got: list[tuple[Any, str]] = []
-        self.arrived = threading.Event()
-
-        def on_pins(pins: list[Any], via: str) -> None:
-            self.got += [(p, via) for p in pins]
-            self.arrived.set()
-
-        self.server = self.loop.call(lambda: PinChannelServer(
-            self.loop.context, on_pins, lambda fn, label: self.loop.post(fn, label=label)), timeout=10)
-
-    def close(self) -> None:
-        self.loop.call(self.server.close, timeout=10)
-        self.loop.stop()
-
-
 def _log_events(tmp_path: Path, event: str) -> list[dict[str, Any]]:
     out = []
     for f in (tmp_path / "logs").glob("*.scheduler.*.jsonl"):
@@ -281,15 +257,15 @@ def _log_events(tmp_path: Path, event: str) -> list[dict[str, Any]]:
 def test_prefill_finish_reaches_the_worker_without_another_step(tmp_path: Path) -> None:
     """The pin goes to the worker from request_finished itself: an engine that
     never steps again (offline, after generate returns) still serves it."""
-    worker = _InProcessWorker()
+    worker = PinWorker("sched-test-pins")
     try:
         with harness("kv_producer", tmp_path, engine_id="prefill-8") as h:
-            h.connector.set_xfer_handshake_metadata({0: _channel(worker.server.target(0))})
+            h.connector.set_xfer_handshake_metadata({0: worker.channel(0)})
             h.add_request(40, kv_transfer_params=remote_decode_params(), max_tokens=1, request_id="p-1")
             s = h.step()
             blocks = s.finished["p-1"].kv_transfer_params["remote_block_ids"][0]
             assert worker.arrived.wait(2.0), "the worker heard nothing without another step"
-            (finish, via), = worker.got
+            (finish, via, _), = worker.got
             assert (finish.req, finish.ok, list(finish.block_ids), via) == ("p-1", True, blocks, "in_process")
             assert finish.pinned_ns > 0
             assert meta_of(h.step()).send_finish == []  # not a second time with the step
@@ -304,9 +280,9 @@ def test_prefill_finish_reaches_the_worker_without_another_step(tmp_path: Path) 
 
 
 def test_prefill_finish_falls_back_to_the_step_when_the_worker_cannot_take_it(tmp_path: Path) -> None:
-    worker = _InProcessWorker()
+    worker = PinWorker("sched-test-pins")
     with harness("kv_producer", tmp_path) as h:
-        h.connector.set_xfer_handshake_metadata({0: _channel(worker.server.target(0))})
+        h.connector.set_xfer_handshake_metadata({0: worker.channel(0)})
         worker.close()  # its loop no longer takes posts
         h.add_request(40, kv_transfer_params=remote_decode_params(), max_tokens=1, request_id="p-1")
         h.step()
@@ -322,12 +298,6 @@ def test_prefill_finish_falls_back_to_the_step_when_the_worker_cannot_take_it(tm
 def test_handshake_metadata_of_another_connector_is_refused() -> None:
     with harness("kv_producer") as h, pytest.raises(TypeError, match="KVSMWorkerChannel"):
         h.connector.set_xfer_handshake_metadata({0: object()})
-
-
-def _channel(target: Any) -> Any:
-    from kvsm.connector import KVSMWorkerChannel
-
-    return KVSMWorkerChannel(tp_rank=target.tp_rank, pid=target.pid, endpoint=target.endpoint, token=target.token)
 
 
 def test_prefill_abort_frees_at_once_and_tells_the_worker() -> None:

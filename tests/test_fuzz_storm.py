@@ -91,10 +91,10 @@ from kvsm.handshake import (
     CompatInfo,
     HandshakeServer,
 )
-from kvsm.loop import EventLoop
-from kvsm.pin_channel import MAX_MESSAGE_BYTES, PinChannelServer
+from kvsm.pin_channel import MAX_MESSAGE_BYTES
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
+from kvsm.testing.pins import PinWorker
 from kvsm.testing.fuzz import (
     PULL_REFUSED_SOCKET_TYPES,
     FuzzReport,
@@ -555,40 +555,6 @@ def test_the_fuzzer_catches_a_server_that_answers_wrongly() -> None:
     server.close()
 
 
-class _PinServer:
-    """A pin channel on a real loop in this process, as a worker has it."""
-
-    def __init__(self) -> None:
-        self.loop = EventLoop("pin-fuzz-test").start()
-        self.got: list[tuple[str, str]] = []
-
-        def open_server() -> PinChannelServer:
-            server = PinChannelServer(self.loop.context, lambda pins, via: self.got.extend((p.req, via) for p in pins),
-                                      lambda fn, label: self.loop.post(fn, label=label))
-            for sock in server.sockets():
-                self.loop.add_reader(sock, server.on_readable, label="pin channel")
-            return server
-
-        self.server = self.loop.call(open_server, timeout=10.0)
-
-    def stats_when(self, want: dict[str, int], timeout: float = 10.0) -> dict[str, int]:
-        """The server's stats once they equal ``want`` (or at the timeout)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.loop.call(self.server.stats, timeout=5.0)
-            if stats == want or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        def close() -> None:
-            for sock in self.server.sockets():
-                self.loop.remove_reader(sock)
-            self.server.close()
-        self.loop.call(close, timeout=10.0)
-        self.loop.stop()
-
-
 def test_the_pin_fuzzers_books_balance_on_a_local_server() -> None:
     """The pin fuzzer's rules against the real PinChannelServer, exactly: as a
     stranger (every two-frame message bad_token) and as a sender that knows the
@@ -598,7 +564,7 @@ def test_the_pin_fuzzers_books_balance_on_a_local_server() -> None:
     from kvsm.facts import SendFinish
     from kvsm.pin_channel import encode_pins
 
-    p = _PinServer()
+    p = PinWorker("pin-fuzz-test")
     try:
         want: dict[str, int] = {}
         for token in (None, p.server.token):
@@ -617,7 +583,7 @@ def test_the_pin_fuzzers_books_balance_on_a_local_server() -> None:
         push.send_multipart([p.server.token, encode_pins([SendFinish(req="real-1", ok=True, block_ids=(1,))])])
         want.update(accepted_local_socket=1, pins=1)
         assert p.stats_when(want) == want
-        assert p.got == [("real-1", "local_socket")]
+        assert [(f.req, via) for f, via, _ in p.got] == [("real-1", "local_socket")]
         push.close(linger=0)
     finally:
         p.close()
@@ -630,7 +596,7 @@ def test_a_pull_refuses_every_socket_type_but_push() -> None:
     from zmq.utils.monitor import recv_monitor_message
 
     ctx = zmq.Context.instance()
-    p = _PinServer()
+    p = PinWorker("pin-fuzz-test")
     try:
         for name, kind in [("PUSH", zmq.PUSH), *sorted(PULL_REFUSED_SOCKET_TYPES.items())]:
             sock = ctx.socket(kind)

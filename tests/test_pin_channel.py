@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,60 +13,28 @@ import msgspec
 import pytest
 import zmq
 
-from kvsm.loop import EventLoop
 from kvsm.facts import SendFinish
 from kvsm.pin_channel import (
     MAX_MESSAGE_BYTES,
     MAX_PINS_PER_MESSAGE,
     PinChannelClient,
-    PinChannelServer,
     PinTarget,
     decode_pins,
     encode_pins,
 )
 from kvsm.testing.peer_process import PeerProcess
+from kvsm.testing.pins import PinWorker
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-class LocalWorker:
-    """A pin channel on a real loop in this process, as a TP 1 worker has it."""
-
-    def __init__(self) -> None:
-        self.loop = EventLoop("pin-test").start()
-        self.got: list[tuple[SendFinish, str, int]] = []
-        self.arrived = threading.Event()
-
-        def on_pins(pins: list[SendFinish], via: str) -> None:
-            assert self.loop.in_loop_thread()
-            self.got += [(p, via, time.monotonic_ns()) for p in pins]
-            self.arrived.set()
-
-        def open_server() -> PinChannelServer:
-            server = PinChannelServer(self.loop.context, on_pins, lambda fn, label: self.loop.post(fn, label=label))
-            for sock in server.sockets():
-                self.loop.add_reader(sock, server.on_readable, label="pin channel")
-            return server
-
-        self.server = self.loop.call(open_server, timeout=10.0)
-
-    def close(self) -> None:
-        def close() -> None:
-            for sock in self.server.sockets():
-                self.loop.remove_reader(sock)
-            self.server.close()
-        self.loop.call(close, timeout=10.0)
-        self.loop.stop()
-
-
 @pytest.fixture
-def worker() -> Iterator[LocalWorker]:
-    w = LocalWorker()
+def worker() -> Iterator[PinWorker]:
+    w = PinWorker("pin-test")
     try:
         yield w
     finally:
-        if w.loop.thread is not None and w.loop.thread.is_alive():
-            w.close()
+        w.close()
 
 
 @pytest.fixture
@@ -109,7 +76,7 @@ def test_codec_round_trip_and_bounds() -> None:
         decode_pins(msgspec.msgpack.encode([["r", True, [-1], "", 0]]))  # a negative block id
 
 
-def test_in_process_worker_gets_the_pin_at_once(worker: LocalWorker) -> None:
+def test_in_process_worker_gets_the_pin_at_once(worker: PinWorker) -> None:
     client = PinChannelClient([worker.server.target(0)])
     assert client.via == "in_process" and client.workers == 1
     sent_ns = time.monotonic_ns()
@@ -121,7 +88,7 @@ def test_in_process_worker_gets_the_pin_at_once(worker: LocalWorker) -> None:
     client.close()
 
 
-def test_a_stopped_worker_loop_is_reported_not_swallowed(worker: LocalWorker) -> None:
+def test_a_stopped_worker_loop_is_reported_not_swallowed(worker: PinWorker) -> None:
     client = PinChannelClient([worker.server.target(0)])
     worker.close()
     failed = client.send([SendFinish(req="p-2", ok=True, block_ids=(1,))])

@@ -377,35 +377,6 @@ def _sched_kwargs(config: str, log_dir: Path) -> dict[str, Any]:
             "extra_config": extra, "engine_id": f"bench-{config}"}
 
 
-class _PinSink:
-    """A worker's pin channel on a real loop in this process (what a TP 1 engine's
-    scheduler hands its finishes to), counting what arrives."""
-
-    def __init__(self) -> None:
-        from kvsm.loop import EventLoop
-        from kvsm.pin_channel import PinChannelServer
-
-        self.received = 0
-        self.loop = EventLoop("bench-pins").start()
-
-        def on_pins(pins: list[Any], via: str) -> None:
-            self.received += len(pins)
-
-        self.server = self.loop.call(lambda: PinChannelServer(
-            self.loop.context, on_pins, lambda fn, label: self.loop.post(fn, label=label)), timeout=10)
-
-    def connect(self, connector: Any) -> None:
-        from kvsm.connector import KVSMWorkerChannel
-
-        t = self.server.target(0)
-        connector.set_xfer_handshake_metadata({0: KVSMWorkerChannel(tp_rank=0, pid=t.pid, endpoint=t.endpoint,
-                                                                     token=t.token)})
-
-    def close(self) -> None:
-        self.loop.call(self.server.close, timeout=10)
-        self.loop.stop()
-
-
 def sched_run(config: str, role: str, n: int, inflight: int, log_dir: Path) -> dict[str, Any]:
     """Push ``n`` requests through a fresh scheduler, ``inflight`` at a time."""
     from kvsm.testing.scheduler import (
@@ -416,10 +387,13 @@ def sched_run(config: str, role: str, n: int, inflight: int, log_dir: Path) -> d
 
     h = make_scheduler(kv_role=role, block_size=BLOCK_SIZE, num_blocks=max(2048, inflight * 8),
                        max_num_seqs=max(inflight, 1), **_sched_kwargs(config, log_dir))
-    sink = _PinSink() if config.startswith("kvsm") else None
+    sink = None
+    if config.startswith("kvsm"):  # as in an engine: finishes go straight to a worker's loop
+        from kvsm.testing.pins import PinWorker
+
+        sink = PinWorker("bench-pins")
+        h.connector.set_xfer_handshake_metadata({0: sink.channel(0)})
     try:
-        if sink is not None:  # as in an engine: finishes go straight to a worker's loop
-            sink.connect(h.connector)
         timer = HookTimer(h.connector) if h.connector is not None else None
         nblocks = -(-PROMPT_TOKENS // BLOCK_SIZE)
         decode = role == "kv_consumer"
@@ -457,7 +431,7 @@ def sched_run(config: str, role: str, n: int, inflight: int, log_dir: Path) -> d
             sink.close()
     out: dict[str, Any] = {"wall_ns": wall_ns, "steps": steps, "n": n}
     if sink is not None:
-        out["pins_received"] = sink.received
+        out["pins_received"] = len(sink.got)
     if timer is not None:
         out["hook_ns"] = timer.total_ns
         out["hook_ns_by_name"] = dict(timer.ns)

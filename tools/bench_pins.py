@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -40,31 +39,22 @@ def _report(label: str, send_us: list[float], lat_us: list[float]) -> dict[str, 
 
 def in_process(n: int) -> dict[str, float]:
     from kvsm.facts import SendFinish
-    from kvsm.loop import EventLoop
-    from kvsm.pin_channel import PinChannelClient, PinChannelServer
+    from kvsm.pin_channel import PinChannelClient
+    from kvsm.testing.pins import PinWorker
 
-    loop = EventLoop("bench-pins").start()
-    lat: list[float] = []
-    done = threading.Event()
-
-    def on_pins(pins: list[SendFinish], via: str) -> None:
-        now = time.monotonic_ns()
-        lat.extend((now - p.pinned_ns) / 1000 for p in pins)
-        if len(lat) >= n:
-            done.set()
-
-    server = loop.call(lambda: PinChannelServer(loop.context, on_pins, lambda fn, lb: loop.post(fn, label=lb)),
-                       timeout=10)
-    client = PinChannelClient([server.target(0)])
+    worker = PinWorker("bench-pins")
+    client = PinChannelClient([worker.target(0)])
     send: list[float] = []
     for i in range(n):
         t0 = time.monotonic_ns()
         client.send([SendFinish(req=f"p-{i}", ok=True, block_ids=(i, i + 1, i + 2), pinned_ns=t0)])
         send.append((time.monotonic_ns() - t0) / 1000)
         time.sleep(0.0005)  # one finish at a time, as request_finished makes them
-    done.wait(10)
-    loop.call(server.close, timeout=10)
-    loop.stop()
+    deadline = time.monotonic() + 10
+    while len(worker.got) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lat = [(at - p.pinned_ns) / 1000 for p, _, at in worker.got]
+    worker.close()
     return _report("in process", send, lat)
 
 
