@@ -233,10 +233,14 @@ class _Context:
                 f = self.lines.fields(r, keep=False)  # read once, here: there may be many
                 for i, name in enumerate(_ANSWERS):
                     reqs = f.get(name)
-                    if type(reqs) is list:
+                    if type(reqs) is list:  # one reply: the requests it answered so
                         for req in reqs:
                             if type(req) is str:
                                 answers.setdefault(req, [0, 0, 0])[i] += 1
+                    elif type(reqs) is dict:  # aggregated replies: request -> how many times
+                        for req, n in reqs.items():
+                            if type(n) is int:
+                                answers.setdefault(req, [0, 0, 0])[i] += n
             elif r.event == CLAIM_FAILED:
                 logged = True
                 f = self.lines.fields(r)

@@ -169,6 +169,7 @@ class _RecvIO:
     posted_ns: int = 0
     reads_posted: bool = False
     reported: bool = False  # vLLM was told (finished_recving) about this request
+    answers: dict[str, int] = field(default_factory=dict)  # claim answers so far, by status
 
 
 @dataclass(slots=True)
@@ -601,6 +602,11 @@ class WorkerHalf:
         if o.violation is not None:
             return o
         io = self._recv_io.get(o.req)
+        if o.src == "pending_handshake" and io is not None and io.answers and self.log is not None:
+            # Its claims are over: one record of how each was answered (not one per reply:
+            # thousands of requests retried every few ms starved the loop under load).
+            self.log.emit("log", "worker.claims_answered", None, peer=io.peer.address, engine=io.peer.engine,
+                          **{status: {o.req: n} for status, n in io.answers.items()})
         effects = self._recv_effects
         for name in o.effects:
             effects[name](o.req, io, o)
@@ -799,18 +805,13 @@ class WorkerHalf:
         peer.failures, peer.dead_until_ns = 0, 0
         peer.news_ns = max(peer.news_ns, claim.sent_ns)
         peer.backoff_ns = int(self.cfg.peer_backoff_s * _S)
-        if self.log is not None:  # one record per reply: replay counts each request's answers
-            answered: dict[str, list[str]] = {"ok": [], "unknown": [], "expired": []}
-            for req, remote_req in claim.reqs:
-                answered.setdefault(outcome.claims.get(remote_req, "unknown"), []).append(req)
-            self.log.emit("log", "worker.claims_answered", None, peer=peer.address, engine=peer.engine,
-                          fetch=claim.fetch, rtt_us=(self.loop.now_ns() - claim.sent_ns) // 1000, **answered)
         for req, remote_req in claim.reqs:
             m = self.recv.get(req)
             io = self._recv_io.get(req)
             if m is None or io is None or m.state != "pending_handshake":
                 continue
             status = outcome.claims.get(remote_req, "unknown")
+            io.answers[status] = io.answers.get(status, 0) + 1  # logged when the claim phase ends
             if status == "ok":
                 io.claim_granted_ns = claim.sent_ns
                 # The prefill side's lease decides how long the claim pins the blocks

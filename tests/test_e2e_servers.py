@@ -119,9 +119,9 @@ def test_an_idle_prefill_server_serves_its_one_request(pair: Pair) -> None:
     assert received["input"]["pinned_ns"] == pinned["pinned_ns"]
     assert received["t_mono_ns"] - pinned["pinned_ns"] < 50_000_000, "the worker heard of the pin late"
     (matched,) = [r for r in records if r["event"] == "matched" and r["input"].get("remote_req") == remote_req]
-    answers = [r for r in records if r["event"] == "worker.claims_answered" and matched["req"] in
-               r.get("ok", []) + r.get("unknown", []) + r.get("expired", [])]
-    assert [matched["req"] in r["ok"] for r in answers] == [True], answers
+    answers = {status: sum(r.get(status, {}).get(matched["req"], 0) for r in records
+                           if r["event"] == "worker.claims_answered") for status in ("ok", "unknown", "expired")}
+    assert answers == {"ok": 1, "unknown": 0, "expired": 0}, answers
     (done,) = [r for r in records if r["req"] == matched["req"] and r.get("dst") == "done"]
     assert done["event"] == "all_reads_done"
 
