@@ -6,7 +6,9 @@ listed them; everything else is never looked at. Each is sorted to one rule of
 ``RULES`` by what its own log shows (a failure trigger, an expiry, no end), and
 the rule's explainer reads what the other side's logs say about it:
 
-* the decode worker's ``worker.claims_answered`` replies (how often the prefill
+* the decode worker's ``worker.claims_answered`` records (one per request when
+  its claim phase ends, ``{status: {req: count}}``; older logs: one per reply
+  with lists of requests), i.e. how often the prefill
   side answered "unknown", "ok", "expired" for the request),
   ``worker.claim_failed`` and ``worker.peer_dead`` notes;
 * the prefill scheduler's ``sched.pinned`` / ``sched.pin_handoff_failed`` /
