@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -65,10 +64,7 @@ class KVSMWorkerChannel(KVConnectorHandshakeMetadata):
     collects it inside the engine and hands it to the scheduler-side instance):
     where and how to tell it that a finished prefill is pinned."""
 
-    tp_rank: int
-    pid: int
-    endpoint: str
-    token: bytes
+    target: PinTarget
 
 
 class KVSMConnector(KVConnectorBase_V1):
@@ -158,10 +154,7 @@ class KVSMConnector(KVConnectorBase_V1):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         target = self._require_worker().pin_target()
-        if target is None:
-            return None
-        return KVSMWorkerChannel(tp_rank=target.tp_rank, pid=target.pid, endpoint=target.endpoint,
-                                 token=target.token)
+        return KVSMWorkerChannel(target) if target is not None else None
 
     def get_kv_connector_stats(self) -> kvsm_stats.KVSMStats | None:
         if self._worker is None:
@@ -212,8 +205,7 @@ class KVSMConnector(KVConnectorBase_V1):
             if not isinstance(channel, KVSMWorkerChannel):
                 raise TypeError(f"KVSMConnector: worker {rank} published {type(channel).__name__}, "
                                 f"expected KVSMWorkerChannel (a different connector in the workers?)")
-            targets.append(PinTarget(tp_rank=channel.tp_rank, pid=channel.pid, endpoint=channel.endpoint,
-                                     token=channel.token))
+            targets.append(channel.target)
         self._require_scheduler().connect_workers(targets)
 
     # ================================================================ helpers

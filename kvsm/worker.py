@@ -145,7 +145,6 @@ class _Peer:
     backoff_ns: int = 0
     failures: int = 0
     last_error: str = ""
-    dead_reason: str = ""  # why it was last found dead: refused, silent, disconnected...
     # When we last learned whether it is alive (marked dead, or it answered a claim): a
     # message sent before then that times out tells nothing new about it.
     news_ns: int = 0
@@ -841,7 +840,6 @@ class WorkerHalf:
         peer.last_error = why
         peer.dead_until_ns = now + peer.backoff_ns
         peer.news_ns = now
-        peer.dead_reason = reason
         self._note("worker.peer_dead", None, peer=peer.address, engine=peer.engine, why=why, reason=reason,
                    retry_in_s=peer.backoff_ns / _S, failures=peer.failures)
         log.warning("kvsm worker %s: peer %s (%s) is dead: %s; failing its requests fast for %.1f s",

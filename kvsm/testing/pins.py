@@ -48,8 +48,7 @@ class PinWorker:
         """The ``KVSMWorkerChannel`` a worker publishes (imports vLLM)."""
         from kvsm.connector import KVSMWorkerChannel
 
-        t = self.target(tp_rank)
-        return KVSMWorkerChannel(tp_rank=t.tp_rank, pid=t.pid, endpoint=t.endpoint, token=t.token)
+        return KVSMWorkerChannel(self.target(tp_rank))
 
     def stats(self) -> dict[str, int]:
         return self.loop.call(self.server.stats, timeout=5.0)
