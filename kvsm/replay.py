@@ -51,13 +51,13 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import orjson
 
 from kvsm.eventlog.reader import (
     RECORD_FIELDS,
     Record,
     expand_paths,
     input_dict,
+    read_back,
     record_from_dict,
     scan_log,
 )
@@ -1019,19 +1019,8 @@ def full_records(rows: Sequence[Record]) -> list[dict[str, Any]]:
     lines_of: dict[str, list[bytes] | None] = {}
     out: list[dict[str, Any]] = []
     for r in rows:
-        if r.file not in lines_of:
-            try:
-                lines_of[r.file] = Path(r.file).read_bytes().split(b"\n")
-            except OSError:
-                lines_of[r.file] = None
-        lines = lines_of[r.file]
-        d: Any = None
-        if lines is not None and 0 < r.line <= len(lines):
-            try:
-                d = orjson.loads(lines[r.line - 1])
-            except orjson.JSONDecodeError:
-                d = None
-        if type(d) is not dict or d.get("seq") != r.seq or d.get("event") != r.event:
+        d = read_back(r, lines_of)
+        if d is None:
             d = {name: r.get(name) for name in RECORD_FIELDS}
         d["_file"] = r.file
         d["_line"] = r.line

@@ -31,9 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import orjson
 
-from kvsm.eventlog.reader import Record
+from kvsm.eventlog.reader import Record, read_back
 from kvsm.lifecycle.events import Event
 from kvsm.lifecycle.table import LIFECYCLES
 
@@ -119,21 +118,7 @@ class _Lines:
         got = self._fields.get(id(r))
         if got is not None:
             return got
-        if r.file not in self._files:
-            try:
-                with open(r.file, "rb") as f:
-                    self._files[r.file] = f.read().split(b"\n")
-            except OSError:
-                self._files[r.file] = None
-        lines = self._files[r.file]
-        d: Any = None
-        if lines is not None and 0 < r.line <= len(lines):
-            try:
-                d = orjson.loads(lines[r.line - 1])
-            except orjson.JSONDecodeError:
-                d = None
-        if type(d) is not dict or d.get("seq") != r.seq or d.get("event") != r.event:
-            d = {}  # gone or changed since: nothing to say beyond the header
+        d = read_back(r, self._files) or {}  # gone or changed since: nothing beyond the header
         if keep:
             self._fields[id(r)] = d
         return d

@@ -37,6 +37,7 @@ from kvsm.lifecycle.events import EVENT_TYPES, Event
 from kvsm.lifecycle.table import EFFECTS, LIFECYCLES
 
 __all__ = ["FileScan", "Problem", "ReadResult", "Record", "decode_line", "expand_paths", "input_dict", "iter_log",
+           "read_back",
            "read_logs", "record_from_dict", "scan_log"]
 
 _HEADER = frozenset(HEADER_FIELDS)
@@ -461,3 +462,23 @@ def record_from_dict(rec: dict[str, Any]) -> Record:
         if type(value) is list:
             kw[name] = tuple(value)
     return Record(**kw, file=rec.get("_file", ""), line=rec.get("_line", 0))
+
+
+def read_back(r: Record, lines_of: dict[str, list[bytes] | None]) -> dict[str, Any] | None:
+    """``r``'s line as it was written (every field), read again from its file
+    (``lines_of`` caches each file's lines); None if the line is gone or changed."""
+    if r.file not in lines_of:
+        try:
+            lines_of[r.file] = Path(r.file).read_bytes().split(b"\n")
+        except OSError:
+            lines_of[r.file] = None
+    lines = lines_of[r.file]
+    d: Any = None
+    if lines is not None and 0 < r.line <= len(lines):
+        try:
+            d = orjson.loads(lines[r.line - 1])
+        except orjson.JSONDecodeError:
+            d = None
+    if type(d) is not dict or d.get("seq") != r.seq or d.get("event") != r.event:
+        return None
+    return d
