@@ -59,6 +59,7 @@ from kvsm.handshake import (
     peer_address,
 )
 from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
 from kvsm.lifecycle.table import RECV, SEND
 from kvsm.loop import EventLoop, LoopError, TimerHandle
@@ -190,13 +191,16 @@ class WorkerHalf:
     """Worker-side state of one engine's connector (one tensor-parallel rank)."""
 
     def __init__(self, cfg: KVSMConfig, tp_rank: int, *, event_log: EventLog | None = None,
-                 stats: StatsRecorder | None = None) -> None:
+                 stats: StatsRecorder | None = None, clock: Clock = SYSTEM_CLOCK,
+                 loop_options: Mapping[str, Any] | None = None) -> None:
         self.cfg = cfg
         self.tp_rank = tp_rank
         self.log = event_log
         self.stats = stats or StatsRecorder()
         self.results = _Results()
-        self.loop = EventLoop(f"{cfg.engine_id}-tp{tp_rank}", on_error=self._on_loop_error)
+        # ``clock``/``loop_options`` let the simulation run the real worker on virtual time.
+        self.loop = EventLoop(f"{cfg.engine_id}-tp{tp_rank}", on_error=self._on_loop_error, clock=clock,
+                              **(loop_options or {}))
         listener = self._on_outcome
         self.recv = LifecycleTracker(RECV, self.loop.clock, listener=listener)
         self.send = LifecycleTracker(SEND, self.loop.clock, listener=listener)

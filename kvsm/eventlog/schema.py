@@ -78,6 +78,8 @@ def outcome_fields(outcome: Outcome) -> dict[str, Any]:
             fields["blocks"] = outcome.block_ids
     if outcome.violation:
         fields["violation"] = outcome.violation
+    if outcome.stale:
+        fields["stale"] = outcome.stale
     if kind == "create":
         fields["blocks"] = outcome.block_ids
     return fields

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
+from kvsm.lifecycle.data import RequestMachine
 from kvsm.lifecycle.events import Event
-from kvsm.lifecycle.table import CONDITIONS, PREPARE, LifecycleSpec
+from kvsm.lifecycle.table import CONDITIONS, PREPARE, LifecycleSpec, Rule
 
 
 class IllegalEventPolicy(enum.Enum):
@@ -38,57 +39,11 @@ class IllegalTransition(RuntimeError):
         self.outcome = outcome
 
 
-class RequestMachine:
-    """One request's lifecycle state and the data its transitions need.
-
-    Plain object with slots: thousands are live at once, and nothing here is
-    registered with a ``transitions.Machine`` (whose add_model is O(n)).
-    """
-
-    __slots__ = (
-        "req",
-        "lifecycle",
-        "state",
-        "created_ns",
-        "updated_ns",
-        "block_ids",
-        "remote_engine",
-        "remote_req",
-        "num_tokens",
-        "reads_expected",
-        "reads_seen",
-        "lease_deadline_ns",
-        "failure",
-        "num_events",
-    )
-
-    def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
-        self.req = req
-        self.lifecycle = lifecycle
-        self.state = state
-        self.created_ns = now_ns
-        self.updated_ns = now_ns
-        self.block_ids: tuple[int, ...] = ()
-        self.remote_engine = ""
-        self.remote_req = ""
-        self.num_tokens = 0
-        self.reads_expected = 0
-        self.reads_seen = 0
-        self.lease_deadline_ns = 0
-        self.failure = ""
-        self.num_events = 0
-
-    def snapshot(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-    def __repr__(self) -> str:
-        return f"<RequestMachine {self.lifecycle}:{self.req} {self.state}>"
-
-
 class Outcome:
     """What one input did: a creation, a transition, or a violation."""
 
-    __slots__ = ("lifecycle", "req", "trigger", "src", "dst", "effects", "violation", "event", "t_ns", "block_ids")
+    __slots__ = ("lifecycle", "req", "trigger", "src", "dst", "effects", "violation", "event", "t_ns", "block_ids",
+                 "stale")
 
     def __init__(
         self,
@@ -102,6 +57,7 @@ class Outcome:
         event: Event | None = None,
         t_ns: int = 0,
         block_ids: tuple[int, ...] = (),
+        stale: str = "",
     ) -> None:
         self.lifecycle = lifecycle
         self.req = req
@@ -113,6 +69,8 @@ class Outcome:
         self.event = event
         self.t_ns = t_ns
         self.block_ids = block_ids
+        # Non-empty: a declared stale input (why it no longer applies); nothing changed.
+        self.stale = stale
 
     @property
     def ok(self) -> bool:
@@ -129,6 +87,19 @@ class Outcome:
 
 
 Listener = Callable[[Outcome], None]
+
+
+def take_step(rules: tuple[Rule, ...], m: RequestMachine, event: Event, now_ns: int) -> Rule:
+    """The one implementation of a step: fold ``event`` into ``m``'s data with
+    each rule's ``prepare`` callbacks, in order, and return the first rule whose
+    conditions hold (the last rule of a pair is unconditional). The runtime's
+    tracker and replay both call this, so they cannot disagree."""
+    for rule in rules:
+        for name in rule.prepare:
+            PREPARE[name](m, event, now_ns)
+        if all(CONDITIONS[c](m, event) for c in rule.conditions):
+            return rule
+    return rule  # unreachable for a validated declaration: its last rule has no condition
 
 
 class LifecycleTracker:
@@ -201,7 +172,7 @@ class LifecycleTracker:
             return self._violate(req, "create", state, "illegal_entry_state", None, now)
         if req in self._live:
             return self._violate(req, "create", self._live[req].state, "duplicate_request", None, now)
-        m = RequestMachine(req, self.spec.name, state, now)
+        m = self.spec.machine_cls(req, self.spec.name, state, now)
         m.block_ids = tuple(block_ids)
         self._live[req] = m
         self._finished.pop(req, None)
@@ -220,6 +191,12 @@ class LifecycleTracker:
             final = self._finished.get(req)
             if final is None:
                 return self._violate(req, trigger, None, "unknown_request", event, now)
+            why = self.spec.stale_after_end.get((final, trigger))
+            if why is not None:  # a declared late input: recorded, changes nothing
+                outcome = Outcome(self.spec.name, req, trigger, final, final, (), None, event, now, (), why)
+                if self.listener is not None:
+                    self.listener(outcome)
+                return outcome
             kind = self.spec.named_violations.get((final, trigger), "event_after_terminal")
             return self._violate(req, trigger, final, kind, event, now)
         src = m.state
@@ -227,16 +204,13 @@ class LifecycleTracker:
         if rules is None:
             kind = self.spec.named_violations.get((src, trigger), "illegal_transition")
             return self._violate(req, trigger, src, kind, event, now)
-        for rule in rules:
-            for name in rule.prepare:
-                PREPARE[name](m, event, now)
-            if all(CONDITIONS[c](m, event) for c in rule.conditions):
-                break
+        rule = take_step(rules, m, event, now)
         m.state = rule.dest
         m.updated_ns = now
         m.num_events += 1
         self.transitions += 1
-        outcome = Outcome(self.spec.name, req, trigger, src, rule.dest, rule.effects, None, event, now, m.block_ids)
+        outcome = Outcome(self.spec.name, req, trigger, src, rule.dest, rule.effects, None, event, now, m.block_ids,
+                          rule.stale)
         if rule.dest in self._terminal:
             del self._live[req]
             self._finished[req] = rule.dest

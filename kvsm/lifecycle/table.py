@@ -35,10 +35,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kvsm.lifecycle.machine import RequestMachine
+from kvsm.lifecycle.data import PeerMachine, RequestMachine
 
 # --- effects: what a transition asks the I/O layer to do --------------------
 
@@ -236,6 +235,9 @@ class Rule:
     prepare: tuple[str, ...] = ()
     conditions: tuple[str, ...] = ()
     effects: tuple[str, ...] = ()
+    # Non-empty: a declared stale input (the text says why it no longer
+    # applies): the machine stays where it is and nothing is done.
+    stale: str = ""
 
 
 class LifecycleDeclarationError(ValueError):
@@ -256,12 +258,36 @@ class LifecycleSpec:
     entry_states: frozenset[str] = frozenset()
     # Illegal (state, trigger) pairs that have a specific name in reports.
     named_violations: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    # Inputs that may arrive after they stopped mattering (a reply to a claim
+    # whose request already failed, a second finish): ``{"trigger", "source",
+    # "why"}``. From a live state they are rules that stay and do nothing; from
+    # a terminal state they are recorded instead of being a violation.
+    stale_inputs: tuple[Mapping[str, Any], ...] = ()
+    # The class of the data each machine carries.
+    machine_cls: type[RequestMachine] = RequestMachine
     rules: Mapping[tuple[str, str], tuple[Rule, ...]] = field(init=False, repr=False)
+    stale_after_end: Mapping[tuple[str, str], str] = field(init=False, repr=False)
     triggers: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
         rules = _compile(self)
+        after_end: dict[tuple[str, str], str] = {}
+        for t in self.stale_inputs:
+            unknown_keys = set(t) - {"trigger", "source", "why"}
+            if unknown_keys or not t.get("why"):
+                raise LifecycleDeclarationError(
+                    f"{self.name}: a stale input needs exactly trigger, source and why: {t}")
+            for trigger in names_of(t["trigger"]):
+                for source in names_of(t["source"]):
+                    if (source, trigger) in rules:
+                        raise LifecycleDeclarationError(
+                            f"{self.name}: ({source!r}, {trigger!r}) is declared both as a transition and stale")
+                    if source in self.terminal:
+                        after_end[(source, trigger)] = t["why"]
+                    else:
+                        rules[(source, trigger)] = (Rule(trigger, source, source, stale=t["why"]),)
         object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "stale_after_end", after_end)
         object.__setattr__(self, "triggers", frozenset(t for (_, t) in rules))
         _validate(self)
 
@@ -279,11 +305,15 @@ class LifecycleSpec:
         logging.getLogger("transitions").setLevel(logging.WARNING)
         machine_cls = kwargs.pop("machine_cls", Machine)
         initial = kwargs.pop("initial", self.initial)
+        # Stale inputs from live states are internal transitions (dest None):
+        # legal, and they change nothing.
+        stale = [{"trigger": r.trigger, "source": r.source, "dest": None}
+                 for rules in self.rules.values() for r in rules if r.stale]
         return machine_cls(
             model=model,
             states=list(self.states),
             initial=initial,
-            transitions=[dict(t) for t in self.transitions],
+            transitions=[dict(t) for t in self.transitions] + stale,
             auto_transitions=False,
             ignore_invalid_triggers=False,
             send_event=False,
@@ -314,6 +344,9 @@ def _validate(spec: LifecycleSpec) -> None:
     for s in spec.terminal | spec.entry_states:
         if s not in states:
             raise LifecycleDeclarationError(f"{where}: state {s!r} is not declared")
+    for (source, trigger) in spec.stale_after_end:
+        if source not in states:
+            raise LifecycleDeclarationError(f"{where}: source {source!r} of stale {trigger!r} is not declared")
     for (source, trigger), rules in spec.rules.items():
         if source not in states:
             raise LifecycleDeclarationError(f"{where}: source {source!r} of {trigger!r} is not declared")

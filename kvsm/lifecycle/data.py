@@ -1,0 +1,83 @@
+"""The data a lifecycle's machines carry: what its ``prepare`` callbacks fold in
+and its conditions read.
+
+Plain objects with slots, one class per kind of machine (``LifecycleSpec.
+machine_cls`` says which): thousands are live at once, and nothing here is
+registered with a ``transitions.Machine`` (whose add_model is O(n)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PeerMachine", "RequestMachine"]
+
+
+class RequestMachine:
+    """One request's (or peer's) lifecycle state and the data its transitions need.
+
+    Plain object with slots: thousands are live at once, and nothing here is
+    registered with a ``transitions.Machine`` (whose add_model is O(n)).
+    """
+
+    __slots__ = (
+        "req",
+        "lifecycle",
+        "state",
+        "created_ns",
+        "updated_ns",
+        "block_ids",
+        "remote_engine",
+        "remote_req",
+        "num_tokens",
+        "reads_expected",
+        "reads_seen",
+        "lease_deadline_ns",
+        "failure",
+        "num_events",
+    )
+
+    def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
+        self.req = req
+        self.lifecycle = lifecycle
+        self.state = state
+        self.created_ns = now_ns
+        self.updated_ns = now_ns
+        self.block_ids: tuple[int, ...] = ()
+        self.remote_engine = ""
+        self.remote_req = ""
+        self.num_tokens = 0
+        self.reads_expected = 0
+        self.reads_seen = 0
+        self.lease_deadline_ns = 0
+        self.failure = ""
+        self.num_events = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in RequestMachine.__slots__}
+
+    def __repr__(self) -> str:
+        return f"<RequestMachine {self.lifecycle}:{self.req} {self.state}>"
+
+
+class PeerMachine(RequestMachine):
+    """One remote worker this worker reads from (lifecycle ``peer``): its NIXL
+    agent and its outage record. ``req`` is the peer's key, ``engine@address``."""
+
+    __slots__ = ("agent", "failures", "backoff_ns", "dead_until_ns", "news_ns", "last_error")
+
+    def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
+        super().__init__(req, lifecycle, state, now_ns)
+        self.agent = ""  # the NIXL agent name once its metadata is loaded ("" : none)
+        self.failures = 0  # outages in a row
+        self.backoff_ns = 0  # the next outage's back-off (0: the configured base)
+        self.dead_until_ns = 0
+        # When we last learned whether it is alive (it died, or it answered): a
+        # message sent before then that times out tells nothing new.
+        self.news_ns = 0
+        self.last_error = ""
+
+    def snapshot(self) -> dict[str, Any]:
+        out = super().snapshot()
+        out.update({name: getattr(self, name) for name in PeerMachine.__slots__})
+        return out
