@@ -46,6 +46,13 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "read_notif": ev.ReadNotif(req="r", reader="d0"),
     "lease_expired": ev.LeaseExpired(req="r"),
     "remote_abandoned": ev.RemoteAbandoned(req="r"),
+    "abandon_expired": ev.AbandonExpired(req="r"),
+    "agent_added": ev.AgentAdded(req="p", agent="a1"),
+    "answered": ev.Answered(req="p", sent_ns=5),
+    "died": ev.Died(req="p", reason="refused", sent_ns=0),
+    "read_failed": ev.ReadFailed(req="p", why="EIO"),
+    "backoff_over": ev.BackoffOver(req="p"),
+    "closed": ev.Closed(req="p"),
 }
 
 
@@ -57,7 +64,7 @@ def test_every_trigger_has_a_typed_event() -> None:
 
 def test_lifecycles_of_design() -> None:
     assert RECV.initial == "new" and RECV.terminal == {"done", "failed", "aborted"}
-    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired"}
+    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired", "forgotten"}
     # The happy paths of DESIGN.md.
     t = LifecycleTracker(RECV, VirtualClock(), policy=IllegalEventPolicy.RAISE)
     t.create("r")

@@ -33,6 +33,9 @@ class RequestMachine:
         "reads_expected",
         "reads_seen",
         "lease_deadline_ns",
+        "claim_granted_ns",
+        "lease_window_ns",
+        "late_ns",
         "failure",
         "num_events",
     )
@@ -50,6 +53,11 @@ class RequestMachine:
         self.reads_expected = 0
         self.reads_seen = 0
         self.lease_deadline_ns = 0
+        # Decode side: when the granting claim left, how long it pins the blocks,
+        # and how late (ns, > 0) the reads completed against that lease.
+        self.claim_granted_ns = 0
+        self.lease_window_ns = 0
+        self.late_ns = 0
         self.failure = ""
         self.num_events = 0
 

@@ -54,9 +54,13 @@ class Allocated(Event, frozen=True, tag="allocated"):
 
 
 class HandshakeOk(Event, frozen=True, tag="handshake_ok"):
-    """The remote engine's agent metadata is known and compatible."""
+    """The prefill side granted the claim: its blocks stay pinned for
+    ``lease_window_ns`` from ``claim_sent_ns`` (when the claim left), which is
+    what decides later whether the reads completed in time."""
 
     remote_engine: str = ""
+    claim_sent_ns: int = 0
+    lease_window_ns: int = 0
 
 
 class ReadsPosted(Event, frozen=True, tag="reads_posted"):
@@ -111,7 +115,11 @@ class Abort(Event, frozen=True, tag="abort"):
 
 
 class ReadsQuiesced(Event, frozen=True, tag="reads_quiesced"):
-    """No posted read can write into this request's blocks any more."""
+    """No posted read can write into this request's blocks any more.
+    ``completed``: how many of them completed (each carried its notification
+    to the prefill side, which then needs no abandon)."""
+
+    completed: int = 0
 
 
 # --- sending side (prefill engine, do_remote_decode) ------------------------
@@ -157,6 +165,56 @@ class RemoteAbandoned(Event, frozen=True, tag="remote_abandoned"):
     reason: str = ""
 
 
+class AbandonExpired(Event, frozen=True, tag="abandon_expired"):
+    """An early abandon waited a lease for its prefill to finish here, in vain."""
+
+
+# --- peers (a decode worker's view of each prefill worker it reads from) ----
+# ``req`` is the peer's key, ``engine@address``.
+
+
+class AgentAdded(Event, frozen=True, tag="agent_added"):
+    """The peer's NIXL metadata was loaded: reads can be posted to ``agent``."""
+
+    agent: str
+    engine: str = ""
+    address: str = ""
+
+
+class Answered(Event, frozen=True, tag="answered"):
+    """The peer answered a claim sent at ``sent_ns``: it is alive."""
+
+    sent_ns: int = 0
+
+
+class Died(Event, frozen=True, tag="died"):
+    """The peer is found dead (``reason``: refused, silent, disconnected,
+    unsettled). ``sent_ns``: when the message that found it out was sent (0:
+    not a message), so news older than what is known changes nothing.
+    ``backoff_ns``/``backoff_max_ns``: the configured back-off."""
+
+    reason: str
+    why: str = ""
+    sent_ns: int = 0
+    backoff_ns: int = 1_000_000_000
+    backoff_max_ns: int = 30_000_000_000
+
+
+class ReadFailed(Event, frozen=True, tag="read_failed"):
+    """A read from the peer failed without a disconnect: its memory may have been
+    re-registered, so its metadata is fetched again with the next claim."""
+
+    why: str = ""
+
+
+class BackoffOver(Event, frozen=True, tag="backoff_over"):
+    """The back-off after the peer's death ran out: the next claim probes it."""
+
+
+class Closed(Event, frozen=True, tag="closed"):
+    """The worker shuts down: it forgets the peer."""
+
+
 AnyEvent = Union[
     Matched,
     Allocated,
@@ -176,6 +234,13 @@ AnyEvent = Union[
     ReadNotif,
     LeaseExpired,
     RemoteAbandoned,
+    AbandonExpired,
+    AgentAdded,
+    Answered,
+    Died,
+    ReadFailed,
+    BackoffOver,
+    Closed,
 ]
 
 EVENT_TYPES: dict[str, type[Event]] = {

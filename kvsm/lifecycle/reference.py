@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvsm.lifecycle.events import Event
-from kvsm.lifecycle.machine import RequestMachine
 from kvsm.lifecycle.table import CONDITIONS, EFFECTS, PREPARE, LifecycleSpec
 
 
@@ -22,7 +21,7 @@ class TransitionsModel:
     """
 
     def __init__(self, spec: LifecycleSpec, req: str, entry: str | None = None) -> None:
-        self.data = RequestMachine(req, spec.name, entry or spec.initial, 0)
+        self.data = spec.machine_cls(req, spec.name, entry or spec.initial, 0)
         self.effects: list[str] = []
         self.machine = spec.machine(model=self, initial=entry or spec.initial)
 

@@ -45,23 +45,31 @@ EFFECTS: Mapping[str, str] = {
     # receiving side
     "take_blocks": "the allocated local blocks are ours to write until reported back",
     "post_reads": "post NIXL READs of the remote blocks into the local blocks",
-    "send_notif": "tell the prefill side its blocks were read (or are not needed)",
+    "send_notif": "tell the prefill side over the side channel that its blocks are not needed (nothing to read)",
     "deliver_blocks": "report finished_recving: the local blocks hold the remote KV",
     "report_invalid": "report the local blocks through get_block_ids_with_load_errors",
     "release_blocks": "report finished_recving for an aborted request: blocks go back",
     "notify_abandon": "tell the prefill side we will never read, so it can unpin",
-    "release_reads": "release the request's NIXL transfer handles",
+    "release_reads": "release the request's settled NIXL transfer handles",
+    "cancel_reads": "release what can be released of the reads in flight, and watch the rest until they settle",
     # sending side
     "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
     "free_blocks": "report finished_sending: the blocks may be reused",
     "arm_lease": "start the lease timer for the pinned blocks",
     "extend_lease": "move the lease deadline (a heartbeat came)",
     "cancel_lease": "stop the lease timer",
+    "arm_abandon_timer": "forget an early abandon after a lease if its prefill never finishes here",
+    "cancel_abandon_timer": "stop the early abandon's timer",
     "start_handshake": "ask the prefill side for its agent (if not known yet) and claim the request's blocks",
     "arm_handshake_timer": "start the handshake timeout",
     "cancel_handshake_timer": "stop the handshake timeout (the handshake is over)",
     "arm_transfer_timer": "start the transfer timeout",
     "cancel_timers": "stop the request's timers",
+    # peers
+    "drop_agent": "remove the peer's NIXL agent: every read from it settles, none can write afterwards",
+    "fail_waiting": "fail every request that depends on the peer",
+    "arm_backoff_timer": "end the back-off at the machine's dead_until_ns",
+    "cancel_backoff_timer": "stop the back-off timer",
 }
 
 # Effects that hand blocks back to their pool; the block ledger counts them.
@@ -73,6 +81,9 @@ BLOCK_HOLDING_EFFECTS = frozenset({"take_blocks", "pin_blocks"})
 # writing and is exclusive.
 SHARED_HOLDING_EFFECTS = frozenset({"pin_blocks"})
 
+
+# A read must complete this much inside the lease its claim granted.
+LEASE_MARGIN_NS = 500_000_000
 
 # --- prepare: fold an event's inputs into the request's data ----------------
 
@@ -106,10 +117,50 @@ def _count_read(m: RequestMachine, ev: Any, now_ns: int) -> None:
     m.reads_seen += 1
 
 
+def _note_grant(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    m.claim_granted_ns = ev.claim_sent_ns
+    m.lease_window_ns = ev.lease_window_ns
+
+
+def _check_lease(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    # A read must complete this much inside the lease its claim granted (a
+    # quarter of a short lease): the prefill side's clock and its lease timer
+    # may run a little ahead of ours.
+    window = m.lease_window_ns
+    margin = min(LEASE_MARGIN_NS, window // 4)
+    m.late_ns = now_ns - (m.claim_granted_ns + window - margin) if window > 0 else 0
+
+
+def _note_late_reads(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    m.failure = f"lease_expired: the reads completed {m.late_ns / 1e9:.3f} s past the lease the claim granted"
+
+
 def _note_failure(m: RequestMachine, ev: Any, now_ns: int) -> None:
     detail = (getattr(ev, "kind", None) or getattr(ev, "what", None) or getattr(ev, "where", None)
               or getattr(ev, "reason", None))
     m.failure = f"{ev.trigger}:{detail}" if detail else ev.trigger
+
+
+def _take_agent(m: PeerMachine, ev: Any, now_ns: int) -> None:
+    m.agent = ev.agent
+    _note_answer(m, ev, now_ns)
+
+
+def _note_answer(m: PeerMachine, ev: Any, now_ns: int) -> None:
+    m.failures = 0
+    m.backoff_ns = 0
+    m.dead_until_ns = 0
+    m.news_ns = max(m.news_ns, getattr(ev, "sent_ns", 0))
+
+
+def _note_death(m: PeerMachine, ev: Any, now_ns: int) -> None:
+    backoff = m.backoff_ns or ev.backoff_ns
+    m.failures += 1
+    m.last_error = f"{ev.reason}: {ev.why}" if ev.why else ev.reason
+    m.dead_until_ns = now_ns + backoff
+    m.news_ns = now_ns
+    m.backoff_ns = min(backoff * 2, ev.backoff_max_ns)
+    m.agent = ""
 
 
 PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
@@ -119,6 +170,12 @@ PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
     "extend_lease_data": _extend_lease,
     "count_read": _count_read,
     "note_failure": _note_failure,
+    "note_grant": _note_grant,
+    "check_lease": _check_lease,
+    "note_late_reads": _note_late_reads,
+    "take_agent": _take_agent,
+    "note_answer": _note_answer,
+    "note_death": _note_death,
 }
 
 # --- conditions: pure predicates over the request's data --------------------
@@ -128,8 +185,25 @@ def _all_reads_in(m: RequestMachine, ev: Any) -> bool:
     return m.reads_seen >= m.reads_expected
 
 
+def _within_lease(m: RequestMachine, ev: Any) -> bool:
+    return m.late_ns <= 0
+
+
+def _a_read_completed(m: RequestMachine, ev: Any) -> bool:
+    return ev.completed > 0
+
+
+def _outdated(m: PeerMachine, ev: Any) -> bool:
+    """Sent before the last news about the peer: part of an outage already
+    handled, or older than an answer."""
+    return 0 < ev.sent_ns < m.news_ns
+
+
 CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "all_reads_in": _all_reads_in,
+    "within_lease": _within_lease,
+    "a_read_completed": _a_read_completed,
+    "outdated": _outdated,
 }
 
 
@@ -157,22 +231,24 @@ RECV_STATES = [
 _FAILURES = ["error", "timeout", "peer_dead", "internal_error"]
 # Failures that say nothing about posted reads (they may still write).
 _INTERRUPTS = ["timeout", "peer_dead", "internal_error"]
-# Triggers meaning "no posted read can write any more": a read that finished,
-# one that ended in error, or an explicit release of the handles.
-_QUIESCED = ["reads_quiesced", "all_reads_done", "error"]
 
 RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "matched", "source": "new", "dest": "awaiting_blocks", "prepare": "take_remote"},
     {"trigger": "allocated", "source": "awaiting_blocks", "dest": "pending_handshake",
      "prepare": "hold_blocks", "after": ["take_blocks", "arm_handshake_timer", "start_handshake"]},
-    {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "remote_known",
+    {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "remote_known", "prepare": "note_grant",
      "after": ["cancel_handshake_timer", "post_reads"]},
     {"trigger": "reads_posted", "source": "remote_known", "dest": "transferring", "after": "arm_transfer_timer"},
     # Full local prefix hit: nothing to read, but the prefill side must unpin.
     {"trigger": "nothing_to_read", "source": "remote_known", "dest": "done",
      "after": ["send_notif", "deliver_blocks", "cancel_timers"]},
-    {"trigger": "all_reads_done", "source": "transferring", "dest": "done",
-     "after": ["send_notif", "release_reads", "deliver_blocks", "cancel_timers"]},
+    # The reads carried their notification. They are served only if they
+    # completed inside the lease the claim granted: else the prefill side may
+    # have reused the blocks while we read them.
+    {"trigger": "all_reads_done", "source": "transferring", "dest": "done", "prepare": "check_lease",
+     "conditions": "within_lease", "after": ["release_reads", "deliver_blocks", "cancel_timers"]},
+    {"trigger": "all_reads_done", "source": "transferring", "dest": "failed", "prepare": "note_late_reads",
+     "after": ["release_reads", "report_invalid", "cancel_timers"]},
     # Before any read is posted a failure ends the request at once.
     *_each(_FAILURES, source=["new", "awaiting_blocks", "pending_handshake", "remote_known"],
            dest="failed", prepare="note_failure", after=["notify_abandon", "report_invalid", "cancel_timers"]),
@@ -181,22 +257,44 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
      "after": ["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]},
     # A timeout or a dead peer does not stop posted reads: wait for quiescence
     # before the blocks go back to vLLM (they could still be written).
-    *_each(_INTERRUPTS, source="transferring", dest="failing", prepare="note_failure", after="release_reads"),
-    *_each(_QUIESCED, source="failing", dest="failed", after=["notify_abandon", "report_invalid", "cancel_timers"]),
-    *_each(_INTERRUPTS, source=["failing", "aborting"], dest="=", after="release_reads"),
+    *_each(_INTERRUPTS, source="transferring", dest="failing", prepare="note_failure", after="cancel_reads"),
+    *_each(_INTERRUPTS, source=["failing", "aborting"], dest="=", after="cancel_reads"),
+    # Reads that completed told the prefill side themselves; otherwise it is told
+    # we will never read, so it can unpin now.
+    {"trigger": "all_reads_done", "source": "failing", "dest": "failed",
+     "after": ["release_reads", "report_invalid", "cancel_timers"]},
+    {"trigger": "reads_quiesced", "source": "failing", "dest": "failed", "conditions": "a_read_completed",
+     "after": ["report_invalid", "cancel_timers"]},
+    *_each(["reads_quiesced", "error"], source="failing", dest="failed",
+           after=["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]),
     # Abort: immediate where no read is posted, via aborting where one is.
     {"trigger": "abort", "source": "new", "dest": "aborted", "after": ["release_blocks", "cancel_timers"]},
     # From awaiting_blocks on the prefill side is known: tell it to unpin now
     # rather than hold the blocks until its lease runs out.
     {"trigger": "abort", "source": ["awaiting_blocks", "pending_handshake", "remote_known"], "dest": "aborted",
      "after": ["notify_abandon", "release_blocks", "cancel_timers"]},
-    {"trigger": "abort", "source": "transferring", "dest": "aborting", "after": "release_reads"},
+    {"trigger": "abort", "source": "transferring", "dest": "aborting", "after": "cancel_reads"},
     {"trigger": "abort", "source": "failing", "dest": "aborting"},
-    *_each(_QUIESCED, source="aborting", dest="aborted",
-           after=["notify_abandon", "release_blocks", "cancel_timers"]),
+    {"trigger": "all_reads_done", "source": "aborting", "dest": "aborted",
+     "after": ["release_reads", "release_blocks", "cancel_timers"]},
+    {"trigger": "reads_quiesced", "source": "aborting", "dest": "aborted", "conditions": "a_read_completed",
+     "after": ["release_blocks", "cancel_timers"]},
+    *_each(["reads_quiesced", "error"], source="aborting", dest="aborted",
+           after=["notify_abandon", "release_reads", "release_blocks", "cancel_timers"]),
 ]
 
-SEND_STATES = ["prefilling", "awaiting_pull", "released", "expired"]
+_RECV_LATER = ["remote_known", "transferring", "failing", "aborting"]
+_RECV_ENDS = ["done", "failed", "aborted"]
+RECV_STALE: list[dict[str, Any]] = [
+    {"trigger": "handshake_ok", "source": _RECV_LATER,
+     "why": "an answer to a second claim: the first one moved the request on"},
+    {"trigger": "abort", "source": "aborting", "why": "aborted twice"},
+    {"trigger": ["abort", "handshake_ok", "timeout", "peer_dead", "error", "internal_error", "reads_quiesced",
+                 "all_reads_done"],
+     "source": _RECV_ENDS, "why": "the request ended (and vLLM was told) before this input arrived"},
+]
+
+SEND_STATES = ["prefilling", "abandoned_early", "awaiting_pull", "released", "expired", "forgotten"]
 
 SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "finished_ok", "source": "prefilling", "dest": "awaiting_pull",
@@ -210,7 +308,76 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "released",
      "after": ["cancel_lease", "free_blocks"]},
     {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "expired", "after": "free_blocks"},
+    # The decode side gave up before this worker heard of the prefill's end
+    # (its abandon overtook the scheduler's finish): the finish frees at once.
+    {"trigger": "remote_abandoned", "source": "prefilling", "dest": "abandoned_early",
+     "after": "arm_abandon_timer"},
+    {"trigger": "finished_ok", "source": "abandoned_early", "dest": "released", "prepare": "pin_blocks_data",
+     "after": ["cancel_abandon_timer", "pin_blocks", "free_blocks"]},
+    *_each(["abort", "finished_abnormally"], source="abandoned_early", dest="released",
+           after="cancel_abandon_timer"),
+    {"trigger": "abandon_expired", "source": "abandoned_early", "dest": "forgotten"},
 ]
+
+SEND_STALE: list[dict[str, Any]] = [
+    {"trigger": ["finished_ok", "finished_abnormally", "abort"], "source": ["awaiting_pull", "released", "expired"],
+     "why": "told twice (a direct hand-off that partly failed also goes with the next step)"},
+    {"trigger": "heartbeat", "source": ["prefilling", "abandoned_early"], "why": "nothing is pinned yet to extend"},
+    {"trigger": "remote_abandoned", "source": ["abandoned_early", "released", "expired", "forgotten"],
+     "why": "nothing is pinned for it (abandoned twice, or released already)"},
+    {"trigger": "read_notif", "source": "released",
+     "why": "released already (the reader's abandon overtook its read's notification)"},
+]
+
+# A finish for a request whose early abandon was forgotten is a new request.
+SEND_NEW_AFTER_END = frozenset({"forgotten"})
+
+# How the prefill side answers a claim (or heartbeat) for a request, by the
+# state of its send machine after the claim was applied (None: not known here,
+# or forgotten). "unknown": ask again (the prefill worker may not have heard of
+# the finish yet); "expired": the blocks are gone.
+CLAIM_ANSWERS: Mapping[str | None, str] = {
+    None: "unknown",
+    "prefilling": "unknown",
+    "abandoned_early": "unknown",
+    "awaiting_pull": "ok",
+    "released": "expired",
+    "expired": "expired",
+    "forgotten": "unknown",
+}
+
+PEER_STATES = ["unconnected", "alive", "stale", "dead", "probing", "closed"]
+_PEER_LIVE = ["unconnected", "alive", "stale", "probing"]
+
+PEER_TRANSITIONS: list[dict[str, Any]] = [
+    {"trigger": "agent_added", "source": ["unconnected", "stale", "probing"], "dest": "alive",
+     "prepare": "take_agent"},
+    # A claim sent before the death, answered after it: alive after all.
+    {"trigger": "agent_added", "source": "dead", "dest": "alive", "prepare": "take_agent",
+     "after": "cancel_backoff_timer"},
+    {"trigger": "answered", "source": _PEER_LIVE, "dest": "=", "prepare": "note_answer"},
+    {"trigger": "answered", "source": "dead", "dest": "probing", "prepare": "note_answer",
+     "after": "cancel_backoff_timer"},
+    # A timeout of a message sent before the last news tells nothing new.
+    {"trigger": "died", "source": _PEER_LIVE, "dest": "=", "conditions": "outdated"},
+    {"trigger": "died", "source": _PEER_LIVE, "dest": "dead", "prepare": "note_death",
+     "after": ["drop_agent", "fail_waiting", "arm_backoff_timer"]},
+    {"trigger": "read_failed", "source": ["alive", "stale"], "dest": "stale"},
+    {"trigger": "backoff_over", "source": "dead", "dest": "probing"},
+    {"trigger": "closed", "source": [*_PEER_LIVE, "dead"], "dest": "closed", "after": "cancel_backoff_timer"},
+]
+
+PEER_STALE: list[dict[str, Any]] = [
+    {"trigger": "died", "source": "dead", "why": "already known dead: one outage, one back-off step"},
+    {"trigger": "read_failed", "source": ["unconnected", "dead", "probing"],
+     "why": "its agent is gone already: the next claim fetches it anyway"},
+]
+
+# What each peer state lets a decode worker do (declared here, not decided by
+# the I/O layer): claims to a peer in FETCH_STATES ask for its metadata too;
+# a peer in UNREACHABLE_STATES gets no messages and fails new requests at once.
+PEER_FETCH_STATES = frozenset({"unconnected", "stale", "probing", "dead"})
+PEER_UNREACHABLE_STATES = frozenset({"dead"})
 
 
 # --- compiling a declaration ------------------------------------------------
@@ -309,6 +476,7 @@ class LifecycleSpec:
         # legal, and they change nothing.
         stale = [{"trigger": r.trigger, "source": r.source, "dest": None}
                  for rules in self.rules.values() for r in rules if r.stale]
+        stale += [{"trigger": trigger, "source": source, "dest": None} for source, trigger in self.stale_after_end]
         return machine_cls(
             model=model,
             states=list(self.states),
@@ -400,19 +568,32 @@ RECV = LifecycleSpec(
     transitions=tuple(RECV_TRANSITIONS),
     entry_states=frozenset({"new", "pending_handshake"}),
     named_violations={},
+    stale_inputs=tuple(RECV_STALE),
 )
 
 SEND = LifecycleSpec(
     name="send",
     states=tuple(SEND_STATES),
     initial="prefilling",
-    terminal=frozenset({"released", "expired"}),
+    terminal=frozenset({"released", "expired", "forgotten"}),
     transitions=tuple(SEND_TRANSITIONS),
     entry_states=frozenset({"prefilling"}),
     named_violations={
         ("expired", "read_notif"): "read_after_lease_expiry",
         ("expired", "heartbeat"): "heartbeat_after_lease_expiry",
     },
+    stale_inputs=tuple(SEND_STALE),
 )
 
-LIFECYCLES: Mapping[str, LifecycleSpec] = {RECV.name: RECV, SEND.name: SEND}
+PEER = LifecycleSpec(
+    name="peer",
+    states=tuple(PEER_STATES),
+    initial="unconnected",
+    terminal=frozenset({"closed"}),
+    transitions=tuple(PEER_TRANSITIONS),
+    entry_states=frozenset({"unconnected"}),
+    stale_inputs=tuple(PEER_STALE),
+    machine_cls=PeerMachine,
+)
+
+LIFECYCLES: Mapping[str, LifecycleSpec] = {RECV.name: RECV, SEND.name: SEND, PEER.name: PEER}
