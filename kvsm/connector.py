@@ -29,13 +29,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvsm import stats as kvsm_stats
+from kvsm import vllm_stats
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.handshake import CompatInfo
 from kvsm.metadata import KVSMConnectorMetadata
 from kvsm.pin_channel import PinTarget
 from kvsm.scheduler import SchedulerHalf
+from kvsm.stats import StatsRecorder
 from kvsm.worker import WorkerHalf
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,12 +87,12 @@ class KVSMConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.stats = kvsm_stats.StatsRecorder(source=f"{self.cfg.engine_id}/scheduler")
+            self.stats = StatsRecorder(source=f"{self.cfg.engine_id}/scheduler")
             self._scheduler = SchedulerHalf(self.cfg, _open_log(self.cfg, "scheduler", 0))
         else:
             rank = _tp_rank()
             # One source per worker: vLLM adds their state counts up.
-            self.stats = kvsm_stats.StatsRecorder(source=f"{self.cfg.engine_id}/tp{rank}")
+            self.stats = StatsRecorder(source=f"{self.cfg.engine_id}/tp{rank}")
             self._worker = WorkerHalf(self.cfg, rank, event_log=_open_log(self.cfg, "worker", rank),
                                       stats=self.stats)
 
@@ -156,21 +157,21 @@ class KVSMConnector(KVConnectorBase_V1):
         target = self._require_worker().pin_target()
         return KVSMWorkerChannel(target) if target is not None else None
 
-    def get_kv_connector_stats(self) -> kvsm_stats.KVSMStats | None:
+    def get_kv_connector_stats(self) -> vllm_stats.KVSMStats | None:
         if self._worker is None:
             return None
         for lifecycle, counts in self._worker.state_counts.items():
             self.stats.set_states(lifecycle, dict(counts))
-        return self.stats.take()
+        return vllm_stats.wrap(self.stats.take())
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> kvsm_stats.KVSMStats | None:
-        return kvsm_stats.build_stats(data)
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> vllm_stats.KVSMStats | None:
+        return vllm_stats.build_stats(data)
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        return kvsm_stats.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return vllm_stats.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -3,8 +3,8 @@
 The scheduler sees vLLM's decisions (a remote prefill was matched and its
 blocks allocated, a request finished or was aborted); the worker owns the
 lifecycle machines and all I/O. The facts are plain msgspec structs, so the
-worker layer, the pin channel and the simulation use them without vLLM;
-``kvsm.metadata`` wraps one step's worth for vLLM.
+worker layer, the pin channel and the simulation use them without vLLM.
+``StepFacts`` is one step's worth; ``kvsm.metadata`` adds vLLM's base class.
 
 ``parse_remote_params`` reads the ``kv_transfer_params`` a router forwards
 from the prefill engine, in upstream ``NixlConnector``'s format, and says
@@ -83,6 +83,47 @@ class HeartbeatTarget(msgspec.Struct, frozen=True):
     remote_port: int
     remote_tp_size: int
     claims: tuple[str, ...]
+
+
+# --- one step ----------------------------------------------------------------
+
+class StepFacts:
+    """One step's facts from the scheduler half to every worker: all the worker
+    reads of a step's connector metadata. ``kvsm.metadata.KVSMConnectorMetadata``
+    is this plus vLLM's base class (what vLLM pickles to the workers); the worker
+    layer and the simulation need only this, so no vLLM import.
+
+    Plain slots, pickled as a dict of them (``__getstate__``): vLLM sends it to
+    every worker process each step. False when the step carries nothing.
+    """
+
+    __slots__ = ("heartbeats", "recv_abandon", "recv_abort", "recv_start", "send_finish", "send_start", "step")
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.recv_start: list[RecvStart] = []
+        self.recv_abort: list[RecvAbort] = []
+        self.recv_abandon: list[RecvAbandon] = []
+        self.send_start: list[SendStart] = []
+        self.send_finish: list[SendFinish] = []
+        self.heartbeats: list[HeartbeatTarget] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.recv_start or self.recv_abort or self.recv_abandon or self.send_start
+                    or self.send_finish or self.heartbeats)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in StepFacts.__slots__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in StepFacts.__slots__:
+            setattr(self, name, state[name])
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(step={self.step}, recv_start={len(self.recv_start)}, "
+                f"recv_abort={len(self.recv_abort)}, recv_abandon={len(self.recv_abandon)}, "
+                f"send_start={len(self.send_start)}, send_finish={len(self.send_finish)}, "
+                f"heartbeats={len(self.heartbeats)})")
 
 
 # --- kv_transfer_params ------------------------------------------------------

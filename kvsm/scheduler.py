@@ -41,11 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
-from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
-from kvsm.metadata import (
+from kvsm.facts import (
     BadTransferParams,
     HeartbeatTarget,
-    KVSMConnectorMetadata,
     RecvAbandon,
     RecvAbort,
     RecvStart,
@@ -54,6 +52,8 @@ from kvsm.metadata import (
     SendStart,
     parse_remote_params,
 )
+from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
+from kvsm.metadata import KVSMConnectorMetadata
 from kvsm.pin_channel import PinChannelClient, PinTarget
 
 if TYPE_CHECKING:  # pragma: no cover

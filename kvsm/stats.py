@@ -1,23 +1,20 @@
-"""Connector statistics: what each worker measured, how vLLM ships it, how it is shown.
+"""Connector statistics without vLLM: what each worker measures, and the maths on it.
 
-Three consumers, three pieces:
+The worker layer (``kvsm.worker``, the simulation) uses this module alone;
+``kvsm.vllm_stats`` is the thin adapter that hands the same numbers to vLLM
+(its ``KVConnectorStats`` and Prometheus classes), so nothing here imports vLLM.
 
 * ``StatsRecorder`` is written to by the worker's event-loop thread as things
   happen (a transfer finished, a handshake came back, a lease expired) and
   drained by the model-runner thread once per step, in
   ``get_kv_connector_stats``. Recording is a lock and an append: the loop
-  thread owns all I/O and must never wait on statistics.
-* ``KVSMStats`` is one interval of one worker (or the merge of several). vLLM
-  pickles it from each worker to the engine core (shared-memory
-  ``MessageQueue``), merges the workers' objects with ``aggregate``
-  (``KVOutputAggregator``), ships its ``data`` dict to the front end inside
-  ``SchedulerStats`` (msgspec/msgpack), and rebuilds it there with the
-  connector's ``build_kv_connector_stats(data)`` = ``build_stats(data)``. So
-  ``data`` holds only str-keyed dicts, lists and numbers.
-* ``KVSMPromMetrics`` turns each step's ``data`` into Prometheus metrics named
-  ``vllm:kvsm_*``, through the metric classes vLLM passes in (plain
-  prometheus_client ones, or Ray's wrappers), so vLLM's registry and
-  multiprocess handling applies.
+  thread owns all I/O and must never wait on statistics. ``take`` returns one
+  interval as a plain ``data`` dict (the layout of ``empty_data``).
+* ``merge`` adds one interval's ``data`` to another's, ``summary`` turns one
+  into the few numbers of a log line, ``sum_states`` adds up the request-state
+  snapshots. ``data`` holds only str-keyed dicts, lists and numbers, because
+  vLLM pickles it (worker -> engine core) and then msgpacks it (engine core ->
+  front end).
 
 Memory stays bounded: an interval keeps at most ``MAX_SAMPLES`` samples per
 list (and so does a merge); what does not fit is counted in
@@ -27,7 +24,7 @@ distributions lose detail under overload.
 
 Request-state counts are a gauge, not a rate. Each recorder reports its
 latest snapshot under its own ``source`` name; merging keeps one snapshot per
-source (the later one, i.e. ``other``'s, for the same source) and readers sum
+source (the later one, i.e. ``theirs``, for the same source) and readers sum
 over sources. That one rule makes "across workers the counts add up" and
 "across time the latest snapshot wins" both hold, whichever way vLLM merges.
 """
@@ -39,30 +36,20 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
-
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    PromMetric,
-    PromMetricT,
-)
-from vllm.v1.metrics.utils import create_metric_per_engine
-
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+from typing import Any, Final, TypeAlias
 
 __all__ = [
-    "HANDSHAKE_BUCKETS",
     "MAX_SAMPLES",
     "SCHEMA",
-    "TRANSFER_BUCKETS",
-    "KVSMPromMetrics",
-    "KVSMStats",
+    "StateCounts",
+    "StatsData",
     "StatsRecorder",
-    "build_prom_metrics",
-    "build_stats",
+    "empty_data",
+    "is_empty",
+    "merge",
+    "normalized",
+    "sum_states",
+    "summary",
 ]
 
 SCHEMA: Final = 1
@@ -70,11 +57,6 @@ SCHEMA: Final = 1
 
 MAX_SAMPLES: Final = 10_000
 """Most samples one list of one interval (or one merge) keeps."""
-
-# Seconds. Transfers on this machine range from sub-millisecond to the 10-40 s
-# stalls seen with upstream (DESIGN.md), so the buckets span both.
-TRANSFER_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-HANDSHAKE_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 _SAMPLE_KEYS: Final = ("xfer_s", "xfer_bytes", "xfer_descs", "handshake_s")
 _COUNTER_KEYS: Final = (
@@ -89,11 +71,15 @@ _COUNTER_KEYS: Final = (
 _KEYED_KEYS: Final = ("failures", "side_channel")
 """Counters broken down by a label: ``{key: {label value: count}}``."""
 
-StateCounts = dict[str, dict[str, int]]
+StateCounts: TypeAlias = dict[str, dict[str, int]]
 """``{lifecycle: {state: number of requests}}``, zero counts left out."""
 
+StatsData: TypeAlias = dict[str, Any]
+"""One interval of statistics (or a merge of several), laid out as ``empty_data``."""
 
-def _empty_data() -> dict[str, Any]:
+
+def empty_data() -> StatsData:
+    """An interval in which nothing happened: the ``data`` layout, key by key."""
     return {
         "schema": SCHEMA,
         # One entry per finished request's reads; the three lists run in parallel.
@@ -116,13 +102,13 @@ def _empty_data() -> dict[str, Any]:
     }
 
 
-def _normalized(data: Mapping[str, Any] | None) -> dict[str, Any]:
+def normalized(data: Mapping[str, Any] | None) -> StatsData:
     """A private copy of ``data`` in the current layout (missing keys filled in).
 
     A copy, because vLLM hands the same decoded dict to several stat loggers and
-    ``aggregate`` extends lists in place.
+    ``merge`` extends lists in place.
     """
-    out = _empty_data()
+    out = empty_data()
     if not data:
         return out
     for key in _SAMPLE_KEYS:
@@ -138,16 +124,67 @@ def _normalized(data: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile with linear interpolation (numpy's default method)."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+def is_empty(data: StatsData) -> bool:
+    """True when there is nothing to log: no event counted and no state snapshot."""
+    return not (data["states"] or any(data[k] for k in _KEYED_KEYS) or any(data[k] for k in _COUNTER_KEYS))
 
 
-def _sum_states(states: Mapping[str, StateCounts]) -> StateCounts:
+def merge(mine: StatsData, theirs: StatsData) -> None:
+    """Merge ``theirs`` into ``mine`` (both in the full layout), in place.
+
+    Counts add up and samples concatenate (capped at ``MAX_SAMPLES``, the
+    rest counted as dropped). For state snapshots ``theirs`` is taken to be
+    the later report: it replaces ``mine``'s snapshot of the same source, and
+    snapshots of other sources are kept side by side. vLLM merges workers of
+    one step (distinct sources) and consecutive steps in time order
+    (``KVConnectorLogging``), so both cases come out right.
+    """
+    if theirs is mine:
+        theirs = normalized(theirs)
+    for key in _COUNTER_KEYS:
+        mine[key] += theirs[key]
+    mine["dropped_samples"] += _extend_capped(mine, theirs, ("xfer_s", "xfer_bytes", "xfer_descs"))
+    mine["dropped_samples"] += _extend_capped(mine, theirs, ("handshake_s",))
+    _add_keyed(mine, theirs)
+    mine["states"].update(theirs["states"])
+
+
+def summary(data: StatsData) -> dict[str, int | float]:
+    """Summary numbers of an interval (vLLM's periodic "KV Transfer metrics" log line).
+
+    Times and sizes come from the kept samples; counts are exact. Request
+    states are summed over sources and shown as ``Reqs <lifecycle>/<state>``.
+    """
+    d = data
+    xfer_s: list[float] = d["xfer_s"]
+    hs_s: list[float] = d["handshake_s"]
+    out: dict[str, int | float] = {
+        "Num successful transfers": d["num_xfers"],
+        "Avg xfer time (ms)": _ms(sum(xfer_s) / len(xfer_s)) if xfer_s else 0,
+        "P90 xfer time (ms)": _ms(_percentile(xfer_s, 90)) if xfer_s else 0,
+        "Total MB": round(d["xfer_bytes_total"] / 2**20, 3),
+        "Throughput (MB/s)": _throughput(d["xfer_bytes"], xfer_s),
+        "Avg descriptors": round(d["xfer_descs_total"] / d["num_xfers"], 1) if d["num_xfers"] else 0,
+        "Num handshakes": d["num_handshakes"],
+        "Avg handshake (ms)": _ms(sum(hs_s) / len(hs_s)) if hs_s else 0,
+        "P90 handshake (ms)": _ms(_percentile(hs_s, 90)) if hs_s else 0,
+        "Num failures": sum(d["failures"].values()),
+    }
+    for kind in sorted(d["failures"]):
+        out[f"Failures {kind}"] = d["failures"][kind]
+    out["Leases expired"] = d["leases_expired"]
+    out["Reads served"] = d["reads_served"]
+    for outcome in sorted(d["side_channel"]):
+        out[f"Side channel {outcome}"] = d["side_channel"][outcome]
+    if d["dropped_samples"]:
+        out["Dropped samples"] = d["dropped_samples"]
+    for lifecycle, counts in sorted(sum_states(d["states"]).items()):
+        for state, n in sorted(counts.items()):
+            out[f"Reqs {lifecycle}/{state}"] = n
+    return out
+
+
+def sum_states(states: Mapping[str, StateCounts]) -> StateCounts:
     """Add the snapshots of all sources up, per lifecycle and state."""
     total: StateCounts = {}
     for snap in states.values():
@@ -158,85 +195,16 @@ def _sum_states(states: Mapping[str, StateCounts]) -> StateCounts:
     return total
 
 
-@dataclass
-class KVSMStats(KVConnectorStats):
-    """One interval of kvsm statistics, from one worker or merged from several.
-
-    ``data`` is the whole state (see ``_empty_data`` for the layout), so the
-    object pickles as is and ``build_stats(stats.data)`` rebuilds an equal one.
-    """
-
-    def __post_init__(self) -> None:
-        self.data = _normalized(self.data)
-
-    def reset(self) -> None:
-        """Forget everything, the state snapshots included."""
-        self.data = _empty_data()
-
-    def is_empty(self) -> bool:
-        """True when there is nothing to log: no event counted and no state snapshot."""
-        d = self.data
-        return not (d["states"] or any(d[k] for k in _KEYED_KEYS) or any(d[k] for k in _COUNTER_KEYS))
-
-    def aggregate(self, other: KVConnectorStats) -> KVSMStats:
-        """Merge ``other`` into this object and return it.
-
-        Counts add up and samples concatenate (capped at ``MAX_SAMPLES``, the
-        rest counted as dropped). For state snapshots ``other`` is taken to be
-        the later report: it replaces this object's snapshot of the same
-        source, and snapshots of other sources are kept side by side. vLLM
-        merges workers of one step (distinct sources) and consecutive steps in
-        time order (``KVConnectorLogging``), so both cases come out right.
-        """
-        if not isinstance(other, KVSMStats):
-            raise TypeError(f"cannot aggregate KVSMStats with {type(other).__name__}")
-        mine, theirs = self.data, other.data
-        if other is self:
-            theirs = _normalized(theirs)
-        for key in _COUNTER_KEYS:
-            mine[key] += theirs[key]
-        mine["dropped_samples"] += _extend_capped(mine, theirs, ("xfer_s", "xfer_bytes", "xfer_descs"))
-        mine["dropped_samples"] += _extend_capped(mine, theirs, ("handshake_s",))
-        _add_keyed(mine, theirs)
-        mine["states"].update(theirs["states"])
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        """Summary numbers of the interval for vLLM's periodic "KV Transfer metrics" log line.
-
-        Times and sizes come from the kept samples; counts are exact. Request
-        states are summed over sources and shown as ``Reqs <lifecycle>/<state>``.
-        """
-        d = self.data
-        xfer_s: list[float] = d["xfer_s"]
-        hs_s: list[float] = d["handshake_s"]
-        out: dict[str, int | float] = {
-            "Num successful transfers": d["num_xfers"],
-            "Avg xfer time (ms)": _ms(sum(xfer_s) / len(xfer_s)) if xfer_s else 0,
-            "P90 xfer time (ms)": _ms(_percentile(xfer_s, 90)) if xfer_s else 0,
-            "Total MB": round(d["xfer_bytes_total"] / 2**20, 3),
-            "Throughput (MB/s)": _throughput(d["xfer_bytes"], xfer_s),
-            "Avg descriptors": round(d["xfer_descs_total"] / d["num_xfers"], 1) if d["num_xfers"] else 0,
-            "Num handshakes": d["num_handshakes"],
-            "Avg handshake (ms)": _ms(sum(hs_s) / len(hs_s)) if hs_s else 0,
-            "P90 handshake (ms)": _ms(_percentile(hs_s, 90)) if hs_s else 0,
-            "Num failures": sum(d["failures"].values()),
-        }
-        for kind in sorted(d["failures"]):
-            out[f"Failures {kind}"] = d["failures"][kind]
-        out["Leases expired"] = d["leases_expired"]
-        out["Reads served"] = d["reads_served"]
-        for outcome in sorted(d["side_channel"]):
-            out[f"Side channel {outcome}"] = d["side_channel"][outcome]
-        if d["dropped_samples"]:
-            out["Dropped samples"] = d["dropped_samples"]
-        for lifecycle, counts in sorted(_sum_states(d["states"]).items()):
-            for state, n in sorted(counts.items()):
-                out[f"Reqs {lifecycle}/{state}"] = n
-        return out
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile with linear interpolation (numpy's default method)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _extend_capped(mine: dict[str, Any], theirs: dict[str, Any], keys: tuple[str, ...]) -> int:
+def _extend_capped(mine: StatsData, theirs: StatsData, keys: tuple[str, ...]) -> int:
     """Append ``theirs``' parallel sample lists to ``mine`` up to ``MAX_SAMPLES``; return how many did not fit."""
     room = max(0, MAX_SAMPLES - len(mine[keys[0]]))
     incoming = len(theirs[keys[0]])
@@ -253,11 +221,6 @@ def _throughput(num_bytes: list[int], seconds: list[float]) -> float:
     """MB/s over the sampled transfers (bytes and times of the same transfers)."""
     total_s = sum(seconds)
     return round(sum(num_bytes) / 2**20 / total_s, 3) if total_s > 0 else 0
-
-
-def build_stats(data: dict[str, Any] | None = None) -> KVSMStats:
-    """Rebuild stats from the ``data`` dict vLLM shipped (the connector's ``build_kv_connector_stats``)."""
-    return KVSMStats(data=data or {})
 
 
 _SOURCE_IDS = itertools.count()
@@ -361,8 +324,10 @@ class StatsRecorder:
 
     # -- draining (model-runner thread) -------------------------------------------------
 
-    def take(self) -> KVSMStats | None:
-        """Everything recorded since the last take (counters restart), or None if nothing happened.
+    def take(self) -> StatsData | None:
+        """Everything recorded since the last take (counters restart), in the ``data``
+        layout (``empty_data``), or None if nothing happened. ``kvsm.vllm_stats``
+        wraps it for vLLM.
 
         The state snapshot is a level, not a rate: it is included in every
         non-empty take and kept for the next; a changed snapshot alone makes a
@@ -379,7 +344,8 @@ class StatsRecorder:
                 or self._states_changed
             ):
                 return None
-            data: dict[str, Any] = {
+            data: StatsData = {
+                "schema": SCHEMA,
                 "xfer_s": self._xfer_s,
                 "xfer_bytes": self._xfer_bytes,
                 "xfer_descs": self._xfer_descs,
@@ -396,7 +362,7 @@ class StatsRecorder:
             _add_counts(self._taken, data)
             self._takes += 1
         data["states"] = {self.source: states} if states else {}
-        return KVSMStats(data=data)
+        return data
 
     def _interval_counters(self) -> dict[str, Any]:
         """The counters since the last take (call with the lock held)."""
@@ -436,159 +402,3 @@ def _add_keyed(acc: dict[str, Any], data: Mapping[str, Any]) -> None:
         mine = acc[key]
         for label, n in data[key].items():
             mine[label] = mine.get(label, 0) + n
-
-
-class KVSMPromMetrics(KVConnectorPromMetrics):
-    """kvsm's Prometheus metrics (``vllm:kvsm_*``), fed one step's stats ``data`` at a time.
-
-    Metric objects come from the classes in ``metric_types`` (vLLM's choice:
-    prometheus_client, or Ray's wrappers), one child per engine. Children with
-    an extra label (failure kind, request state) are made on first use with a
-    single ``labels()`` call on the parent, which both kinds of class accept.
-
-    The request-state gauge is the sum over every source (worker) this engine
-    has reported: a step's payload carries only the workers that had news, so
-    the last snapshot of each is remembered, and a state that drops out of all
-    snapshots is set back to 0 rather than left at its old value.
-    """
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        per_engine = self.per_engine_labelvalues
-        histogram, counter = self._histogram_cls, self._counter_cls
-        labels = list(labelnames)
-
-        self.transfer_time = create_metric_per_engine(
-            histogram(
-                name="vllm:kvsm_transfer_time_seconds",
-                documentation="Time from posting a request's KV reads to the last one finishing (kvsm).",
-                buckets=list(TRANSFER_BUCKETS),
-                labelnames=labels,
-            ),
-            per_engine,
-        )
-        self.handshake_time = create_metric_per_engine(
-            histogram(
-                name="vllm:kvsm_handshake_time_seconds",
-                documentation="Latency of side-channel handshakes with remote engines (kvsm).",
-                buckets=list(HANDSHAKE_BUCKETS),
-                labelnames=labels,
-            ),
-            per_engine,
-        )
-        self.transfers = self._counter_per_engine(
-            "vllm:kvsm_transfers", "Requests whose KV blocks were read from a remote engine (kvsm)."
-        )
-        self.transfer_bytes = self._counter_per_engine(
-            "vllm:kvsm_transfer_bytes", "Bytes of KV cache read from remote engines (kvsm)."
-        )
-        self.descriptors = self._counter_per_engine(
-            "vllm:kvsm_descriptors", "NIXL descriptors posted for KV reads (kvsm)."
-        )
-        self.leases_expired = self._counter_per_engine(
-            "vllm:kvsm_leases_expired",
-            "Prefill side: requests whose KV lease expired before a decode engine read them (kvsm).",
-        )
-        self.reads_served = self._counter_per_engine(
-            "vllm:kvsm_reads_served",
-            "Prefill side: requests whose KV blocks a decode engine read and released (kvsm).",
-        )
-        self.dropped_samples = self._counter_per_engine(
-            "vllm:kvsm_dropped_samples",
-            "Timing samples left out of the kvsm histograms because an interval had too many (kvsm).",
-        )
-        self._failures_parent = counter(
-            name="vllm:kvsm_failures",
-            documentation="kvsm failures by kind (handshake, timeout, peer_dead, transfer, lease_expired, ...).",
-            labelnames=[*labels, "kind"],
-        )
-        self._side_channel_parent = counter(
-            name="vllm:kvsm_side_channel_messages",
-            documentation="Prefill side: side-channel messages by outcome (served, or the refusal's error "
-                          "code: malformed, too_large, unknown_rank, ...) (kvsm).",
-            labelnames=[*labels, "outcome"],
-        )
-        self._states_parent = self._gauge_cls(
-            name="vllm:kvsm_requests",
-            documentation="Requests per kvsm lifecycle and state, summed over the engine's workers.",
-            multiprocess_mode="mostrecent",
-            labelnames=[*labels, "lifecycle", "state"],
-        )
-        self._failure_children: dict[tuple[int, str], Any] = {}
-        self._side_channel_children: dict[tuple[int, str], Any] = {}
-        self._state_children: dict[tuple[int, str, str], Any] = {}
-        self._states_by_source: dict[int, dict[str, StateCounts]] = {}
-
-    def _counter_per_engine(self, name: str, documentation: str) -> dict[int, Any]:
-        return create_metric_per_engine(
-            self._counter_cls(name=name, documentation=documentation, labelnames=list(self._labelnames)),
-            self.per_engine_labelvalues,
-        )
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Record one step's ``KVSMStats.data`` of engine ``engine_idx``."""
-        d = transfer_stats_data
-        hist = self.transfer_time[engine_idx]
-        for seconds in d.get("xfer_s", ()):
-            hist.observe(seconds)
-        hist = self.handshake_time[engine_idx]
-        for seconds in d.get("handshake_s", ()):
-            hist.observe(seconds)
-        for metric, key in (
-            (self.transfers, "num_xfers"),
-            (self.transfer_bytes, "xfer_bytes_total"),
-            (self.descriptors, "xfer_descs_total"),
-            (self.leases_expired, "leases_expired"),
-            (self.reads_served, "reads_served"),
-            (self.dropped_samples, "dropped_samples"),
-        ):
-            if n := d.get(key, 0):
-                metric[engine_idx].inc(n)
-        for kind, n in d.get("failures", {}).items():
-            if n:
-                self._labelled_child(self._failures_parent, self._failure_children, engine_idx, kind).inc(n)
-        for outcome, n in d.get("side_channel", {}).items():
-            if n:
-                self._labelled_child(self._side_channel_parent, self._side_channel_children, engine_idx,
-                                     outcome).inc(n)
-        if states := d.get("states"):
-            self._observe_states(engine_idx, states)
-
-    def _labelled_child(self, parent: Any, children: dict[tuple[int, str], Any], engine_idx: int,
-                        label: str) -> Any:
-        key = (engine_idx, label)
-        child = children.get(key)
-        if child is None:
-            labelvalues = self.per_engine_labelvalues[engine_idx]
-            child = children[key] = parent.labels(*labelvalues, label)
-        return child
-
-    def _observe_states(self, engine_idx: int, states: Mapping[str, StateCounts]) -> None:
-        known = self._states_by_source.setdefault(engine_idx, {})
-        known.update(states)
-        total = _sum_states(known)
-        labelvalues = self.per_engine_labelvalues[engine_idx]
-        for lifecycle, counts in total.items():
-            for state in counts:
-                key = (engine_idx, lifecycle, state)
-                if key not in self._state_children:
-                    self._state_children[key] = self._states_parent.labels(*labelvalues, lifecycle, state)
-        for (idx, lifecycle, state), child in self._state_children.items():
-            if idx == engine_idx:
-                child.set(total.get(lifecycle, {}).get(state, 0))
-
-
-def build_prom_metrics(
-    vllm_config: VllmConfig,
-    metric_types: dict[type[PromMetric], type[PromMetricT]],
-    labelnames: list[str],
-    per_engine_labelvalues: dict[int, list[object]],
-) -> KVSMPromMetrics:
-    """kvsm's Prometheus metrics (the connector's ``build_prom_metrics``)."""
-    return KVSMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -22,10 +22,10 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from kvsm.handshake import (
     MAX_CLAIMS,
     MAX_FRAME_BYTES,
@@ -796,7 +796,7 @@ def test_peer_that_dies_with_requests_pending_is_refused_on_reconnect(
     try:
         rid = client.fetch_metadata(address, 0, deadline_ns=now_ns() + 5000 * MS)
         assert peer.poll(1000)  # connected and delivered; no answer
-        assert pump(client, lambda r: bool(r), 0.2, loop) == {}  # connected and silent: nothing yet
+        assert pump(client, bool, 0.2, loop) == {}  # connected and silent: nothing yet
     finally:
         peer.close()  # the process dies
     died = now_ns()
@@ -1006,3 +1006,58 @@ def test_peer_address_brackets_ipv6() -> None:
     assert peer_address("10.0.0.1", 5600) == "tcp://10.0.0.1:5600"
     assert peer_address("::1", 5600) == "tcp://[::1]:5600"
     assert peer_address("[::1]", 5600) == "tcp://[::1]:5600"
+
+
+def test_peer_address_of_an_inproc_host_names_an_inproc_endpoint() -> None:
+    assert peer_address("inproc:sim-prefill", 5600) == "inproc://sim-prefill-5600"
+    assert peer_address("inproc:sim-prefill", 5601) == "inproc://sim-prefill-5601"
+
+
+def test_inproc_server_and_client_on_one_context_exchange_a_claim() -> None:
+    """Engines sharing one process (the simulation) use the host ``inproc:NAME``:
+    the server binds exactly peer_address(host, port) on the context it is given,
+    and a client on that context reaches it at that address."""
+    host, port = "inproc:sim-prefill", 5600
+    address = peer_address(host, port)
+    ctx = zmq.Context()
+    fake = FakePrefill()
+    server = HandshakeServer("prefill-sim", COMPAT, fake.provide, fake.on_claims, host=host, port=port,
+                             context=ctx, lease_ms=1500)
+    client = HandshakeClient(COMPAT, "decode-sim/tp0", context=ctx)
+    try:
+        assert (server.address, server.port) == (address, port)
+        with pytest.raises(OSError, match="could not bind"):  # the endpoint is taken
+            HandshakeServer("twin", COMPAT, fake.provide, fake.on_claims, host=host, port=port, context=ctx)
+
+        def exchange(request_id: int) -> HandshakeResult:
+            """Drive both sides from this one thread until the request's result."""
+            for _ in range(2000):  # a bound against a hang, not a timing check
+                poller = zmq.Poller()
+                for sock in [*server.sockets(), *client.sockets()]:
+                    poller.register(sock, zmq.POLLIN)
+                ready = dict(poller.poll(5))
+                if any(sock in ready for sock in server.sockets()):
+                    server.on_readable()
+                results = [r for sock in client.sockets() if sock in ready for r in client.on_readable(sock)]
+                results += client.poll_results()
+                if results:
+                    assert [r.request_id for r in results] == [request_id]
+                    return results[0]
+            raise AssertionError("no result over inproc")
+
+        far = now_ns() + 600_000 * MS
+        meta = exchange(client.fetch_metadata(address, 1, claims=["req-a", "req-b", "req-x"], deadline_ns=far))
+        assert meta.ok and meta.peer == address, meta
+        assert isinstance(meta.outcome, MetadataReply)
+        assert (meta.outcome.engine_id, meta.outcome.agent_name) == ("prefill-sim", "prefill-agent-tp1")
+        assert meta.outcome.claims == {"req-a": "ok", "req-b": "expired", "req-x": "unknown"}
+        assert meta.outcome.lease_ms == 1500
+        beat = exchange(client.heartbeat(address, ["req-a"], deadline_ns=far))
+        assert isinstance(beat.outcome, ClaimsReply) and beat.outcome.claims == {"req-a": "ok"}
+        assert fake.calls == [("claim", "decode-sim/tp0", ["req-a", "req-b", "req-x"]),
+                              ("heartbeat", "decode-sim/tp0", ["req-a"])]
+        assert server.stats()["served"] == {"MetadataRequest": 1, "Heartbeat": 1}
+    finally:
+        client.close()
+        server.close()
+        ctx.term()

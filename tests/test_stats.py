@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -36,13 +35,15 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+from conftest import examples
 from kvsm import stats as stats_mod
-from kvsm.stats import (
+from kvsm.stats import StatsRecorder
+from kvsm.vllm_stats import (
     KVSMPromMetrics,
     KVSMStats,
-    StatsRecorder,
     build_prom_metrics,
     build_stats,
+    wrap,
 )
 
 MIB = 2**20
@@ -72,13 +73,18 @@ def busy_recorder(source: str, *, xfers: int = 2, max_samples: int = 100) -> Sta
     return rec
 
 
+def took(rec: StatsRecorder) -> KVSMStats | None:
+    """One interval, as the connector hands it to vLLM (``get_kv_connector_stats``)."""
+    return wrap(rec.take())
+
+
 # -- the recorder ---------------------------------------------------------------------------------
 
 
 def test_recorder_counts_every_kind_of_event() -> None:
-    stats = busy_recorder("w0").take()
-    assert stats is not None
-    d = stats.data
+    d = busy_recorder("w0").take()
+    assert d is not None and type(d) is dict, "the recorder's interval is plain data, no vLLM object"
+    assert d["schema"] == stats_mod.SCHEMA
     assert d["xfer_s"] == [0.01, 0.02]
     assert d["xfer_bytes"] == [MIB, 2 * MIB]
     assert d["xfer_descs"] == [4, 8]
@@ -95,9 +101,8 @@ def test_take_resets_the_rates_but_keeps_the_gauge() -> None:
     assert rec.take() is None, "nothing happened since the last take"
 
     rec.failure("handshake")
-    stats = rec.take()
-    assert stats is not None
-    d = stats.data
+    d = rec.take()
+    assert d is not None
     assert d["failures"] == {"handshake": 1}
     assert d["num_xfers"] == d["leases_expired"] == d["reads_served"] == 0
     assert d["xfer_s"] == [] and d["handshake_s"] == []
@@ -108,16 +113,16 @@ def test_a_changed_snapshot_alone_makes_a_take() -> None:
     rec = StatsRecorder("w0")
     assert rec.take() is None
     rec.set_states("recv", {"transferring": 1, "done": 0})
-    stats = rec.take()
-    assert stats is not None
-    assert stats.data["states"] == {"w0": {"recv": {"transferring": 1}}}, "zero counts are left out"
-    assert not stats.is_empty()
+    d = rec.take()
+    assert d is not None
+    assert d["states"] == {"w0": {"recv": {"transferring": 1}}}, "zero counts are left out"
+    assert not stats_mod.is_empty(d)
 
     rec.set_states("recv", {"transferring": 1})
     assert rec.take() is None, "the same counts again are no change"
     rec.set_states("recv", {})
-    stats = rec.take()
-    assert stats is not None and stats.data["states"] == {"w0": {"recv": {}}}
+    d = rec.take()
+    assert d is not None and d["states"] == {"w0": {"recv": {}}}
 
 
 def test_totals_are_cumulative_across_takes() -> None:
@@ -145,18 +150,17 @@ def test_samples_are_capped_and_the_rest_counted() -> None:
         rec.transfer_done(float(i), 100, 2)
     for _ in range(4):
         rec.handshake_done(0.1)
-    stats = rec.take()
-    assert stats is not None
-    d = stats.data
+    d = rec.take()
+    assert d is not None
     assert d["xfer_s"] == [0.0, 1.0, 2.0] and len(d["xfer_bytes"]) == len(d["xfer_descs"]) == 3
     assert d["handshake_s"] == [0.1] * 3
     assert d["dropped_samples"] == 2 + 1
     assert (d["num_xfers"], d["xfer_bytes_total"], d["xfer_descs_total"], d["num_handshakes"]) == (5, 500, 10, 4)
-    assert stats.reduce()["Dropped samples"] == 3
+    assert stats_mod.summary(d)["Dropped samples"] == 3
 
     rec.transfer_done(9.0, 1, 1)  # a new interval has room again
     again = rec.take()
-    assert again is not None and again.data["xfer_s"] == [9.0] and again.data["dropped_samples"] == 0
+    assert again is not None and again["xfer_s"] == [9.0] and again["dropped_samples"] == 0
     assert rec.totals()["dropped_samples"] == 3
 
 
@@ -173,7 +177,7 @@ def eager_thread_switches() -> Iterator[None]:
 def test_recording_from_many_threads_while_another_takes() -> None:
     writers, per_writer = 4, 5_000
     rec = StatsRecorder("w0", max_samples=writers * per_writer)
-    taken: list[KVSMStats] = []
+    taken: list[stats_mod.StatsData] = []
     done = threading.Event()
 
     def write(idx: int) -> None:
@@ -206,15 +210,13 @@ def test_recording_from_many_threads_while_another_takes() -> None:
 
     n = writers * per_writer
     assert len(taken) > 1, "the taker should have interleaved with the writers"
-    for s in taken:  # every take is one consistent cut: no record half in one take, half in the next
-        d = s.data
+    for d in taken:  # every take is one consistent cut: no record half in one take, half in the next
         assert len(d["xfer_s"]) == len(d["xfer_bytes"]) == len(d["xfer_descs"]) == d["num_xfers"]
         assert (d["xfer_bytes_total"], d["xfer_descs_total"]) == (3 * d["num_xfers"], 2 * d["num_xfers"])
         assert len(d["handshake_s"]) == d["num_handshakes"]
-    merged = KVSMStats()
+    d = stats_mod.empty_data()  # the vLLM-free maths that KVSMStats.aggregate delegates to
     for s in taken:
-        merged.aggregate(s)
-    d = merged.data
+        stats_mod.merge(d, s)
     assert (d["num_xfers"], d["xfer_bytes_total"], d["xfer_descs_total"]) == (n, 3 * n, 2 * n)
     kept = min(n, stats_mod.MAX_SAMPLES)  # each take fits, but the merge of them all is capped again
     assert len(d["xfer_s"]) == len(d["xfer_bytes"]) == len(d["handshake_s"]) == kept
@@ -241,14 +243,14 @@ def test_default_sources_are_distinct() -> None:
 
 
 def two_workers() -> tuple[KVSMStats, KVSMStats]:
-    a = busy_recorder("w0", xfers=2).take()
+    a = took(busy_recorder("w0", xfers=2))
     b = StatsRecorder("w1")
     b.transfer_done(0.5, 4 * MIB, 1)
     b.failure("timeout")
     b.failure("handshake")
     b.handshake_done(0.008)
     b.set_states("recv", {"transferring": 3, "remote_known": 1})
-    bs = b.take()
+    bs = took(b)
     assert a is not None and bs is not None
     return a, bs
 
@@ -275,9 +277,9 @@ def test_aggregate_of_two_workers_adds_counts_and_concatenates_samples() -> None
 def test_aggregate_over_time_keeps_the_latest_snapshot() -> None:
     rec = StatsRecorder("w0")
     rec.set_states("recv", {"transferring": 4})
-    first = rec.take()
+    first = took(rec)
     rec.set_states("recv", {"transferring": 1, "done": 2})
-    second = rec.take()
+    second = took(rec)
     assert first is not None and second is not None
     first.aggregate(second)
     assert first.data["states"] == {"w0": {"recv": {"transferring": 1, "done": 2}}}
@@ -291,7 +293,7 @@ def test_aggregate_caps_merged_samples(monkeypatch: pytest.MonkeyPatch) -> None:
         a.transfer_done(float(i), 1, 1)
         b.transfer_done(10.0 + i, 2, 2)
         b.handshake_done(0.5)
-    sa, sb = a.take(), b.take()
+    sa, sb = took(a), took(b)
     assert sa is not None and sb is not None
     d = sa.aggregate(sb).data
     assert d["xfer_s"] == [0.0, 1.0, 2.0, 10.0] and d["xfer_bytes"] == [1, 1, 1, 2] and d["xfer_descs"] == [1, 1, 1, 2]
@@ -318,7 +320,7 @@ def test_reduce_against_hand_computed_values() -> None:
     for seconds, mib, descs in [(0.010, 1, 1), (0.020, 1, 2), (0.030, 2, 3), (0.040, 4, 4), (0.100, 8, 10)]:
         rec = StatsRecorder("x")
         rec.transfer_done(seconds, mib * MIB, descs)
-        s = rec.take()
+        s = took(rec)
         assert s is not None
         stats.aggregate(s)
     rec = StatsRecorder("x")
@@ -329,7 +331,7 @@ def test_reduce_against_hand_computed_values() -> None:
     rec.lease_expired()
     for _ in range(3):
         rec.read_served()
-    s = rec.take()
+    s = took(rec)
     assert s is not None
     r = stats.aggregate(s).reduce()
     # 5 transfers: mean 40 ms; p90 at rank 3.6 of the sorted list: 40 + 0.6 * (100 - 40) = 76 ms.
@@ -353,7 +355,7 @@ def test_reduce_against_hand_computed_values() -> None:
 def test_reduce_of_failures_only() -> None:
     rec = StatsRecorder("x")
     rec.failure("peer_dead")
-    s = rec.take()
+    s = took(rec)
     assert s is not None
     r = s.reduce()
     assert r["Num successful transfers"] == 0
@@ -375,7 +377,7 @@ def test_is_empty_and_reset() -> None:
     ):
         rec = StatsRecorder("x")
         record(rec)
-        s = rec.take()
+        s = took(rec)
         assert s is not None and not s.is_empty()
         s.reset()
         assert s.is_empty()
@@ -409,7 +411,7 @@ def test_merging_any_takes_of_any_workers_matches_the_totals(
     takes: list[KVSMStats] = []
     for i, (worker, what, n) in enumerate(events):
         if i in cuts:
-            takes.extend(s for r in recs if (s := r.take()) is not None)
+            takes.extend(s for r in recs if (s := took(r)) is not None)
         rec = recs[worker]
         if what == "xfer":
             rec.transfer_done(n / 1e9, n, n % 97)
@@ -421,7 +423,7 @@ def test_merging_any_takes_of_any_workers_matches_the_totals(
             rec.lease_expired()
         else:
             rec.read_served()
-    takes.extend(s for r in recs if (s := r.take()) is not None)
+    takes.extend(s for r in recs if (s := took(r)) is not None)
     merged = KVSMStats()
     for s in takes:
         merged.aggregate(s)
@@ -559,7 +561,7 @@ def test_prometheus_metrics_from_stats_data(prom: tuple[KVSMPromMetrics, Collect
 
     rec = StatsRecorder("w9")
     rec.failure("brand new kind")
-    later = rec.take()
+    later = took(rec)
     assert later is not None
     metrics.observe(later.to_dict(), engine_idx=1)
     assert value(registry, "vllm:kvsm_failures_total", engine="1", kind="brand new kind") == 1
@@ -578,7 +580,7 @@ def test_prometheus_state_gauge_sums_workers_and_follows_the_latest(
     def step(*recs: StatsRecorder) -> None:
         merged = KVSMStats()
         for r in recs:
-            if (s := r.take()) is not None:
+            if (s := took(r)) is not None:
                 merged.aggregate(s)
         metrics.observe(merged.to_dict(), engine_idx=0)
 
@@ -626,13 +628,13 @@ def test_side_channel_outcomes_add_up_across_workers_takes_and_prometheus(
     w0.side_channel({"served": 2, "malformed": 1})
     w0.side_channel({"served": 1, "too_large": 0})
     w1.side_channel({"malformed": 4})
-    a, b = w0.take(), w1.take()
+    a, b = took(w0), took(w1)
     assert a is not None and b is not None, "side-channel counts alone make a take non-empty"
     assert a.data["side_channel"] == {"served": 3, "malformed": 1}
     merged = build_stats(a.to_dict()).aggregate(b)
     assert merged.data["side_channel"] == {"served": 3, "malformed": 5}
     assert merged.reduce()["Side channel malformed"] == 5
-    assert w0.take() is None and w0.totals()["side_channel"] == {"served": 3, "malformed": 1}
+    assert took(w0) is None and w0.totals()["side_channel"] == {"served": 3, "malformed": 1}
     metrics.observe(merged.to_dict(), engine_idx=0)
     metrics.observe(b.to_dict(), engine_idx=0)
     assert value(registry, "vllm:kvsm_side_channel_messages_total", outcome="served") == 3

@@ -10,8 +10,10 @@ Sections (the default runs those that are implemented):
    (decode role ``kv_consumer`` and prefill role ``kv_producer``); the time
    spent inside the connector's scheduler-side hooks (kvsm with its event log
    on and off), and the whole run's time over a run without any connector.
-2. ``worker``     worker-side cost per step (not implemented yet).
-3. ``transfer``   transfer throughput (not implemented yet).
+2. ``worker``     worker-side cost per step, real NIXL between processes
+   (``tools/bench_nixl.py``).
+3. ``transfer``   transfer throughput: kvsm, upstream, raw NIXL, memcpy
+   (``tools/bench_nixl.py``).
 4. ``eventlog``   kvsm's event log: µs per event on the hot path, bytes per
    event on disk, writer throughput.
 5. ``replay``     ``kvsm.replay.analyse`` events/s over a simulated log.
@@ -56,10 +58,12 @@ if __name__ == "__main__":
     _reexec_in_venv()
 
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))  # bench_nixl
+sys.path.insert(0, str(ROOT / "tools"))  # benchlib, bench_nixl
 # vLLM logs to stdout by default: keep its INFO lines out of the tables.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+# The imports below need the checkout on sys.path and vLLM's log level set first.
+# ruff: noqa: E402
 import argparse
 import concurrent.futures as cf
 import contextlib
@@ -79,8 +83,20 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from benchlib import (  # tools/benchlib.py: the tables, shared with bench_nixl
+    E2E_DEFAULT_REPEAT,
+    NO_TARGET,
+    Row,
+    Section,
+    Sizes,
+    Target,
+    _rotated,
+    fmt,
+    render_section,
+)
 
 from kvsm.testing.ports import free_port as _free_port
 from kvsm.testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports no vLLM
@@ -88,218 +104,7 @@ from kvsm.testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports n
 if TYPE_CHECKING:
     from kvsm.testing.servers import RouterProcess
 
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a row is judged against: ``kind`` is ``ratio_max`` (kvsm/upstream
-    at most ``value``), ``max`` / ``min`` (kvsm's median at most / at least
-    ``value``), ``each_max`` (every repetition of kvsm at most ``value``), or
-    ``none`` (only ``text`` is shown). A row that failed is never met."""
-
-    kind: str
-    value: float | None
-    text: str
-
-    def met(self, row: Row) -> bool | None:
-        if row.failed:
-            return False
-        if self.kind == "ratio_max":
-            r = row.ratio
-            return None if r is None else r <= self.value
-        if self.kind == "each_max":  # every repetition, not just the median (counts of bad things)
-            vals = [v for v in row.kvsm if v is not None and not math.isnan(v)]
-            return None if not vals else max(vals) <= self.value
-        k = row.kvsm_median
-        if k is None:
-            return None
-        if self.kind == "max":
-            return k <= self.value
-        if self.kind == "min":
-            return k >= self.value
-        return None
-
-
-NO_TARGET = Target("none", None, "")
-
-
-@dataclass
-class Row:
-    measure: str
-    unit: str
-    kvsm: list[float]
-    upstream: list[float] | None = None  # None: no upstream equivalent
-    target: Target = NO_TARGET
-    note: str = ""
-    # Sides ("kvsm", "upstream") whose numbers must not be read: e.g. outputs that
-    # differed from the reference. Their cells show FAILED instead of a number.
-    failed: frozenset[str] = frozenset()
-
-    @property
-    def kvsm_median(self) -> float | None:
-        return _median(self.kvsm)
-
-    @property
-    def upstream_median(self) -> float | None:
-        return None if self.upstream is None else _median(self.upstream)
-
-    @property
-    def ratio(self) -> float | None:
-        k, u = self.kvsm_median, self.upstream_median
-        if k is None or u is None or u == 0:
-            return None
-        return k / u
-
-    @property
-    def paired_ratios(self) -> list[float]:
-        """kvsm / upstream within each repetition (runs of one repetition are
-        neighbours in time, so this ratio sees less of the machine's drift)."""
-        if self.upstream is None or len(self.upstream) != len(self.kvsm):
-            return []
-        return [k / u for k, u in zip(self.kvsm, self.upstream, strict=True) if u]
-
-    def to_json(self) -> dict[str, Any]:
-        met = self.target.met(self)
-        return {
-            "measure": self.measure,
-            "unit": self.unit,
-            "kvsm": _summary(self.kvsm),
-            "upstream": None if self.upstream is None else _summary(self.upstream),
-            "ratio": self.ratio,
-            "ratio_per_repetition": self.paired_ratios or None,
-            "target": self.target.text or None,
-            "target_met": met,
-            "note": self.note or None,
-            "failed": sorted(self.failed) or None,
-        }
-
-
-@dataclass
-class Section:
-    number: int
-    name: str
-    title: str
-    rows: list[Row] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-    implemented: bool = True
-    seconds: float = 0.0
-    failures: list[str] = field(default_factory=list)  # non-empty: the run fails (exit status 1)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "number": self.number,
-            "title": self.title,
-            "implemented": self.implemented,
-            "seconds": round(self.seconds, 2),
-            "rows": [r.to_json() for r in self.rows],
-            "notes": self.notes,
-            "failures": self.failures,
-            "extra": self.extra,
-        }
-
-
-def _median(values: Sequence[float] | None) -> float | None:
-    vals = [v for v in (values or ()) if v is not None and not math.isnan(v)]
-    return statistics.median(vals) if vals else None
-
-
-def _summary(values: Sequence[float]) -> dict[str, Any]:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    return {
-        "values": list(values),
-        "median": statistics.median(vals) if vals else None,
-        "min": min(vals) if vals else None,
-        "max": max(vals) if vals else None,
-    }
-
-
-def fmt(x: float | None) -> str:
-    """Three significant digits, thousands separated; '-' for nothing."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    ax = abs(x)
-    if ax >= 1000:
-        return f"{x:,.0f}"
-    if ax >= 100:
-        return f"{x:.0f}"
-    if ax >= 10:
-        return f"{x:.1f}"
-    if ax >= 1:
-        return f"{x:.2f}"
-    if ax == 0:
-        return "0"
-    return f"{x:.3g}"
-
-
-def _spread(values: Sequence[float] | None) -> str:
-    vals = [v for v in (values or ()) if v is not None and not math.isnan(v)]
-    if not vals:
-        return "-"
-    if len(vals) == 1:
-        return fmt(vals[0])
-    return f"{fmt(min(vals))}-{fmt(max(vals))}"
-
-
-def render_section(sec: Section) -> str:
-    lines = [f"### {sec.number}. {sec.name}: {sec.title}", ""]
-    if not sec.implemented:
-        lines.append("not implemented yet")
-        return "\n".join(lines) + "\n"
-    lines.append("| measure | kvsm | upstream | kvsm/upstream | target | spread |")
-    lines.append("| --- | ---: | ---: | ---: | --- | --- |")
-    for r in sec.rows:
-        unit = f" ({r.unit})" if r.unit else ""
-        kv = "FAILED" if "kvsm" in r.failed else fmt(r.kvsm_median)
-        up = "n/a" if r.upstream is None else "FAILED" if "upstream" in r.failed else fmt(r.upstream_median)
-        ratio = "n/a" if r.upstream is None else (f"{r.ratio:.2f}x" if r.ratio is not None and not r.failed else "-")
-        met = r.target.met(r)
-        target = r.target.text
-        if r.failed:
-            target = (target + " " if target else "") + "FAILED (" + ", ".join(sorted(r.failed)) + ")"
-        elif target and met is not None:
-            target += " met" if met else " MISSED"
-        if r.upstream is None:
-            spread = "FAILED" if r.failed else _spread(r.kvsm)
-        else:
-            k_spread = "FAILED" if "kvsm" in r.failed else _spread(r.kvsm)
-            u_spread = "FAILED" if "upstream" in r.failed else _spread(r.upstream)
-            spread = f"kvsm {k_spread}; upstream {u_spread}"
-            paired = r.paired_ratios
-            if len(paired) > 1 and not r.failed:
-                spread += f"; ratio per repetition {min(paired):.2f}-{max(paired):.2f}x"
-        measure = r.measure + unit + (f" [{r.note}]" if r.note else "")
-        lines.append(f"| {measure} | {kv} | {up} | {ratio} | {target} | {spread} |")
-    if sec.notes or sec.failures:
-        lines.append("")
-        lines.extend(f"- FAILED: {f}" for f in sec.failures)
-        lines.extend(f"- {n}" for n in sec.notes)
-    lines.append(f"\n({sec.seconds:.0f} s)")
-    return "\n".join(lines) + "\n"
-
-
 # --------------------------------------------------------------------------- sizes
-
-
-E2E_DEFAULT_REPEAT = 3  # 6., 7.: each repetition starts four or more vLLM servers (minutes)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    sched_requests: tuple[int, ...]
-    sched_inflight: int
-    emit_calls: int  # per repetition, per kind of emit
-    writer_records: int
-    replay_events: int
-    hs_trials: int  # per scenario, per repetition
-    hs_deadline_ms: int
-    worker_inflight: tuple[int, ...] = (16, 256)  # 2. transfers in flight per step
-    worker_steps: int = 200  # 2. steps measured per repetition
-    transfer_blocks: int = 4096  # 3. blocks moved per transfer
-    transfer_block_kib: int = 64  # 3. bytes per block
-    e2e_requests: int = 50  # 6. concurrent requests after the prompt mix
-    hs_server_repeat: int = E2E_DEFAULT_REPEAT  # 7. most repetitions on servers (0: none), ~2 min each
 
 
 DEFAULT_SIZES = Sizes((1_000, 10_000), 256, 200_000, 1_000_000, 1_000_000, 20, 200)
@@ -307,11 +112,6 @@ QUICK_SIZES = Sizes((200, 1_000), 256, 50_000, 200_000, 100_000, 10, 200, worker
                     e2e_requests=20, hs_server_repeat=2)
 SMOKE_SIZES = Sizes((64, 256), 64, 5_000, 20_000, 10_000, 3, 100, worker_inflight=(4, 16), worker_steps=5,
                     transfer_blocks=64, transfer_block_kib=16, e2e_requests=4, hs_server_repeat=1)
-
-
-def _rotated(items: Sequence[Any], k: int) -> list[Any]:
-    k %= len(items)
-    return list(items[k:]) + list(items[:k])
 
 
 # --------------------------------------------------------------------------- 1. scheduler
@@ -637,7 +437,7 @@ def bench_eventlog(sizes: Sizes, repeat: int, tmp: Path) -> Section:
         Row("bytes per event on disk, writer-throughput records", "B", bytes_big),
     ]
     sec.notes.append(f"µs per event: median over chunks of 1,000 calls ({sizes.emit_calls:,} calls per "
-                     "repetition), the writer thread running and flushed between chunks (as in bench_eventlog.py).")
+                     "repetition), the writer thread running and flushed between chunks.")
     if dropped_total:
         sec.notes.append(f"writer throughput runs dropped {dropped_total} records (buffer too small?)")
     return sec
@@ -695,7 +495,8 @@ def bench_replay(sizes: Sizes, repeat: int, tmp: Path) -> Section:
     sec.rows.append(Row(f"analyse, {records:,} events (2 logs, {info['bytes'] / 2**20:.0f} MiB)", "events/s",
                         rates, None, Target("min", 200_000, ">= 200,000/s")))
     sec.rows.append(Row("analyse, time per run", "s", [records / r for r in rates]))
-    sec.notes.append(f"log generated once by kvsm.sim (seed 3, Faults.mixed(0.02) but transfer_hang, 65,536-block pools, "
+    sec.notes.append(f"log generated once by kvsm.sim (seed 3, Faults.mixed(0.02) but transfer_hang, "
+                     f"65,536-block pools, "
                      f"{info['num_requests']:,} "
                      f"requests, {info['events_per_request']:.1f} events/request) in {info['generate_s']:.1f} s; "
                      f"findings in the report: {sorted(findings) or 'none'}.")
@@ -1160,7 +961,8 @@ def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
     sec.notes.append(f"{repeat} repetition(s) (this section's default is {E2E_DEFAULT_REPEAT}, not --repeat: each "
                      f"repetition starts four servers), kvsm and upstream one after the other, order alternating; "
                      f"per-repetition p50/p99/max, median over repetitions in the table.")
-    sec.extra["runs"] = {label: [{**{k: v for k, v in run.items() if k not in ("first", "second", "mix", "load", "burst")},
+    unlisted = ("first", "second", "mix", "load", "burst")
+    sec.extra["runs"] = {label: [{**{k: v for k, v in run.items() if k not in unlisted},
                                   "requests": [r.to_json() for r in everyone(run)]} for run in rs]
                          for label, rs in runs.items()}
     return sec
@@ -1480,9 +1282,10 @@ def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
         Row("3 healthy + 1 dead peer (listening, silent), asked first: slowest healthy reply", "ms",
             per_rep["dead_listening"]),
         Row("3 healthy + 1 closed port, asked first: slowest healthy reply", "ms", per_rep["dead_closed"]),
-        Row("slowest healthy reply, with silent dead peer / without", "x", ratio(per_rep["dead_listening"], per_rep["three"]), None,
-            unchanged),
-        Row("slowest healthy reply, with closed port / without", "x", ratio(per_rep["dead_closed"], per_rep["three"]), None, unchanged),
+        Row("slowest healthy reply, with silent dead peer / without", "x",
+            ratio(per_rep["dead_listening"], per_rep["three"]), None, unchanged),
+        Row("slowest healthy reply, with closed port / without", "x",
+            ratio(per_rep["dead_closed"], per_rep["three"]), None, unchanged),
         Row("3 healthy peers: median reply (each peer)", "ms", per_peer_rep["three"]),
         Row("3 healthy + silent dead peer: median healthy reply (each peer)", "ms", per_peer_rep["dead_listening"]),
         Row(f"silent dead peer: timeout reported after its {deadline} ms deadline by", "ms",
@@ -1491,9 +1294,10 @@ def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
     ]
     sec.notes.append(
         f"kvsm.handshake HandshakeServer x3 on one kvsm EventLoop, a fresh HandshakeClient per trial on another "
-        f"(fresh TCP + ZMTP connections each time), metadata_req with one claim, {HandshakeBench.METADATA_BYTES // 1024}"
-        f" KiB of agent metadata per reply; latency from each request's send to its result on the client's loop "
-        f"thread. Median of {sizes.hs_trials} trials per repetition, scenarios interleaved.")
+        f"(fresh TCP + ZMTP connections each time), metadata_req with one claim, "
+        f"{HandshakeBench.METADATA_BYTES // 1024} KiB of agent metadata per reply; latency from each request's "
+        f"send to its result on the client's loop thread. Median of {sizes.hs_trials} trials per repetition, "
+        f"scenarios interleaved.")
     sec.notes.append("in-process rows, upstream n/a: NixlConnector's handshake (`_nixl_handshake`) is a method of "
                      "its worker (NIXL agent with the engine's registered KV caches, TP group, attention backend; "
                      "on the CPU it also pins its process to the last core), so it cannot run without an engine; "

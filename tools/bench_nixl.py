@@ -48,14 +48,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import NO_TARGET, Row, Section, Sizes, Target, _rotated
+from benchlib import NO_TARGET, Row, Section, Sizes, Target, _rotated
 
 from kvsm.testing.peer_process import PeerProcess
 from kvsm.testing.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_SCRIPT = Path(__file__).with_name("bench_nixl_peer.py")
-HOST = "127.0.0.1"
 
 LAYERS = 2  # the tiny model's (bench_nixl_peer.LAYERS)
 BYTES_PER_TOKEN = 512  # one layer: 2 KV heads x (K + V) x head size 32 x float32

@@ -67,11 +67,9 @@ from kvsm.testing.ports import free_port as _free_port  # noqa: E402  (outside t
 LAYERS = 2
 KV_HEADS = 2
 HEAD_SIZE = 32
-BYTES_PER_TOKEN = KV_HEADS * 2 * HEAD_SIZE * 4  # one layer, K and V, float32
 HOST = "127.0.0.1"
 STEP_S = 0.001  # the prefill model-runner thread's step while it holds blocks
 TAG_LAYER = 1_000_000.0
-_MS = 1_000_000
 
 
 def layer_names() -> list[str]:

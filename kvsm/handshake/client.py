@@ -1,0 +1,486 @@
+"""The decode side of the side channel: one DEALER socket per prefill peer, so
+that a dead or slow peer only delays its own requests (upstream's one-worker
+handshake executor let one dead peer delay every other handshake)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvsm.handshake.codec import decode_reply, decode_request, encode
+from kvsm.handshake.messages import (
+    MAX_REPLY_BYTES,
+    PROTOCOL_VERSION,
+    Abandon,
+    ClaimsReply,
+    CompatInfo,
+    ErrorReply,
+    HandshakeError,
+    HandshakeIncompatible,
+    HandshakeProtocolError,
+    HandshakeRefused,
+    HandshakeRejected,
+    HandshakeResult,
+    HandshakeTimeout,
+    Heartbeat,
+    MetadataReply,
+    MetadataRequest,
+    Reply,
+    Request,
+    compat_hash,
+    compat_mismatch,
+)
+
+log = logging.getLogger("kvsm.handshake")
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: int
+    peer: str
+    payload: bytes
+    deadline_ns: int
+    expects: type
+    tp_rank: int = -1
+    pp_rank: int = -1
+    expected_engine_id: str | None = None
+
+
+@dataclass(slots=True)
+class _Peer:
+    address: str
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    pending: set[int] = field(default_factory=set)
+    # A TCP connection is up (monitor: CONNECTED or ZMTP handshake seen since the
+    # socket was made or since the last DISCONNECTED).
+    connected: bool = False
+
+
+# What the client's monitors report. A connect attempt that fails on an opened fd
+# (ECONNREFUSED: nothing listens; or an ICMP-unreachable host) closes that fd:
+# EVENT_CLOSED, then EVENT_CONNECT_RETRIED. CLOSED alone is the signal: a
+# CONNECT_RETRIED also follows every DISCONNECTED (it announces the reconnect timer,
+# before any attempt) and every failed name lookup, and a peer that accepts TCP
+# and stays silent shows only CONNECTED (plus ZMTP success for a ZMQ peer).
+_CLIENT_MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                          | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+
+
+class HandshakeClient:
+    """Decode side: sends requests to any number of prefill peers, one DEALER
+    socket per peer so that a dead or slow peer only delays its own requests.
+
+    Everything is driven by the owning loop thread: ``send``/``fetch_metadata``/
+    ``heartbeat``/``abandon`` queue a request and return its id; the loop polls
+    :meth:`sockets` and calls :meth:`on_readable` for a readable one, and calls
+    :meth:`expire` at :meth:`next_deadline_ns` (same clock as the deadlines you
+    pass). Each of those, and :meth:`poll_results`, returns the results that became
+    known, each exactly once. No method raises on bad data (a bad address, a
+    too-long claim id from ``kv_transfer_params``, a garbage reply): that becomes
+    the request's result.
+
+    Connecting is lazy (ZMQ): nothing fails at send time; the request is queued
+    on the peer's socket and delivered once the connection is up. Each peer socket
+    has a monitor (in :meth:`sockets` too; hand it to :meth:`on_readable` like the
+    DEALER) so that a connection the peer's host *refuses* (a closed port: the
+    process is gone or not started yet; a host reported unreachable counts the
+    same) fails every request pending on that peer with :class:`HandshakeRefused`
+    about a millisecond after the attempt, and a peer that was connected and died
+    fails them when its reconnect is refused (a reconnect interval, 100 ms, later).
+    The refused socket is closed; the next request to that address makes a fresh
+    one and tries again. A peer that accepts the connection and never answers, and
+    a host that drops connection attempts without a word, still time out at the
+    deadline. ZMQ_IMMEDIATE is left off on purpose: with it a send fails while the
+    connection is still being set up, even to a live peer.
+
+    A timeout closes that peer's socket, so nothing queued for or arriving from the
+    dead connection can ever be read, and re-sends that peer's other pending
+    requests on a fresh socket. Replies carry the request's nonce; one that matches
+    no pending request (late, duplicated, forged) is dropped and counted. A reply
+    already waiting on the socket wins over a timeout or a refusal noticed with it.
+
+    Register sockets with the poller through ``on_socket_added`` and unregister them
+    through ``on_socket_removed``, which is called *before* a socket is closed (a
+    closed socket left in a zmq.Poller makes poll() fail).
+    """
+
+    def __init__(self, compat: CompatInfo, requester: str, *, context: zmq.Context | None = None,
+                 on_socket_added: Callable[[zmq.Socket], None] | None = None,
+                 on_socket_removed: Callable[[zmq.Socket], None] | None = None,
+                 max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+        self.compat = compat
+        self.compat_hash = compat_hash(compat)
+        self.requester = requester
+        self._ctx = context or zmq.Context.instance()
+        self._on_added = on_socket_added
+        self._on_removed = on_socket_removed
+        self._max_reply_bytes = max_reply_bytes
+        self._ids = itertools.count(1)
+        self._peers: dict[str, _Peer] = {}
+        self._by_socket: dict[zmq.Socket, _Peer] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[int, int]] = []  # (deadline_ns, request_id), lazily pruned
+        self._results: list[HandshakeResult] = []
+        self._stats: Counter[str] = Counter()
+        self._closed = False
+
+    # ---- requests
+
+    def fetch_metadata(self, peer: str, tp_rank: int, pp_rank: int = 0,
+                       claims: Iterable[str] = (), *, deadline_ns: int,
+                       expected_engine_id: str | None = None) -> int:
+        """Ask ``peer`` for the agent of (tp_rank, pp_rank) and claim ``claims``.
+        With ``expected_engine_id``, a reply from another engine (the prefill engine
+        restarted on the same port) is an error, not a silent switch."""
+        request = MetadataRequest(protocol=PROTOCOL_VERSION, requester=self.requester,
+                                  tp_rank=tp_rank, pp_rank=pp_rank,
+                                  compat_hash=self.compat_hash, claims=list(claims))
+        return self.send(peer, request, deadline_ns, expected_engine_id=expected_engine_id)
+
+    def heartbeat(self, peer: str, claims: Iterable[str], *, deadline_ns: int) -> int:
+        """Extend the leases of ``claims`` on ``peer``."""
+        request = Heartbeat(protocol=PROTOCOL_VERSION, requester=self.requester, claims=list(claims))
+        return self.send(peer, request, deadline_ns)
+
+    def abandon(self, peer: str, claims: Iterable[str], *, deadline_ns: int) -> int:
+        """Tell ``peer`` these requests will never be read."""
+        request = Abandon(protocol=PROTOCOL_VERSION, requester=self.requester, claims=list(claims))
+        return self.send(peer, request, deadline_ns)
+
+    def send(self, peer: str, request: Request, deadline_ns: int, *,
+             expected_engine_id: str | None = None) -> int:
+        """Queue ``request`` (its nonce is replaced by the returned request id)."""
+        if not isinstance(request, (MetadataRequest, Heartbeat, Abandon)):
+            raise TypeError(f"send() takes a MetadataRequest, Heartbeat or Abandon, "
+                            f"got {type(request).__name__}")
+        request_id = next(self._ids)
+        if self._closed:
+            self._fail(request_id, peer, HandshakeError("closed", "the handshake client is closed"))
+            return request_id
+        try:
+            payload = encode(msgspec.structs.replace(request, nonce=request_id))
+            decode_request(payload)  # encoding does not check bounds; the server would refuse it
+        except HandshakeProtocolError as e:
+            self._fail(request_id, peer, HandshakeProtocolError(
+                e.code, f"not sent, the server would refuse it: {e.detail}", peer=peer, nonce=request_id))
+            return request_id
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+            self._fail(request_id, peer, HandshakeProtocolError(
+                "malformed", f"not sent, cannot be encoded: {e}", peer=peer, nonce=request_id))
+            return request_id
+        pending = _Pending(request_id, peer, payload, deadline_ns,
+                           MetadataReply if isinstance(request, MetadataRequest) else ClaimsReply,
+                           expected_engine_id=expected_engine_id)
+        if isinstance(request, MetadataRequest):
+            pending.tp_rank, pending.pp_rank = request.tp_rank, request.pp_rank
+        try:
+            target = self._peer(peer)
+        except (zmq.ZMQError, TypeError, ValueError) as e:  # the address came from kv_transfer_params
+            self._fail(request_id, peer, HandshakeError(
+                "bad_address", f"cannot connect to {peer!r}: {e}", peer=peer, nonce=request_id))
+            return request_id
+        self._pending[request_id] = pending
+        target.pending.add(request_id)
+        heapq.heappush(self._deadlines, (deadline_ns, request_id))
+        self._transmit(target, pending)
+        return request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Forget a pending request; its reply, if one comes, is dropped."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return False
+        peer = self._peers.get(pending.peer)
+        if peer is not None:
+            peer.pending.discard(request_id)
+        return True
+
+    # ---- loop interface
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets to poll for reading right now: per peer in use, its DEALER
+        and that DEALER's monitor."""
+        return [s for p in self._peers.values() for s in (p.sock, p.monitor)]
+
+    def on_readable(self, sock: zmq.Socket) -> list[HandshakeResult]:
+        """Read every reply (DEALER) or connection event (monitor) waiting on
+        ``sock``; returns the results that became known."""
+        peer = self._by_socket.get(sock)
+        if peer is None:
+            pass  # a socket already replaced: nothing to read
+        elif sock is peer.monitor:
+            self._drain_monitor(peer)
+        else:
+            self._drain(peer)
+        return self.poll_results()
+
+    def expire(self, now_ns: int) -> list[HandshakeResult]:
+        """Time out every request whose deadline is <= now_ns; reset those peers'
+        sockets. Returns the results that became known (timeouts and others)."""
+        due: list[_Pending] = []
+        while self._deadlines and self._deadlines[0][0] <= now_ns:
+            deadline_ns, request_id = heapq.heappop(self._deadlines)
+            pending = self._pending.get(request_id)
+            if pending is not None and pending.deadline_ns == deadline_ns:
+                due.append(pending)
+        # A reply that already arrived wins over a deadline the loop noticed first,
+        # and so does a refusal (the more precise verdict).
+        for address in {pending.peer for pending in due}:
+            if (peer := self._peers.get(address)) is not None:
+                self._drain(peer)
+                self._drain_monitor(peer)
+        reset: set[str] = set()
+        for pending in due:
+            if pending.request_id not in self._pending:
+                continue  # answered by that drain
+            request_id = pending.request_id
+            self._take(request_id)
+            self._stats["timeouts"] += 1
+            self._results.append(HandshakeResult(request_id, pending.peer, HandshakeTimeout(
+                "timeout", f"no reply from {pending.peer} by the deadline",
+                peer=pending.peer, nonce=request_id)))
+            reset.add(pending.peer)
+        for address in reset:
+            self._reset_peer(address)
+        return self.poll_results()
+
+    def next_deadline_ns(self) -> int | None:
+        """When expire() next has something to do, or None."""
+        while self._deadlines and self._deadlines[0][1] not in self._pending:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def poll_results(self) -> list[HandshakeResult]:
+        """Results not returned yet (e.g. requests refused before reaching the wire)."""
+        results, self._results = self._results, []
+        return results
+
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def socket_count(self) -> int:
+        """Sockets open for peers: a DEALER and its monitor per peer address (a
+        timed-out or refused peer's pair is replaced)."""
+        return len(self._by_socket)
+
+    def stats(self) -> dict[str, int]:
+        """sent, replies, stale_replies, malformed_replies, timeouts, socket_resets,
+        refused (requests failed as refused), refused_sockets (peer sockets closed
+        on a refusal)..."""
+        return dict(self._stats)
+
+    def close(self) -> None:
+        """Close every socket, monitors included (on_socket_removed first); pending
+        requests are dropped without a result."""
+        self._closed = True
+        for address in list(self._peers):
+            self._drop_peer(address)
+        self._pending.clear()
+        self._deadlines.clear()
+
+    # ---- internals
+
+    def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        sock = self._ctx.socket(zmq.DEALER)
+        monitor: zmq.Socket | None = None
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes)
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
+            # Before connect(): the first attempt's refusal comes within a millisecond.
+            monitor = sock.get_monitor_socket(events=_CLIENT_MONITOR_EVENTS)
+            monitor.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        except Exception:  # send() turns a bad address into the request's result
+            self._close_pair(sock, monitor)
+            raise
+        peer = _Peer(address, sock, monitor)
+        self._peers[address] = peer
+        self._by_socket[sock] = peer
+        self._by_socket[monitor] = peer
+        if self._on_added is not None:
+            self._on_added(sock)
+            self._on_added(monitor)
+        return peer
+
+    def _transmit(self, peer: _Peer, pending: _Pending) -> None:
+        try:
+            peer.sock.send(pending.payload, zmq.NOBLOCK)
+            self._stats["sent"] += 1
+        except zmq.Again:  # SNDHWM requests already queued for a peer that is not reading
+            self._take(pending.request_id)
+            self._fail(pending.request_id, peer.address, HandshakeError(
+                "send_queue_full", f"too many requests queued for {peer.address}",
+                peer=peer.address, nonce=pending.request_id))
+
+    def _drain(self, peer: _Peer) -> None:
+        while True:
+            try:
+                frames = peer.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                self._stats["recv_failed"] += 1
+                log.warning("handshake client: recv from %s failed: %s", peer.address, e)
+                return
+            try:
+                self._on_reply(peer, frames)
+            except Exception:  # a hostile peer must not break the loop
+                self._stats["internal"] += 1
+                log.exception("handshake client: failed handling a reply from %s", peer.address)
+
+    def _drain_monitor(self, peer: _Peer) -> None:
+        """Track the peer's connection; a connect attempt that failed while no
+        connection was up means the peer's host refuses it: fail its requests now."""
+        while True:
+            try:
+                event = parse_monitor_message(peer.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            except Exception:  # noqa: BLE001 - a monitor hiccup is not worth failing requests over
+                self._stats["monitor_unreadable"] += 1
+                return
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                peer.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                peer.connected = False
+            elif event == zmq.EVENT_CLOSED and not peer.connected:
+                self._refused(peer)
+                return  # its sockets are closed; later events are moot
+
+    def _refused(self, peer: _Peer) -> None:
+        """Fail every request pending on ``peer`` as refused and close its sockets,
+        so the next request to that address connects afresh."""
+        self._drain(peer)  # a reply that arrived before the connection went wins
+        self._drop_peer(peer.address)
+        self._stats["refused_sockets"] += 1
+        for request_id in sorted(peer.pending):
+            if request_id not in self._pending:
+                continue
+            self._take(request_id)
+            self._stats["refused"] += 1
+            self._results.append(HandshakeResult(request_id, peer.address, HandshakeRefused(
+                "refused", f"connection refused by {peer.address}", peer=peer.address, nonce=request_id)))
+
+    def _on_reply(self, peer: _Peer, frames: list[bytes]) -> None:
+        self._stats["replies"] += 1
+        if len(frames) != 1:
+            self._stats["malformed_replies"] += 1
+            return
+        try:
+            reply = decode_reply(frames[0], self._max_reply_bytes)
+        except HandshakeProtocolError as e:
+            self._stats["malformed_replies"] += 1
+            if e.nonce is not None and e.nonce in peer.pending:
+                self._take(e.nonce)
+                self._fail(e.nonce, peer.address, HandshakeProtocolError(
+                    e.code, f"bad reply: {e.detail}", peer=peer.address, nonce=e.nonce))
+            return
+        if reply.nonce not in peer.pending:  # late (after a timeout), duplicated or forged
+            self._stats["stale_replies"] += 1
+            return
+        pending = self._take(reply.nonce)
+        self._stats["completed"] += 1
+        self._results.append(HandshakeResult(pending.request_id, peer.address,
+                                             self._judge(pending, reply)))
+
+    def _judge(self, pending: _Pending, reply: Reply) -> MetadataReply | ClaimsReply | HandshakeError:
+        """The reply if it is what this request needed, else the error saying why not."""
+        peer, nonce = pending.peer, pending.request_id
+        if isinstance(reply, ErrorReply):
+            if reply.code == "incompatible":
+                differences = compat_mismatch(self.compat, reply.compat) if reply.compat else []
+                return HandshakeIncompatible(differences, peer=peer, nonce=nonce)
+            return HandshakeRejected(reply.code, reply.detail, peer=peer, nonce=nonce)
+        if not isinstance(reply, pending.expects):
+            return HandshakeProtocolError("unexpected_reply", f"expected {pending.expects.__name__}, "
+                                          f"got {type(reply).__name__}", peer=peer, nonce=nonce)
+        if isinstance(reply, MetadataReply):
+            if reply.compat != self.compat:
+                return HandshakeIncompatible(compat_mismatch(self.compat, reply.compat),
+                                             peer=peer, nonce=nonce)
+            if reply.compat_hash != self.compat_hash:
+                return HandshakeIncompatible([], peer=peer, nonce=nonce)
+            if (reply.tp_rank, reply.pp_rank) != (pending.tp_rank, pending.pp_rank):
+                return HandshakeProtocolError(
+                    "wrong_rank", f"asked for tp_rank={pending.tp_rank} pp_rank={pending.pp_rank}, "
+                    f"got tp_rank={reply.tp_rank} pp_rank={reply.pp_rank}", peer=peer, nonce=nonce)
+            if pending.expected_engine_id is not None and reply.engine_id != pending.expected_engine_id:
+                return HandshakeError(
+                    "engine_mismatch", f"expected engine {pending.expected_engine_id!r}, "
+                    f"{peer} is now engine {reply.engine_id!r} (restarted?)", peer=peer, nonce=nonce)
+        return reply
+
+    def _take(self, request_id: int) -> _Pending:
+        pending = self._pending.pop(request_id)
+        peer = self._peers.get(pending.peer)
+        if peer is not None:
+            peer.pending.discard(request_id)
+        return pending
+
+    def _fail(self, request_id: int, peer: str, error: HandshakeError) -> None:
+        self._stats[f"failed_{error.code}"] += 1
+        self._results.append(HandshakeResult(request_id, peer, error))
+
+    def _drop_peer(self, address: str) -> _Peer | None:
+        peer = self._peers.pop(address, None)
+        if peer is None:
+            return None
+        for sock in (peer.sock, peer.monitor):
+            del self._by_socket[sock]
+            if self._on_removed is not None:
+                try:
+                    self._on_removed(sock)
+                except Exception:
+                    log.exception("handshake client: on_socket_removed failed")
+        self._close_pair(peer.sock, peer.monitor)
+        return peer
+
+    @staticmethod
+    def _close_pair(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+        """Close a DEALER and its monitor (unregistered from the loop already)."""
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
+        sock.close(linger=0)
+
+    def _reset_peer(self, address: str) -> None:
+        """Fresh socket for a peer that missed a deadline; re-send what is still pending
+        (requests are idempotent: a claim or heartbeat applied twice extends a lease
+        twice)."""
+        old = self._drop_peer(address)
+        if old is None:
+            return
+        self._stats["socket_resets"] += 1
+        still_pending = sorted(old.pending)
+        if not still_pending:
+            return  # a new socket is made when one is next needed
+        try:
+            peer = self._peer(address)
+        except zmq.ZMQError as e:  # cannot happen for an address that connected before
+            for request_id in still_pending:
+                self._take(request_id)
+                self._fail(request_id, address, HandshakeError(
+                    "bad_address", f"cannot reconnect to {address!r}: {e}", peer=address))
+            return
+        for request_id in still_pending:
+            peer.pending.add(request_id)
+            self._transmit(peer, self._pending[request_id])

@@ -1,0 +1,230 @@
+"""The side channel's messages, errors, bounds and results: plain msgspec data.
+
+Kept apart from the sockets (``server``, ``client``) so that whatever only builds,
+checks or encodes messages (the codec, the fuzzers, the simulation) imports
+neither zmq nor anything else with I/O.
+
+Wire format (kvsm protocol 1, not upstream-compatible): every ZMQ message is one
+frame (DEALER framing; a REQ peer's empty delimiter frame is accepted and echoed)
+holding one msgpack map with a ``"type"`` key:
+
+============== ======================================================================
+type           fields
+============== ======================================================================
+metadata_req   protocol, nonce, requester, tp_rank, pp_rank, compat_hash, claims
+heartbeat      protocol, nonce, requester, claims
+abandon        protocol, nonce, requester, claims
+metadata       nonce, engine_id, tp_rank, pp_rank, compat, compat_hash, agent_name,
+               agent_metadata (bin), layout (bin), meta_version, claims {id: status}, lease_ms
+claims         nonce, claims {id: status}, lease_ms   (answers heartbeat and abandon)
+error          nonce, code, detail, compat, protocol
+============== ======================================================================
+
+Claim status is ``"ok"`` (lease extended / abandon applied), ``"expired"`` (the
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal, NamedTuple, TypeAlias
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Bounds. The largest valid request (MAX_CLAIMS ids of MAX_ID_LENGTH bytes) is about
+# 1.04 MiB, so it fits MAX_REQUEST_BYTES with room to spare (a test checks it).
+MAX_CLAIMS = 4096
+MAX_ID_LENGTH = 256
+MAX_REQUEST_BYTES = 2 * 1024 * 1024
+# libzmq's per-frame limit on the server (ZMQ_MAXMSGSIZE): a larger frame makes
+# libzmq drop the connection before any of it reaches Python. Between
+# MAX_REQUEST_BYTES and this, the server reads the frame and answers "oversized".
+MAX_FRAME_BYTES = 2 * MAX_REQUEST_BYTES
+# Replies carry NIXL agent metadata (registered regions; tens of KiB to a few MiB).
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+MAX_DETAIL_LENGTH = 1024
+
+CLAIM_STATUSES = ("ok", "expired", "unknown")
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+Nonce = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Claims = Annotated[list[Id], msgspec.Meta(max_length=MAX_CLAIMS)]
+ClaimStatus = Literal["ok", "expired", "unknown"]
+ClaimAnswers = Annotated[dict[Id, ClaimStatus], msgspec.Meta(max_length=MAX_CLAIMS)]
+ShortStr = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+# --------------------------------------------------------------------------- messages
+
+class CompatInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What must agree between a prefill and a decode worker for a read of the
+    prefill's KV blocks to land in the right place with the right meaning."""
+
+    model: Annotated[str, msgspec.Meta(max_length=1024)]
+    dtype: ShortStr
+    num_layers: Count
+    num_kv_heads: Count
+    head_size: Count
+    block_size: Count
+    kv_layout: ShortStr
+    protocol_version: int = PROTOCOL_VERSION
+
+
+def compat_hash(info: CompatInfo) -> str:
+    """sha256 hex of ``info`` as JSON with sorted keys: stable across processes,
+    Python versions and field declaration order."""
+    return hashlib.sha256(msgspec.json.encode(info, order="sorted")).hexdigest()
+
+
+def compat_mismatch(mine: CompatInfo, theirs: CompatInfo) -> list[str]:
+    """One line per differing field, e.g. ``"block_size: 16 here, 128 on the peer"``."""
+    differences = []
+    for name in mine.__struct_fields__:
+        here, there = getattr(mine, name), getattr(theirs, name)
+        if here != there:
+            differences.append(f"{name}: {here!r} here, {there!r} on the peer")
+    return differences
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+               tag_field="type"):
+    """Base of every wire message: a msgpack map tagged by its ``"type"`` key."""
+
+
+class MetadataRequest(_Message, tag="metadata_req", kw_only=True, frozen=True):
+    """Ask for the agent metadata of (tp_rank, pp_rank), and claim the prefill
+    requests the requester is about to read (the server extends their leases)."""
+
+    protocol: int  # required on the wire: a peer must say which version it speaks
+    nonce: Nonce = 0  # echoed in the reply; 0 = none (HandshakeClient numbers from 1)
+    requester: Id
+    tp_rank: Rank
+    pp_rank: Rank = 0
+    compat_hash: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    claims: Claims = []
+
+
+class Heartbeat(_Message, tag="heartbeat", kw_only=True, frozen=True):
+    """Extend the leases of requests the requester still means to read."""
+
+    protocol: int
+    nonce: Nonce = 0
+    requester: Id
+    claims: Claims
+
+
+class Abandon(_Message, tag="abandon", kw_only=True, frozen=True):
+    """The requester will never read these requests: the server may free them now."""
+
+    protocol: int
+    nonce: Nonce = 0
+    requester: Id
+    claims: Claims
+
+
+class MetadataReply(_Message, tag="metadata", kw_only=True, frozen=True):
+    """A rank's NIXL agent, how its KV cache is laid out, and the claim answers.
+    ``meta_version`` changes whenever the agent re-registers its memory."""
+
+    nonce: Nonce = 0
+    engine_id: Id
+    tp_rank: Rank
+    pp_rank: Rank
+    compat: CompatInfo
+    compat_hash: Annotated[str, msgspec.Meta(max_length=128)]
+    agent_name: Id
+    agent_metadata: bytes
+    layout: bytes
+    meta_version: int
+    claims: ClaimAnswers = {}
+    # How long an "ok" claim keeps the blocks pinned from the moment it was
+    # answered (the server's lease), so the client can tell whether its read
+    # finished in time; 0: not stated.
+    lease_ms: Count = 0
+
+
+class ClaimsReply(_Message, tag="claims", kw_only=True, frozen=True):
+    """Per-claim answers to a Heartbeat or an Abandon."""
+
+    nonce: Nonce = 0
+    claims: ClaimAnswers
+    lease_ms: Count = 0
+
+
+class ErrorReply(_Message, tag="error", kw_only=True, frozen=True, forbid_unknown_fields=False):
+    """Why a request was refused. Carries the server's CompatInfo so that the
+    client can name the differing fields itself. Unknown fields are tolerated here
+    (only here) so that a client can read the refusal of a newer server."""
+
+    nonce: Nonce = 0
+    code: ShortStr
+    detail: Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_LENGTH)]
+    compat: CompatInfo | None = None
+    protocol: int = PROTOCOL_VERSION
+
+
+Request: TypeAlias = MetadataRequest | Heartbeat | Abandon
+Reply: TypeAlias = MetadataReply | ClaimsReply | ErrorReply
+
+
+# --------------------------------------------------------------------------- errors
+
+class HandshakeError(Exception):
+    """A handshake request that did not succeed. ``code`` is machine-readable."""
+
+    def __init__(self, code: str, detail: str, *, peer: str = "", nonce: int | None = None) -> None:
+        super().__init__(f"{code}: {detail}" + (f" (peer {peer})" if peer else ""))
+        self.code = code
+        self.detail = detail
+        self.peer = peer
+        self.nonce = nonce
+
+
+class HandshakeProtocolError(HandshakeError):
+    """Bytes that are not a valid message of this protocol (either direction)."""
+
+
+class HandshakeRejected(HandshakeError):
+    """The peer answered with an ErrorReply."""
+
+
+class HandshakeIncompatible(HandshakeError):
+    """The peer's KV layout differs from ours; ``differences`` names each field."""
+
+    def __init__(self, differences: list[str], *, peer: str = "", nonce: int | None = None) -> None:
+        detail = ("incompatible KV cache: " + "; ".join(differences) if differences else
+                  "incompatible KV cache: compat hashes differ but every CompatInfo field "
+                  "matches (the peers hash differently: different kvsm versions?)")
+        super().__init__("incompatible", detail, peer=peer, nonce=nonce)
+        self.differences = differences
+
+
+class HandshakeTimeout(HandshakeError):
+    """No reply before the request's deadline: a peer that accepted the connection
+    and never answered (hung, overloaded), a host that does not answer connection
+    attempts at all, a slow peer."""
+
+
+class HandshakeRefused(HandshakeError):
+    """The peer's host refused the TCP connection: nothing listens on that port (the
+    process is gone, or not started yet). Known from the socket monitor within about
+    a millisecond of the attempt (or a reconnect interval after a live connection
+    dropped), not at the deadline; code ``"refused"``. Retrying is the caller's call:
+    the next request to that address tries a fresh connection."""
+
+
+# --------------------------------------------------------------------------- results
+
+class HandshakeResult(NamedTuple):
+    """The outcome of one request: a reply, or a HandshakeError saying why not."""
+
+    request_id: int
+    peer: str
+    outcome: MetadataReply | ClaimsReply | HandshakeError
+
+    @property
+    def ok(self) -> bool:
+        return not isinstance(self.outcome, HandshakeError)

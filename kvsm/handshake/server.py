@@ -1,0 +1,355 @@
+"""The prefill side of the side channel: one ROUTER socket, never raising out of
+``on_readable`` whatever arrives (upstream's listener thread died on the first
+malformed message, vLLM #54757)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, cast
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvsm.handshake.address import INPROC_PREFIX, peer_address
+from kvsm.handshake.codec import _clip, decode_request, encode
+from kvsm.handshake.messages import (
+    CLAIM_STATUSES,
+    MAX_FRAME_BYTES,
+    MAX_ID_LENGTH,
+    MAX_REPLY_BYTES,
+    Abandon,
+    ClaimsReply,
+    ClaimStatus,
+    CompatInfo,
+    ErrorReply,
+    HandshakeProtocolError,
+    Heartbeat,
+    MetadataReply,
+    MetadataRequest,
+    Reply,
+    Request,
+    compat_hash,
+)
+
+log = logging.getLogger("kvsm.handshake")
+
+MetadataProvider = Callable[[int, int], "tuple[str, bytes, bytes, int] | None"]
+"""(tp_rank, pp_rank) -> (agent_name, agent_metadata, layout, meta_version), or None
+for a rank this engine does not have. Called per request: a re-registered agent
+is served from the next request on."""
+
+ClaimsHandler = Callable[[str, str, list[str]], dict[str, str]]
+"""(kind, requester, claims) -> {claim: "ok" | "expired" | "unknown"} for every
+claim; kind is "claim" (with a metadata request), "heartbeat" or "abandon"."""
+
+_CLAIM_KIND = {MetadataRequest: "claim", Heartbeat: "heartbeat", Abandon: "abandon"}
+_MONITOR_EVENTS: dict[int, str] = {
+    zmq.EVENT_ACCEPTED: "accepted",
+    zmq.EVENT_DISCONNECTED: "disconnected",
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: "zmtp_ok",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "zmtp_failed",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "zmtp_failed",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "zmtp_failed",
+}
+_MAX_FRAMES = 3  # [identity, (empty delimiter from REQ), payload]
+
+
+class _Refusal(Exception):
+    """Internal: answer this request with ErrorReply(code, detail)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(code, detail)
+        self.code = code
+        self.detail = detail
+
+
+def _rate_limited(count: int) -> bool:
+    """Log the 1st, 10th, 100th... occurrence: a flood must not flood the logs."""
+    while count >= 10 and count % 10 == 0:
+        count //= 10
+    return count == 1
+
+
+class HandshakeServer:
+    """Prefill side: answers metadata requests, heartbeats and abandons.
+
+    One ROUTER socket: any number of clients of any socket type (DEALER, REQ) are
+    served concurrently and none can wedge it (a REQ that never reads its reply
+    only fills its own pipe; replies are sent NOBLOCK with ROUTER_MANDATORY so a
+    reply that cannot be delivered is counted, not blocked on). ROUTER_HANDOVER
+    stays off so that a peer cannot take over another client's routing id.
+
+    ``host`` is an address to bind over TCP (``port`` 0: the OS chooses), or
+    ``inproc:NAME``: then it binds ``inproc://NAME-port`` on ``context``
+    (:func:`peer_address`), for engines that share one process and context.
+
+    Call :meth:`on_readable` from the loop thread whenever any socket in
+    :meth:`sockets` is readable (the second one is a monitor counting TCP
+    connections, ZMTP failures and disconnects: a frame over MAX_FRAME_BYTES is
+    dropped by libzmq, which closes that connection, and it shows only there).
+    Readiness must be level-triggered (zmq.Poller): at most ``max_batch``
+    messages are handled per call so a flood cannot starve the loop's timers.
+
+    Memory per hostile connection is bounded by rcvhwm x MAX_FRAME_BYTES inbound
+    (libzmq has no limit on frames per multipart message, so a peer that sends
+    endless frames in one message is not bounded: a known libzmq limitation) and
+    by sndhwm replies outbound for a peer that never reads them.
+    """
+
+    def __init__(self, engine_id: str, compat: CompatInfo, provide: MetadataProvider,
+                 on_claims: ClaimsHandler, *, host: str = "127.0.0.1", port: int = 0,
+                 context: zmq.Context | None = None, max_batch: int = 1024,
+                 rcvhwm: int = 16, sndhwm: int = 1000, lease_ms: int = 0) -> None:
+        self.engine_id = engine_id
+        self.lease_ms = lease_ms
+        self.compat = compat
+        self.compat_hash = compat_hash(compat)
+        self._provide = provide
+        self._on_claims = on_claims
+        self._max_batch = max_batch
+        self._ctx = context or zmq.Context.instance()
+        self._counts: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()
+        self._served: Counter[str] = Counter()
+        self._connections: Counter[str] = Counter()
+        self._closed = False
+
+        inproc = host.startswith(INPROC_PREFIX)
+        router = self._ctx.socket(zmq.ROUTER)
+        try:
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # Inbound: a small queue per connection is only flow control (libzmq stops
+            # reading that TCP connection), and bounds what a hostile peer can park
+            # here to rcvhwm x MAX_FRAME_BYTES. Outbound: a reply that finds its
+            # peer's queue full is dropped and counted, never waited for; keep that
+            # queue deep, since libzmq learns of reads only every sndhwm/2 messages.
+            router.setsockopt(zmq.RCVHWM, rcvhwm)
+            router.setsockopt(zmq.SNDHWM, sndhwm)
+            # A peer stalled in the ZMTP 3 greeting is dropped after 5 s. (Bytes that
+            # do not start like ZMTP 3 are read as ZMTP 1.0 frames, libzmq's legacy
+            # path: such a peer stays connected until it closes; it costs an fd.)
+            router.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+            # Drop connections of clients that vanished without a FIN.
+            router.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
+            router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
+            if inproc:
+                # Exactly the endpoint peer_address(host, port) names, so that a
+                # client given (host, port) finds it; the port is only a name here.
+                router.bind(peer_address(host, port))
+            else:
+                if ":" in host:
+                    router.setsockopt(zmq.IPV6, 1)
+                router.bind(peer_address(host, port or "*"))  # "*": the OS chooses; see self.port
+        except zmq.ZMQError as e:
+            router.close(linger=0)
+            raise OSError(f"handshake server could not bind {host}:{port or '*'}: {e}") from e
+        self._router = router
+        self.address: str = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.port = port if inproc else int(self.address.rsplit(":", 1)[1])
+        events = 0
+        for event in _MONITOR_EVENTS:
+            events |= event
+        self._monitor = router.get_monitor_socket(events=events)
+
+    # ---- loop interface
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets the loop must poll for reading; both go to on_readable()."""
+        return [] if self._closed else [self._router, self._monitor]
+
+    def on_readable(self, sock: zmq.Socket | None = None) -> int:
+        """Handle what is ready on both sockets (``sock`` is accepted for the loop's
+        callback signature and ignored): at most max_batch requests; returns how
+        many were handled. Never raises."""
+        if self._closed:
+            return 0
+        self._drain_monitor()
+        handled = 0
+        while handled < self._max_batch:
+            try:
+                frames = self._recv_frames()
+            except zmq.Again:
+                break
+            except zmq.ZMQError as e:  # ETERM / ENOTSOCK during shutdown
+                self._count_error("recv_failed", f"recv failed: {e}")
+                break
+            handled += 1
+            try:
+                self._handle(frames)
+            except Exception:  # noqa: BLE001 - never let a message kill the loop
+                self._count_error("internal", "unexpected failure handling a message", exc_info=True)
+        return handled
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: received/replied totals, requests served by type, refusals by
+        error code, replies that could not be delivered, connection events."""
+        return {
+            **dict(self._counts),
+            "served": dict(self._served),
+            "errors": dict(self._errors),
+            "connections": dict(self._connections),
+        }
+
+    def close(self) -> None:
+        """Close both sockets (unregister them from the poller first)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._router.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._router.close(linger=0)
+
+    # ---- internals
+
+    def _recv_frames(self) -> list[bytes]:
+        """One multipart message; beyond _MAX_FRAMES+1 frames the rest is read and
+        dropped without being kept (the message is malformed anyway)."""
+        frames = [self._router.recv(zmq.NOBLOCK)]
+        extra = 0
+        while self._router.getsockopt(zmq.RCVMORE):
+            frame = self._router.recv(zmq.NOBLOCK)  # the rest of a message is already here
+            if len(frames) <= _MAX_FRAMES:
+                frames.append(frame)
+            else:
+                extra += 1
+        if extra:
+            frames.append(b"")  # keep the count wrong; content is never read
+        return frames
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except Exception:  # noqa: BLE001 - a monitor hiccup is not worth dying for
+                self._connections["monitor_unreadable"] += 1
+                return
+            self._connections[_MONITOR_EVENTS.get(event["event"], f"event_{event['event']}")] += 1
+
+    def _handle(self, frames: list[bytes]) -> None:
+        self._counts["received"] += 1
+        identity = frames[0]
+        if len(frames) == 2:
+            envelope, payload = [identity], frames[1]
+        elif len(frames) == 3 and frames[1] == b"":
+            envelope, payload = [identity, b""], frames[2]
+        else:
+            # Reply in the framing the peer most likely uses, so it can read the refusal.
+            envelope = [identity, b""] if len(frames) > 1 and frames[1] == b"" else [identity]
+            shape = "1 frame" if len(frames) == 1 else f"{len(frames) - 1} frames"
+            self._refuse(envelope, None, "malformed",
+                         f"expected one payload frame (DEALER) or an empty delimiter and one "
+                         f"payload frame (REQ), got {shape} after the routing id")
+            return
+        try:
+            request = decode_request(payload)
+        except HandshakeProtocolError as e:
+            self._refuse(envelope, e.nonce, e.code, e.detail)
+            return
+        try:
+            reply = self._answer(request)
+        except _Refusal as r:
+            self._refuse(envelope, request.nonce, r.code, r.detail)
+            return
+        except Exception as e:  # noqa: BLE001 - a callback bug must not stop the server
+            self._refuse(envelope, request.nonce, "internal",
+                         f"the prefill side failed answering {type(request).__name__}: "
+                         f"{type(e).__name__}: {e}", exc_info=True)
+            return
+        self._served[type(request).__name__] += 1
+        self._send(envelope, reply)
+
+    def _answer(self, request: Request) -> Reply:
+        if isinstance(request, MetadataRequest):
+            if request.compat_hash != self.compat_hash:
+                raise _Refusal("incompatible",
+                               f"compat hash {request.compat_hash[:16]}... differs from this "
+                               f"engine's {self.compat_hash[:16]}...; the reply's compat field "
+                               f"holds this engine's CompatInfo to compare against")
+            provided = self._provide(request.tp_rank, request.pp_rank)
+            if provided is None:
+                raise _Refusal("unknown_rank",
+                               f"engine {self.engine_id} has no worker tp_rank={request.tp_rank} "
+                               f"pp_rank={request.pp_rank}")
+            agent_name, agent_metadata, layout, meta_version = _check_provided(provided)
+            claims = self._claims("claim", request)
+            return MetadataReply(
+                nonce=request.nonce, engine_id=self.engine_id, tp_rank=request.tp_rank,
+                pp_rank=request.pp_rank, compat=self.compat, compat_hash=self.compat_hash,
+                agent_name=agent_name, agent_metadata=agent_metadata, layout=layout,
+                meta_version=meta_version, claims=claims, lease_ms=self.lease_ms)
+        return ClaimsReply(nonce=request.nonce, claims=self._claims(_CLAIM_KIND[type(request)], request),
+                           lease_ms=self.lease_ms)
+
+    def _claims(self, kind: str, request: Request) -> dict[str, ClaimStatus]:
+        if not request.claims:
+            return {}
+        answers = self._on_claims(kind, request.requester, list(request.claims))
+        if not isinstance(answers, dict):
+            raise TypeError(f"on_claims returned {type(answers).__name__}, expected a dict")
+        missing = [c for c in request.claims if c not in answers]
+        bad = {c: s for c, s in answers.items() if s not in CLAIM_STATUSES}
+        if missing or bad:
+            raise ValueError(f"on_claims({kind!r}) answered badly: missing {missing[:5]}, "
+                             f"invalid statuses {dict(list(bad.items())[:5])}")
+        return cast("dict[str, ClaimStatus]", {c: answers[c] for c in request.claims})  # checked above
+
+    def _refuse(self, envelope: list[bytes], nonce: int | None, code: str, detail: str,
+                exc_info: bool = False) -> None:
+        self._count_error(code, detail, exc_info=exc_info)
+        self._send(envelope, ErrorReply(nonce=nonce or 0, code=code, detail=_clip(detail),
+                                        compat=self.compat))
+
+    def _count_error(self, code: str, detail: str, exc_info: bool = False) -> None:
+        self._errors[code] += 1
+        n = self._errors[code]
+        if _rate_limited(n):
+            log.warning("handshake server %s: refused %d %s message(s) so far; latest: %s",
+                        self.engine_id, n, code, _clip(detail, 300), exc_info=exc_info)
+
+    def _send(self, envelope: list[bytes], reply: Reply) -> None:
+        try:
+            payload = encode(reply)
+            if len(payload) > MAX_REPLY_BYTES:
+                raise ValueError(f"reply of {len(payload)} bytes exceeds {MAX_REPLY_BYTES}")
+        except Exception as e:  # noqa: BLE001 - e.g. the provider returned huge metadata
+            self._count_error("internal", f"could not encode {type(reply).__name__}: {e}")
+            payload = encode(ErrorReply(nonce=reply.nonce, code="internal", compat=self.compat,
+                                        detail=_clip(f"could not encode the reply: {e}")))
+        try:
+            self._router.send_multipart([*envelope, payload], zmq.NOBLOCK)
+        except zmq.Again:  # that peer's pipe is full: it does not read its replies
+            self._counts["reply_dropped_full"] += 1
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer disconnected meanwhile
+            self._counts["reply_unroutable" if e.errno == zmq.EHOSTUNREACH else "reply_failed"] += 1
+        else:
+            self._counts["replied"] += 1
+
+
+def _check_provided(provided: Any) -> tuple[str, bytes, bytes, int]:
+    """The provider's answer, type-checked so that a bug says what was wrong."""
+    if not isinstance(provided, tuple) or len(provided) != 4:
+        raise TypeError(f"provide() must return (agent_name, agent_metadata, layout, "
+                        f"meta_version) or None, got {type(provided).__name__}")
+    agent_name, agent_metadata, layout, meta_version = provided
+    if not isinstance(agent_name, str) or not 0 < len(agent_name) <= MAX_ID_LENGTH:
+        raise TypeError(f"provide(): agent_name must be a non-empty str of at most "
+                        f"{MAX_ID_LENGTH} chars, got {agent_name!r:.80}")
+    if not isinstance(agent_metadata, (bytes, bytearray, memoryview)):
+        raise TypeError(f"provide(): agent_metadata must be bytes, got {type(agent_metadata).__name__}")
+    if not isinstance(layout, (bytes, bytearray, memoryview)):
+        raise TypeError(f"provide(): layout must be bytes, got {type(layout).__name__}")
+    if type(meta_version) is not int or not -(1 << 63) <= meta_version < 1 << 63:
+        raise TypeError(f"provide(): meta_version must be an int64, got {meta_version!r:.40}")
+    if len(agent_metadata) + len(layout) > MAX_REPLY_BYTES - 64 * 1024:
+        raise ValueError(f"provide(): {len(agent_metadata) + len(layout)} bytes of metadata and "
+                         f"layout do not fit a {MAX_REPLY_BYTES}-byte reply")
+    return agent_name, bytes(agent_metadata), bytes(layout), meta_version
