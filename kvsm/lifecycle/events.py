@@ -85,6 +85,9 @@ class Error(Event, frozen=True, tag="error"):
 
     kind: str
     detail: str = ""
+    # The failure itself shows the peer is gone (a read ended in a disconnect):
+    # nobody is left to tell that we will not read.
+    peer_gone: bool = False
 
 
 class Timeout(Event, frozen=True, tag="timeout"):

@@ -160,7 +160,6 @@ def _note_death(m: PeerMachine, ev: Any, now_ns: int) -> None:
     m.dead_until_ns = now_ns + backoff
     m.news_ns = now_ns
     m.backoff_ns = min(backoff * 2, ev.backoff_max_ns)
-    m.agent = ""
 
 
 PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
@@ -193,6 +192,10 @@ def _a_read_completed(m: RequestMachine, ev: Any) -> bool:
     return ev.completed > 0
 
 
+def _peer_gone(m: RequestMachine, ev: Any) -> bool:
+    return bool(ev.peer_gone)
+
+
 def _outdated(m: PeerMachine, ev: Any) -> bool:
     """Sent before the last news about the peer: part of an outage already
     handled, or older than an answer."""
@@ -203,6 +206,7 @@ CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "all_reads_in": _all_reads_in,
     "within_lease": _within_lease,
     "a_read_completed": _a_read_completed,
+    "peer_gone": _peer_gone,
     "outdated": _outdated,
 }
 
@@ -253,6 +257,8 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     *_each(_FAILURES, source=["new", "awaiting_blocks", "pending_handshake", "remote_known"],
            dest="failed", prepare="note_failure", after=["notify_abandon", "report_invalid", "cancel_timers"]),
     # A transfer that ended in error is over: nothing can write any more.
+    {"trigger": "error", "source": "transferring", "dest": "failed", "prepare": "note_failure",
+     "conditions": "peer_gone", "after": ["release_reads", "report_invalid", "cancel_timers"]},
     {"trigger": "error", "source": "transferring", "dest": "failed", "prepare": "note_failure",
      "after": ["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]},
     # A timeout or a dead peer does not stop posted reads: wait for quiescence
@@ -322,7 +328,6 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
 SEND_STALE: list[dict[str, Any]] = [
     {"trigger": ["finished_ok", "finished_abnormally", "abort"], "source": ["awaiting_pull", "released", "expired"],
      "why": "told twice (a direct hand-off that partly failed also goes with the next step)"},
-    {"trigger": "heartbeat", "source": ["prefilling", "abandoned_early"], "why": "nothing is pinned yet to extend"},
     {"trigger": "remote_abandoned", "source": ["abandoned_early", "released", "expired", "forgotten"],
      "why": "nothing is pinned for it (abandoned twice, or released already)"},
     {"trigger": "read_notif", "source": "released",
@@ -377,6 +382,9 @@ PEER_STALE: list[dict[str, Any]] = [
 # the I/O layer): claims to a peer in FETCH_STATES ask for its metadata too;
 # a peer in UNREACHABLE_STATES gets no messages and fails new requests at once.
 PEER_FETCH_STATES = frozenset({"unconnected", "stale", "probing", "dead"})
+# Reads may be posted to the machine's agent only in these (after a death it
+# was removed from the transport).
+PEER_READABLE_STATES = frozenset({"alive", "stale"})
 PEER_UNREACHABLE_STATES = frozenset({"dead"})
 
 

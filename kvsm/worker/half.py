@@ -1,0 +1,316 @@
+"""``WorkerHalf``: the worker half of KVSMConnector, assembled from its parts.
+
+One per worker process (one per tensor-parallel rank). It owns the machines of
+the three lifecycles (recv, send, peer) and one event-loop thread
+(``kvsm.loop``) that does everything else: the side channel (a handshake
+server when this engine prefills for others, a handshake client when it
+decodes), the pin channel, every NIXL call after registration, every timer.
+
+vLLM's model-runner thread only does two things here: ``submit`` posts the
+step's metadata to the loop, and ``take_results`` / ``take_invalid_blocks``
+take what the loop has put in a small locked results box. Nothing it calls
+waits for I/O. This module imports no vLLM (a test enforces it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvsm.config import KVSMConfig
+from kvsm.eventlog.log import EventLog
+from kvsm.facts import StepFacts
+from kvsm.handshake import CompatInfo, HandshakeClient, HandshakeServer
+from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
+from kvsm.lifecycle.machine import LifecycleTracker, Outcome
+from kvsm.lifecycle.table import PEER, RECV, SEND
+from kvsm.loop import EventLoop, TimerHandle
+from kvsm.pin_channel import PinChannelServer, PinTarget
+from kvsm.stats import StatsRecorder
+from kvsm.transport.base import Transport
+from kvsm.worker.context import RateLimitedLog, Results, S, log
+from kvsm.worker.peers import PeerSide
+from kvsm.worker.recovery import Recovery
+from kvsm.worker.recv import RecvSide
+from kvsm.worker.send import SendSide
+
+
+class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
+    """Worker-side state of one engine's connector (one tensor-parallel rank)."""
+
+    def __init__(self, cfg: KVSMConfig, tp_rank: int, *, event_log: EventLog | None = None,
+                 stats: StatsRecorder | None = None, clock: Clock = SYSTEM_CLOCK,
+                 loop_options: Mapping[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.tp_rank = tp_rank
+        self.log = event_log
+        self.stats = stats or StatsRecorder()
+        self.results = Results()
+        # ``clock``/``loop_options`` let the simulation run the real worker on virtual time.
+        self.loop = EventLoop(f"{cfg.engine_id}-tp{tp_rank}", on_error=self._on_loop_error, clock=clock,
+                              **(loop_options or {}))
+        self.warn = RateLimitedLog(self.loop.name)
+        listener = self._on_outcome
+        self.recv = LifecycleTracker(RECV, self.loop.clock, listener=listener)
+        self.send = LifecycleTracker(SEND, self.loop.clock, listener=listener)
+        self.peers = LifecycleTracker(PEER, self.loop.clock, listener=listener)
+        self.state_counts: dict[str, dict[str, int]] = {
+            spec.name: dict.fromkeys(spec.states, 0) for spec in (RECV, SEND)}
+        self.transport = None
+        self.server = None
+        self.client = None
+        self.pins = None
+        self.compat = None
+        self.agent_name = ""
+        self._init_context()
+        self._side_channel_seen: dict[str, int] = {}
+        self._notif_min_ns = max(1, int(cfg.notif_poll_interval_s * S))
+        self._notif_interval_ns = self._notif_min_ns
+        self._notif_fast_until_ns = 0
+        self._recv_effects = self._recv_effect_table()
+        self._send_effects = self._send_effect_table()
+        self._peer_effects = self._peer_effect_table()
+        self._started = False
+
+    # ================================================================ any thread
+
+    def start(self, transport: Transport, compat: CompatInfo) -> None:
+        """Take over the registered transport and start the loop and side channel."""
+        self.transport = transport
+        self.compat = compat
+        self.agent_name = transport.name
+        self.loop.start()
+        self._started = True
+        self.loop.call(self._open_side_channel, timeout=30.0, label="open side channel")
+        self._note("worker.started", None, agent=self.agent_name, kv_role=self.cfg.kv_role,
+                   side_channel=self.server.address if self.server else None,
+                   pin_channel=self.pins.endpoint if self.pins else None)
+
+    def submit(self, meta: StepFacts) -> None:
+        """Hand one step's metadata to the loop (never blocks). If the loop cannot
+        take it (stopped, or drowning), every request in it fails visibly now
+        rather than wait forever."""
+        if not meta:
+            return
+        if not self._started:
+            raise RuntimeError("KVSMConnector worker: metadata arrived before register_kv_caches")
+        if not self.loop.post(lambda: self._on_metadata(meta), label=f"metadata step {meta.step}"):
+            self._refuse_step(meta)
+
+    def _refuse_step(self, meta: StepFacts) -> None:
+        """The step never reaches the loop: tell vLLM now (any thread; the results
+        box is locked). Loads fail; releases and finishes are reported done, so no
+        block stays held: an unpinned prefill only means its claims go unanswered."""
+        log.error("kvsm worker %s: could not post step %d's metadata to the loop (%s); failing its %d "
+                  "receive(s), releasing its %d finish(es)", self.loop.name, meta.step, self.loop.stats(),
+                  len(meta.recv_start), len(meta.send_finish))
+        for start in meta.recv_start:
+            if start.awaited:
+                self.results.failed(start.req, start.local_block_ids)
+        for abort in meta.recv_abort:
+            self.results.received(abort.req)
+        for finish in meta.send_finish:
+            self.results.sent(finish.req)
+        self.stats.failure("internal")
+        self._note("worker.step_refused", None, step=meta.step, recv_start=[s.req for s in meta.recv_start],
+                   recv_abort=[a.req for a in meta.recv_abort], send_finish=[f.req for f in meta.send_finish])
+
+    def pin_target(self) -> PinTarget | None:
+        """How this engine's scheduler reaches this worker's pin channel (None: it
+        serves no prefills, or has not started)."""
+        return self.pins.target(self.tp_rank) if self.pins is not None else None
+
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        return self.results.take()
+
+    def take_invalid_blocks(self) -> set[int]:
+        return self.results.take_invalid()
+
+    def shutdown(self) -> None:
+        if self._started:
+            try:
+                self.loop.call(self._close_on_loop, timeout=10.0, label="shutdown")
+            except Exception as e:  # noqa: BLE001 - shutting down regardless
+                log.warning("kvsm worker %s: closing on the loop failed: %s", self.loop.name, e)
+            self.loop.stop(timeout=10.0)
+            self._started = False
+        if self.log is not None:
+            self.log.close()
+
+    # ================================================================ loop thread
+
+    def _on_metadata(self, meta: StepFacts) -> None:
+        for start in meta.recv_start:
+            exc = self._guard(start.req, self._on_recv_start, start)
+            if exc is not None and start.req not in self.recv and self.recv.final_state(start.req) is None:
+                self._guard(start.req, self._fail_untracked, (start, exc))
+        for abandon in meta.recv_abandon:
+            self._guard(abandon.req, self._on_recv_abandon, abandon)
+        for abort in meta.recv_abort:
+            self._guard(abort.req, self._on_recv_abort, abort)
+        for s in meta.send_start:
+            if s.req in self.send or self.send.final_state(s.req) is not None:
+                continue  # its finish came first, straight from the scheduler
+            self.send.create(s.req)
+        for finish in meta.send_finish:
+            self._guard(finish.req, self._on_send_finish, (finish, "next_step"))
+        for target in meta.heartbeats:
+            self._guard(None, self._send_heartbeat, target)
+        self._flush_claims()
+
+    def _open_side_channel(self) -> None:
+        assert self.compat is not None
+        if self.cfg.produces:
+            self.server = HandshakeServer(
+                self.cfg.engine_id, self.compat, self._provide, self._on_claims,
+                host=self._bind_host(), port=self.cfg.port_of_rank(self.tp_rank),
+                context=self.loop.context, lease_ms=int(self.cfg.lease_s * 1000))
+            for sock in self.server.sockets():
+                self.loop.add_reader(sock, self._on_side_channel, label="handshake server")
+            self.pins = PinChannelServer(self.loop.context, self._on_pins,
+                                         lambda fn, label: self.loop.post(fn, label=label))
+            for sock in self.pins.sockets():
+                self.loop.add_reader(sock, self.pins.on_readable, label="pin channel")
+        if self.cfg.consumes:
+            self.client = HandshakeClient(
+                self.compat, requester=f"{self.cfg.engine_id}/tp{self.tp_rank}", context=self.loop.context,
+                on_socket_added=self._watch_client_socket, on_socket_removed=self.loop.remove_reader)
+
+    def _on_side_channel(self) -> None:
+        """Serve what arrived, then count it by outcome for the stats (a few dict
+        operations per batch of messages, not per message)."""
+        assert self.server is not None
+        self.server.on_readable()
+        now = _side_channel_outcomes(self.server.stats())
+        last = self._side_channel_seen
+        delta = {k: n - last.get(k, 0) for k, n in now.items() if n != last.get(k, 0)}
+        if delta:
+            self._side_channel_seen = now
+            self.stats.side_channel(delta)
+
+    def _bind_host(self) -> str:
+        host = self.cfg.side_channel_host
+        return "127.0.0.1" if host == "localhost" else host
+
+    def _close_on_loop(self) -> None:
+        # The log's last record says what was still live and what was still held, so
+        # replay can tell a clean stop from a crash and a leak check has its figures.
+        # Peers are closed first: a peer is no request, and its machine ends here.
+        for m in self.peers.live():
+            self._apply_peer(ev.Closed(req=m.req))
+        # Early abandons hold nothing: the timers that would forget them fire now.
+        for req, io in list(self._send_io.items()):
+            if io.abandon_timer is not None:
+                self.loop.cancel(io.abandon_timer)
+                self._abandon_expired(req)
+        self._note("worker.shutdown", None, clean=True,
+                   live={"recv": {m.req: m.state for m in self.recv.live()},
+                         "send": {m.req: m.state for m in self.send.live()}},
+                   resources=self.resources(),
+                   side_channel=self.server.stats() if self.server else None,
+                   pin_channel=self.pins.stats() if self.pins else None,
+                   client=self.client.stats() if self.client else None)
+        for h in self._timers():
+            self.loop.cancel(h)
+        if self.client is not None:
+            self.client.close()
+        if self.server is not None:
+            for sock in self.server.sockets():
+                self.loop.remove_reader(sock)
+            self.server.close()
+        if self.pins is not None:
+            for sock in self.pins.sockets():
+                self.loop.remove_reader(sock)
+            self.pins.close()
+        if self.transport is not None:
+            close = getattr(self.transport, "close", None)
+            if close is not None:
+                close()
+
+    def resources(self) -> dict[str, int]:
+        """How much per-request state this worker holds (loop thread): every count
+        but ``peers``/``transport_peers`` and the loop's ``readers`` returns to 0 once
+        the requests it served have ended, so a growing count is a leak."""
+        out = {
+            "recv_machines": len(self.recv),
+            "send_machines": len(self.send),
+            "recv_io": len(self._recv_io),
+            "send_io": len(self._send_io),
+            "claims": len(self._claims),
+            "claim_queue": sum(len(q) for q in self._claim_queue.values()),
+            "oneway": len(self._oneway),
+            "polling": len(self._polling),
+            "peers": len(self._peer_io),
+        }
+        if self.transport is not None:
+            out.update({f"transport_{k}": v for k, v in self.transport.resources().items()})
+        if self.client is not None:
+            out["client_pending"] = self.client.pending_count()
+            out["client_sockets"] = self.client.socket_count()
+        loop = self.loop.stats()
+        out["loop_timers"] = loop["timers_pending"]
+        out["loop_readers"] = loop["readers"]
+        return out
+
+    def _timers(self) -> list[TimerHandle | None]:
+        out: list[TimerHandle | None] = [self._poll_timer, self._notif_timer, self._expiry_timer,
+                                         self._retry_flush]
+        for io in self._recv_io.values():
+            out += io.timers()
+        for s in self._send_io.values():
+            out += [s.lease_timer, s.abandon_timer]
+        out += [p.backoff_timer for p in self._peer_io.values()]
+        return out
+
+    def _on_outcome(self, o: Outcome) -> None:
+        if self.log is not None:
+            self.log.record_outcome(o)
+        if o.violation is None and not o.stale:
+            counts = self.state_counts.get(o.lifecycle)
+            if counts is not None:
+                if o.src is not None:
+                    counts[o.src] -= 1
+                counts[o.dst] += 1  # type: ignore[index]
+
+    # ================================================================ introspection
+
+    def debug_state(self) -> dict[str, Any]:
+        """A snapshot for tests and debugging (runs on the loop)."""
+
+        def snap() -> dict[str, Any]:
+            peers: dict[str, Any] = {}
+            for p in self._peer_io.values():
+                m = self.peers.get(p.key)
+                if m is not None:
+                    peers[p.key] = {"state": m.state, "agent": self._peer_agent(p) or None,
+                                    "dead_until_ns": getattr(m, "dead_until_ns", 0),
+                                    "failures": getattr(m, "failures", 0),
+                                    "last_error": getattr(m, "last_error", "")}
+            return {
+                "recv": {m.req: m.state for m in self.recv.live()},
+                "send": {m.req: m.state for m in self.send.live()},
+                "peers": peers,
+                "io": {"recv": len(self._recv_io), "send": len(self._send_io), "claims": len(self._claims),
+                       "oneway": len(self._oneway), "polling": len(self._polling)},
+                "server": self.server.stats() if self.server else None,
+                "pin_channel": self.pins.stats() if self.pins else None,
+                "client": self.client.stats() if self.client else None,
+                "loop": self.loop.stats(),
+                "resources": self.resources(),
+            }
+
+        return self.loop.call(snap, timeout=10.0, label="debug_state")
+
+
+def _side_channel_outcomes(server_stats: dict[str, Any]) -> dict[str, int]:
+    """``HandshakeServer.stats()`` flattened to cumulative counts by outcome:
+    ``served``, each refusal's error code, and replies that could not be sent."""
+    out = {"served": sum(server_stats.get("served", {}).values())}
+    out.update(server_stats.get("errors", {}))
+    for key in ("reply_dropped_full", "reply_unroutable", "reply_failed"):
+        if server_stats.get(key):
+            out[key] = server_stats[key]
+    return out
+
+

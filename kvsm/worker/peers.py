@@ -1,0 +1,328 @@
+"""Peers and claims (decode engine): each prefill worker it reads from, and the
+claims that ask whether a request's blocks are still pinned.
+
+Each peer is a machine of the ``peer`` lifecycle (``kvsm.lifecycle.table``:
+unconnected, alive, stale, dead with back-off, probing, closed): its NIXL
+agent, its outages and its back-off are that machine's data, set by the
+table's ``prepare`` callbacks, so replay re-applies them like any request's.
+The table also says what a peer's state allows (``PEER_FETCH_STATES``: claims
+fetch its metadata too; ``PEER_UNREACHABLE_STATES``: no messages, new requests
+fail at once).
+
+Why a claim before every read: the prefill side may have freed (and reused)
+the blocks when its lease ran out. The claim extends the lease and says
+whether the blocks are still pinned; the decode side's table then checks,
+when the read completes, that it completed within one lease of the claim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvsm.facts import HeartbeatTarget
+from kvsm.handshake import (
+    MAX_CLAIMS,
+    ClaimsReply,
+    HandshakeError,
+    HandshakeIncompatible,
+    HandshakeRefused,
+    HandshakeResult,
+    HandshakeTimeout,
+    MetadataReply,
+    peer_address,
+)
+from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.data import PeerMachine
+from kvsm.lifecycle.machine import Outcome
+from kvsm.lifecycle.table import PEER, PEER_FETCH_STATES, PEER_READABLE_STATES, PEER_UNREACHABLE_STATES
+from kvsm.loop import LoopError
+from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerEffect, PeerIO, S, WorkerContext, log
+
+
+class PeerSide(WorkerContext):
+    """Peer machines, claims, heartbeats and abandons sent, handshake results."""
+
+    def _peer_effect_table(self) -> dict[str, PeerEffect]:
+        return {
+            "drop_agent": self._drop_agent,
+            "fail_waiting": self._fail_waiting,
+            "arm_backoff_timer": self._arm_backoff_timer,
+            "cancel_backoff_timer": self._cancel_backoff_timer,
+        }
+
+    # -- the peer machines -------------------------------------------------------------
+
+    def _peer(self, engine: str, host: str, port: int) -> PeerIO:
+        address = peer_address(host, port + self.tp_rank)
+        key = f"{engine}@{address}"
+        peer = self._peer_io.get(key)
+        if peer is None:
+            peer = self._peer_io[key] = PeerIO(key, engine, address)
+            self.peers.create(key)
+        return peer
+
+    def _peer_machine(self, peer: PeerIO) -> PeerMachine | None:
+        m = self.peers.get(peer.key)
+        return m if isinstance(m, PeerMachine) else None
+
+    def _peer_state(self, peer: PeerIO) -> str:
+        m = self.peers.get(peer.key)
+        return m.state if m is not None else "closed"
+
+    def _peer_agent(self, peer: PeerIO) -> str:
+        m = self._peer_machine(peer)
+        return m.agent if m is not None and m.state in PEER_READABLE_STATES else ""
+
+    def _step_peer(self, event: ev.Event) -> Outcome:
+        o = self.peers.apply(event)
+        if o.violation is not None or o.stale:
+            if o.violation is not None:
+                self.warn.warning("violation", "%s", o.describe())
+            return o
+        peer = self._peer_io.get(o.req)
+        if peer is None:
+            return o
+        effects = self._peer_effects
+        for name in o.effects:
+            effects[name](peer, o)
+        if o.dst in PEER.terminal:
+            self._peer_io.pop(o.req, None)
+        return o
+
+    def _mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:
+        """Tell ``peer``'s machine it was found dead (``reason``: refused, silent,
+        disconnected, unsettled); the table decides whether that is news."""
+        self._apply_peer(ev.Died(req=peer.key, reason=reason, why=why[:300], sent_ns=sent_ns,
+                                 backoff_ns=int(self.cfg.peer_backoff_s * S),
+                                 backoff_max_ns=int(self.cfg.peer_backoff_max_s * S)))
+
+    def _drop_agent(self, peer: PeerIO, o: Outcome) -> None:
+        """Remove the dead peer's NIXL agent: that settles its reads, none can write
+        afterwards (and no read is posted to it: see PEER_READABLE_STATES)."""
+        m = self._peer_machine(peer)
+        if m is not None and m.agent and self.transport is not None:
+            self.transport.remove_peer(m.agent)
+
+    def _fail_waiting(self, peer: PeerIO, o: Outcome) -> None:
+        m = self._peer_machine(peer)
+        assert m is not None
+        reason = getattr(o.event, "reason", "")
+        self._note("worker.peer_dead", None, peer=peer.address, engine=peer.engine,
+                   why=getattr(o.event, "why", ""), reason=reason,
+                   retry_in_s=(m.dead_until_ns - self.loop.now_ns()) / S, failures=m.failures)
+        log.warning("kvsm worker %s: peer %s (%s) is dead: %s; failing its requests fast for %.1f s",
+                    self.loop.name, peer.address, peer.engine, m.last_error,
+                    (m.dead_until_ns - self.loop.now_ns()) / S)
+        kind = f"peer_{reason}" if reason else "peer_dead"
+        for req, io in list(self._recv_io.items()):
+            if io.peer is peer and req in self.recv:
+                self.stats.failure(kind)
+                self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason=reason))
+
+    def _arm_backoff_timer(self, peer: PeerIO, o: Outcome) -> None:
+        m = self._peer_machine(peer)
+        assert m is not None
+        self.loop.cancel(peer.backoff_timer)
+        peer.backoff_timer = self.loop.call_at(m.dead_until_ns, lambda: self._backoff_over(peer),
+                                               label="peer back-off")
+
+    def _backoff_over(self, peer: PeerIO) -> None:
+        peer.backoff_timer = None
+        if peer.key in self.peers:
+            self._apply_peer(ev.BackoffOver(req=peer.key))
+
+    def _cancel_backoff_timer(self, peer: PeerIO, o: Outcome) -> None:
+        self.loop.cancel(peer.backoff_timer)
+        peer.backoff_timer = None
+
+    # -- claims ------------------------------------------------------------------------
+
+    def _flush_claims(self) -> None:
+        """One claim message per peer for every request queued this turn."""
+        queue, self._claim_queue = self._claim_queue, {}
+        if not queue:
+            return
+        assert self.client is not None
+        now = self.loop.now_ns()
+        deadline = now + int(self.cfg.handshake_timeout_s * S)
+        for key, reqs in queue.items():
+            try:
+                self._send_claim(key, reqs, now, deadline)
+            except Exception as e:  # noqa: BLE001 - one peer's claim must not drop the others'
+                for req in reqs:
+                    self._on_loop_error(LoopError(e, req, "claim flush", "post"))
+        self._on_client_results(self.client.poll_results())
+        self._arm_client_expiry()
+
+    def _send_claim(self, key: str, reqs: list[str], now: int, deadline: int) -> None:
+        """Claim messages to one peer for ``reqs``: one per MAX_CLAIMS of them (the
+        server refuses longer ones; a step may start more requests than that)."""
+        assert self.client is not None
+        peer = self._peer_io[key]
+        pairs = []
+        for req in reqs:
+            io = self._recv_io.get(req)
+            if io is None:  # ended while queued
+                continue
+            pairs.append((req, io.start.remote_req))
+        fetch = self._peer_state(peer) in PEER_FETCH_STATES
+        for at in range(0, len(pairs), MAX_CLAIMS):
+            chunk = pairs[at:at + MAX_CLAIMS]
+            claims = [remote for _, remote in chunk]
+            if fetch:  # every chunk asks: whichever reply comes first adds the agent
+                rid = self.client.fetch_metadata(peer.address, self.tp_rank, 0, claims, deadline_ns=deadline,
+                                                 expected_engine_id=peer.engine)
+            else:
+                rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline)
+            self._claims[rid] = Claim(peer, now, chunk, fetch)
+
+    def _retry_claim(self, req: str) -> None:
+        io = self._recv_io.get(req)
+        if io is None:
+            return
+        io.retry_timer = None
+        self._claim_queue.setdefault(io.peer.key, []).append(req)
+        if self._retry_flush is None:  # one flush for every retry due now (a timer: it cannot be dropped)
+            self._retry_flush = self.loop.call_later(0, self._flush_retries, label="claim retry flush")
+
+    def _flush_retries(self) -> None:
+        self._retry_flush = None
+        self._flush_claims()
+
+    def _on_client_results(self, results: list[HandshakeResult]) -> None:
+        for result in results:
+            claim = self._claims.pop(result.request_id, None)
+            if claim is not None:
+                try:
+                    self._on_claim_result(claim, result)
+                except Exception as e:  # noqa: BLE001 - one bad reply must not drop the others
+                    for req, _ in claim.reqs:
+                        self._on_loop_error(LoopError(e, req, "claim result", "reader"))
+                continue
+            entry = self._oneway.pop(result.request_id, None)
+            if entry is None:
+                continue
+            peer, sent_ns = entry
+            if isinstance(result.outcome, HandshakeRefused):
+                self._mark_dead(peer, str(result.outcome), "refused", sent_ns)
+            elif isinstance(result.outcome, HandshakeTimeout):
+                self._mark_dead(peer, f"no answer to a heartbeat/abandon: {result.outcome}", "silent", sent_ns)
+
+    def _on_claim_result(self, claim: Claim, result: HandshakeResult) -> None:
+        peer = claim.peer
+        outcome = result.outcome
+        if isinstance(outcome, HandshakeError):
+            self._note("worker.claim_failed", None, peer=peer.address, engine=peer.engine, fetch=claim.fetch,
+                       error=f"{outcome.code}: {outcome}"[:300], reqs=[req for req, _ in claim.reqs])
+            if isinstance(outcome, HandshakeRefused):
+                # Nobody listens there any more (the process is gone): known at once,
+                # no need to wait for a timeout. A silent peer still times out.
+                self._mark_dead(peer, str(outcome), "refused", claim.sent_ns)
+                return
+            if isinstance(outcome, HandshakeTimeout):
+                self._mark_dead(peer, str(outcome), "silent", claim.sent_ns)
+                return  # a death fails every request waiting on this peer
+            kind = "incompatible" if isinstance(outcome, HandshakeIncompatible) else "handshake"
+            if outcome.code == "engine_mismatch":
+                kind = "engine_mismatch"
+            for req, _ in claim.reqs:
+                self.stats.failure(kind)
+                self._apply_if_live(ev.Error(req=req, kind=kind, detail=f"{peer.address}: {outcome}"))
+            return
+        assert isinstance(outcome, (MetadataReply, ClaimsReply))
+        if isinstance(outcome, MetadataReply) and self._peer_state(peer) in PEER_FETCH_STATES:
+            assert self.transport is not None
+            try:
+                agent = self.transport.add_peer(outcome.agent_metadata)
+            except (ValueError, ConnectionError) as e:
+                for req, _ in claim.reqs:
+                    self.stats.failure("incompatible")
+                    self._apply_if_live(ev.Error(req=req, kind="incompatible", detail=f"{peer.address}: {e}"))
+                return
+            self._apply_peer(ev.AgentAdded(req=peer.key, agent=agent, engine=peer.engine, address=peer.address))
+            self.stats.handshake_done((self.loop.now_ns() - claim.sent_ns) / S)
+            self._note("worker.peer_added", None, peer=peer.address, engine=peer.engine, agent=agent)
+        else:
+            self._apply_peer(ev.Answered(req=peer.key, sent_ns=claim.sent_ns))
+        # The prefill side's lease decides how long the claim pins the blocks (a peer
+        # that does not say is assumed to run ours).
+        window = outcome.lease_ms * MS if outcome.lease_ms else self.cfg.lease_ns
+        for req, remote_req in claim.reqs:
+            io = self._recv_io.get(req)
+            if io is None:  # ended meanwhile
+                continue
+            status = outcome.claims.get(remote_req, "unknown")
+            io.answers[status] = io.answers.get(status, 0) + 1  # logged when the claim phase ends
+            if status == "ok":
+                self._apply_recv(ev.HandshakeOk(req=req, remote_engine=peer.engine, claim_sent_ns=claim.sent_ns,
+                                                lease_window_ns=window))
+            elif status == "expired":
+                self.stats.failure("lease_expired")
+                self._apply_recv(ev.Error(req=req, kind="lease_expired", detail=(
+                    f"prefill request {remote_req} on {peer.engine} is no longer pinned "
+                    f"(its lease expired or it was released); its blocks may have been reused")))
+            elif io.retry_timer is None:
+                # Not known there (yet): the prefill worker may hear of the finish a
+                # little later. Asking again is this effect's own business (the
+                # handshake timeout in the table bounds it), not a transition.
+                io.retry_timer = self.loop.call_later(CLAIM_RETRY_NS, lambda r=req: self._retry_claim(r),
+                                                      req=req, label="claim retry")
+
+    def _apply_if_live(self, event: ev.Event) -> None:
+        if event.req in self.recv:
+            self._apply_recv(event)
+
+    # -- one-way messages: abandons and heartbeats ------------------------------------------
+
+    def _tell_abandon(self, peer: PeerIO, remote_reqs: list[str]) -> None:
+        """Tell the prefill side we will never read these (so it can unpin now);
+        nobody to tell when the peer is unreachable: its lease frees the blocks."""
+        if self.client is None or self._peer_state(peer) in PEER_UNREACHABLE_STATES:
+            return
+        now = self.loop.now_ns()
+        rid = self.client.abandon(peer.address, remote_reqs, deadline_ns=now + int(self.cfg.handshake_timeout_s * S))
+        self._oneway[rid] = (peer, now)
+        self._on_client_results(self.client.poll_results())
+        self._arm_client_expiry()
+
+    def _send_heartbeat(self, target: HeartbeatTarget) -> None:
+        if self.client is None or not target.claims:
+            return
+        peer = self._peer(target.remote_engine, target.remote_host, target.remote_port)
+        if self._peer_state(peer) in PEER_UNREACHABLE_STATES:
+            return
+        now = self.loop.now_ns()
+        deadline = now + int(self.cfg.handshake_timeout_s * S)
+        claims = list(target.claims)
+        for at in range(0, len(claims), MAX_CLAIMS):  # the server refuses longer messages
+            rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline)
+            self._oneway[rid] = (peer, now)
+        self._on_client_results(self.client.poll_results())
+        self._arm_client_expiry()
+
+    # -- the client's sockets and deadlines -----------------------------------------------
+
+    def _watch_client_socket(self, sock: Any) -> None:
+        def readable() -> None:
+            assert self.client is not None
+            self._on_client_results(self.client.on_readable(sock))
+            self._arm_client_expiry()
+
+        self.loop.add_reader(sock, readable, label="handshake client")
+
+    def _arm_client_expiry(self) -> None:
+        assert self.client is not None
+        deadline = self.client.next_deadline_ns()
+        timer = self._expiry_timer
+        if timer is not None and not timer.cancelled and deadline is not None and timer.deadline_ns <= deadline:
+            return
+        self.loop.cancel(timer)
+        self._expiry_timer = None
+        if deadline is not None:
+            self._expiry_timer = self.loop.call_at(deadline, self._expire_client, label="handshake deadlines")
+
+    def _expire_client(self) -> None:
+        assert self.client is not None
+        self._expiry_timer = None
+        self._on_client_results(self.client.expire(self.loop.now_ns()))
+        self._arm_client_expiry()

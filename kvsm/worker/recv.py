@@ -1,0 +1,371 @@
+"""The receiving side (decode engine): requests whose KV is read from a prefill engine.
+
+RecvStart -> matched, allocated -> start_handshake: claim the remote request
+(``peers``) -> handshake_ok -> post_reads: one NIXL READ carrying a
+notification -> all_reads_done: the table checks the reads completed inside
+the lease the claim granted -> deliver_blocks (finished_recving), or the
+blocks are reported invalid.
+"""
+
+from __future__ import annotations
+
+from kvsm.facts import RecvAbandon, RecvAbort, RecvStart
+from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.machine import Outcome
+from kvsm.lifecycle.table import PEER_UNREACHABLE_STATES, RECV
+from kvsm.loop import LoopError
+from kvsm.transport.base import TransferState
+from kvsm.worker.context import RecvEffect, RecvIO, S, WorkerContext
+
+
+class RecvSide(WorkerContext):
+    """Decode requests: their machines' effects and their reads."""
+
+    def _recv_effect_table(self) -> dict[str, RecvEffect]:
+        return {
+            "take_blocks": self._nothing,
+            "arm_handshake_timer": self._arm_handshake_timer,
+            "start_handshake": self._start_handshake,
+            "cancel_handshake_timer": self._cancel_handshake_timer,
+            "post_reads": self._post_reads,
+            "arm_transfer_timer": self._arm_transfer_timer,
+            "send_notif": self._send_notif,
+            "release_reads": self._release_reads,
+            "cancel_reads": self._cancel_reads,
+            "deliver_blocks": self._deliver_blocks,
+            "report_invalid": self._report_invalid,
+            "release_blocks": self._release_blocks,
+            "notify_abandon": self._notify_abandon,
+            "cancel_timers": self._cancel_recv_timers,
+        }
+
+    # -- inputs from the step's metadata ---------------------------------------------
+
+    def _on_recv_start(self, start: RecvStart) -> None:
+        req = start.req
+        if req in self.recv:
+            self._note("worker.duplicate_recv_start", req)
+            return
+        self._recv_io[req] = RecvIO(start, self._peer(start.remote_engine, start.remote_host, start.remote_port))
+        self.recv.create(req)
+        self._apply_recv(ev.Matched(req=req, num_tokens=start.num_tokens, remote_engine=start.remote_engine,
+                                    remote_req=start.remote_req, remote_host=start.remote_host,
+                                    remote_port=start.remote_port, remote_blocks=len(start.remote_block_ids)))
+        problem = self._unreadable(start)
+        if problem is not None:
+            kind, detail = problem
+            self._apply_recv(ev.Error(req=req, kind=kind, detail=detail))
+            return
+        self._apply_recv(ev.Allocated(req=req, block_ids=start.local_block_ids,
+                                      num_external_tokens=start.num_tokens))
+
+    def _unreadable(self, start: RecvStart) -> tuple[str, str] | None:
+        """Why this request cannot be read at all, before any I/O."""
+        if start.remote_tp_size != self.cfg.tp_size:
+            return ("tp_mismatch", (f"the prefill engine runs tensor parallel {start.remote_tp_size}, this "
+                                    f"engine {self.cfg.tp_size}; kvsm needs equal sizes"))
+        if len(start.remote_block_ids) != len(start.local_block_ids):
+            return ("bad_params", (f"{len(start.local_block_ids)} local blocks to fill but the prefill side "
+                                   f"offers {len(start.remote_block_ids)} (remote_block_ids too short?)"))
+        return None
+
+    def _fail_untracked(self, args: tuple[RecvStart, Exception]) -> None:
+        """A RecvStart whose handling raised before its machine existed: vLLM waits
+        for the request all the same. Track it just to fail it (and tell the prefill
+        side to unpin)."""
+        start, exc = args
+        req = start.req
+        if req not in self._recv_io:
+            self._recv_io[req] = RecvIO(start, self._peer(start.remote_engine, start.remote_host,
+                                                          start.remote_port))
+        self.recv.create(req)
+        self._apply_recv(ev.InternalError(req=req, where="_on_recv_start", detail=f"{type(exc).__name__}: {exc}"))
+
+    def _on_recv_abandon(self, abandon: RecvAbandon) -> None:
+        """vLLM gave up on a request before it reached the worker: track it just to
+        abort it, which tells the prefill side to unpin."""
+        req = abandon.req
+        if req not in self.recv:
+            start = RecvStart(req=req, remote_engine=abandon.remote_engine, remote_req=abandon.remote_req,
+                              remote_host=abandon.remote_host, remote_port=abandon.remote_port,
+                              remote_tp_size=abandon.remote_tp_size, remote_block_ids=(), local_block_ids=(),
+                              num_tokens=0, awaited=False)
+            self._recv_io[req] = RecvIO(start, self._peer(abandon.remote_engine, abandon.remote_host,
+                                                          abandon.remote_port))
+            self.recv.create(req)
+            self._apply_recv(ev.Matched(req=req, num_tokens=0, remote_engine=abandon.remote_engine,
+                                        remote_req=abandon.remote_req, remote_host=abandon.remote_host,
+                                        remote_port=abandon.remote_port))
+        self._apply_recv(ev.Abort(req=req))
+
+    def _on_recv_abort(self, abort: RecvAbort) -> None:
+        # After the end (the transfer was reported before vLLM's abort came) the
+        # table records it as a stale input.
+        self._apply_recv(ev.Abort(req=abort.req))
+
+    # -- one transition and its effects ------------------------------------------------
+
+    def _step_recv(self, event: ev.Event) -> Outcome:
+        o = self.recv.apply(event)
+        if o.violation is not None or o.stale:
+            if o.violation is not None:
+                self.warn.warning("violation", "%s", o.describe())
+            return o
+        req = o.req
+        io = self._recv_io.get(req)
+        if o.src == "pending_handshake" and io is not None and io.answers and self.log is not None:
+            # Its claims are over: one record of how each was answered (not one per reply:
+            # thousands of requests retried every few ms starved the loop under load).
+            self.log.emit("log", "worker.claims_answered", None, peer=io.peer.address, engine=io.peer.engine,
+                          **{status: {req: n} for status, n in io.answers.items()})
+        effects = self._recv_effects
+        if o.dst not in RECV.terminal:
+            for name in o.effects:
+                try:
+                    effects[name](req, io, o)
+                except Exception as e:  # noqa: BLE001 - fails this request only (the rest are moot)
+                    self._on_loop_error(LoopError(e, req, f"effect {name}", "post"))
+                    break
+            return o
+        # The request ends here: every effect runs even if one raises, and vLLM hears
+        # of the request whatever happens (as failed if the report itself raised).
+        failed: list[tuple[str, Exception]] = []
+        try:
+            for name in o.effects:
+                try:
+                    effects[name](req, io, o)
+                except Exception as e:  # noqa: BLE001 - reported below, the rest still runs
+                    failed.append((name, e))
+        finally:
+            self._recv_io.pop(req, None)
+            self._polling.discard(req)
+            if not self._recv_io:
+                self._compact_recv()
+        if failed:
+            self._effects_failed(req, io, o, failed)
+        return o
+
+    def _effects_failed(self, req: str, io: RecvIO | None, o: Outcome, failed: list[tuple[str, Exception]]) -> None:
+        """Effects of a request's last transition raised: say so, and if the one that
+        tells vLLM was among them, tell it now that the request failed."""
+        names = [name for name, _ in failed]
+        reported = None
+        if io is not None and io.start.awaited and {"deliver_blocks", "release_blocks", "report_invalid"} & set(
+                names):
+            self.results.failed(req, io.start.local_block_ids)
+            reported = "failed"
+        if io is not None and self.transport is not None:
+            for h in io.handles:  # terminal: every read has settled
+                self.transport.release(h)
+        for h in io.timers() if io is not None else ():
+            self.loop.cancel(h)
+        self._note("worker.effects_cut_short", req, final=o.dst, effects=names, reported=reported)
+        name, exc = failed[0]
+        self._on_loop_error(LoopError(exc, req, f"effect {name}", "post"))
+
+    @staticmethod
+    def _nothing(req: str, io: RecvIO | None, o: Outcome) -> None:
+        return None
+
+    def _compact_recv(self) -> None:
+        """Nothing is receiving: rebuild the per-request tables, so memory returns to
+        its baseline after a burst (dicts and sets keep the capacity of their peak)."""
+        self._recv_io = {}
+        self._polling = set()
+        self.recv.compact()
+
+    # -- timers --------------------------------------------------------------------------
+
+    def _arm_handshake_timer(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        assert io is not None
+        io.handshake_timer = self.loop.call_later(
+            int(self.cfg.handshake_timeout_s * S),
+            lambda: self._timeout(req, "handshake"), req=req, label="handshake timeout")
+
+    def _cancel_handshake_timer(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        if io is not None:
+            self.loop.cancel(io.handshake_timer)
+            self.loop.cancel(io.retry_timer)
+            io.handshake_timer = io.retry_timer = None
+
+    def _arm_transfer_timer(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        assert io is not None
+        io.transfer_timer = self.loop.call_later(int(self.cfg.transfer_timeout_s * S),
+                                                 lambda: self._timeout(req, "transfer"), req=req,
+                                                 label="transfer timeout")
+        self._guard(req, self._settle, req)  # a fast read may be over already
+
+    def _timeout(self, req: str, what: str) -> None:
+        if req in self.recv:
+            self.stats.failure(f"{what}_timeout")
+            self._apply_recv(ev.Timeout(req=req, what=what))
+
+    def _cancel_recv_timers(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        if io is None:
+            return
+        for h in io.timers():
+            self.loop.cancel(h)
+        io.handshake_timer = io.transfer_timer = io.retry_timer = io.settle_timer = None
+
+    # -- the handshake (claims themselves are the peers part's) ---------------------------
+
+    def _start_handshake(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        assert io is not None
+        peer = io.peer
+        if self._peer_state(peer) in PEER_UNREACHABLE_STATES:
+            # Known dead: fail now rather than wait out another timeout.
+            self.stats.failure("peer_dead")
+            self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason="known_dead"))
+            return
+        self._claim_queue.setdefault(peer.key, []).append(req)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def _post_reads(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        """Post the request's reads now; the machine hears of it right after this
+        transition (a follow-up), on the same loop turn."""
+        assert io is not None
+        start = io.start
+        if not start.local_block_ids:
+            self._apply_recv(ev.NothingToRead(req=req))
+            return
+        peer = io.peer
+        agent = self._peer_agent(peer)
+        assert self.transport is not None
+        if not agent:  # dropped meanwhile (found dead)
+            self.stats.failure("peer_dead")
+            self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason="no_agent"))
+            return
+        h = self.transport.post_read(agent, start.local_block_ids, start.remote_block_ids,
+                                     start.remote_req.encode(), tag=req)
+        io.handles.append(h)
+        io.posted_ns = self.loop.now_ns()
+        layout = getattr(self.transport, "layout", None)
+        num_descs = len(start.local_block_ids) * (len(layout.regions) if layout is not None else 1)
+        self._apply_recv(ev.ReadsPosted(req=req, num_blocks=len(start.local_block_ids), num_descs=num_descs))
+
+    def _settle(self, req: str) -> None:
+        """Check a request's reads; once none is in flight, say how they ended."""
+        io = self._recv_io.get(req)
+        if io is None or req not in self.recv:
+            self._polling.discard(req)
+            return
+        assert self.transport is not None
+        states = [self.transport.check(h) for h in io.handles]
+        if any(s is TransferState.PENDING for s in states):
+            self._watch(req)
+            return
+        self._polling.discard(req)
+        errors = [getattr(h, "error", "") or "NIXL reported an error" for h, s in zip(io.handles, states)
+                  if s is TransferState.ERROR]
+        if errors:
+            self.stats.failure("transfer")
+            gone = any("Disconnect" in e for e in errors)
+            self._apply_recv(ev.Error(req=req, kind="transfer", detail="; ".join(errors)[:500], peer_gone=gone))
+            if gone:
+                self._mark_dead(io.peer, errors[0], "disconnected")
+            else:
+                self._apply_peer(ev.ReadFailed(req=io.peer.key, why=errors[0][:200]))
+            return
+        self._apply_recv(ev.AllReadsDone(req=req, num_bytes=self._bytes_of(io)))
+
+    def _watch(self, req: str) -> None:
+        self._polling.add(req)
+        self._arm_poll()
+
+    def _release_reads(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        """The request ended: its reads have all settled; let their handles go."""
+        if io is None or self.transport is None:
+            return
+        for h in io.handles:
+            self.transport.release(h)
+        io.handles = []
+
+    def _cancel_reads(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        """Interrupted (timeout, dead peer, abort): release what can be released.
+        Reads still in flight may write: watch them until they settle (then the
+        table hears how they ended); with none left, they quiesced."""
+        if io is None:
+            return
+        assert self.transport is not None
+        keep = []
+        for h in io.handles:
+            if self.transport.check(h) is TransferState.DONE:
+                io.completed += 1
+            if not self.transport.release(h):
+                keep.append(h)
+        io.handles = keep
+        if keep:
+            self._watch(req)
+            if io.settle_timer is None:
+                io.settle_timer = self.loop.call_later(int(self.cfg.transfer_timeout_s * S),
+                                                       lambda: self._unsettled(req), req=req,
+                                                       label="reads settle deadline")
+        else:
+            self._apply_recv(ev.ReadsQuiesced(req=req, completed=io.completed))
+
+    def _unsettled(self, req: str) -> None:
+        """Reads that neither finish nor fail for another transfer timeout: the
+        peer is treated as dead, which removes its NIXL agent and so settles
+        every read to it (none can write afterwards), and the request ends."""
+        io = self._recv_io.get(req)
+        if io is None:
+            return
+        io.settle_timer = None
+        if io.handles:
+            self._mark_dead(io.peer, f"reads of {req} did not settle within {self.cfg.transfer_timeout_s} s "
+                                     f"after the request gave up on them", "unsettled")
+            self._settle(req)
+
+    def _bytes_of(self, io: RecvIO) -> int:
+        layout = getattr(self.transport, "layout", None)
+        if layout is None:
+            return 0
+        per_block = sum(r.block_bytes for r in layout.regions)
+        return per_block * len(io.start.local_block_ids)
+
+    def _arm_poll(self) -> None:
+        if self._poll_timer is None and self._polling:
+            self._poll_timer = self.loop.call_later(int(self.cfg.notif_poll_interval_s * S), self._poll_reads,
+                                                    label="poll reads")
+
+    def _poll_reads(self) -> None:
+        self._poll_timer = None
+        for req in list(self._polling):
+            self._guard(req, self._settle, req)
+        self._arm_poll()
+
+    # -- telling vLLM and the prefill side ----------------------------------------------------
+
+    def _send_notif(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        """Nothing to read: tell the prefill side over the side channel (acknowledged,
+        and unlike a NIXL notification on an idle agent it does not wait for our next
+        NIXL call to leave)."""
+        assert io is not None
+        self._tell_abandon(io.peer, [io.start.remote_req])
+
+    def _notify_abandon(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        assert io is not None
+        self._tell_abandon(io.peer, [io.start.remote_req])
+
+    def _deliver_blocks(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        assert io is not None
+        if o.trigger == "all_reads_done":
+            self.stats.transfer_done((self.loop.now_ns() - io.posted_ns) / S, self._bytes_of(io),
+                                     len(io.start.local_block_ids))
+        if io.start.awaited:
+            self.results.received(req)
+
+    def _report_invalid(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        assert io is not None
+        if o.trigger == "all_reads_done" and o.src == "transferring":  # completed, too late in the lease
+            self.stats.failure("lease_expired")
+        inputs = o.event.inputs() if o.event is not None else {}
+        self.warn.warning("load_failed", "request %s failed to load its KV from %s (%s): %s", req,
+                          io.peer.engine, o.trigger, inputs)
+        if io.start.awaited:
+            self.results.failed(req, io.start.local_block_ids)
+
+    def _release_blocks(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        if io is not None and io.start.awaited:
+            self.results.received(req)

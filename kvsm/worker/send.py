@@ -1,0 +1,220 @@
+"""The sending side (prefill engine): requests whose blocks decode engines read.
+
+SendFinish(ok), straight from the scheduler (``kvsm.pin_channel``, not with a
+later step) -> finished_ok: pin, arm the lease from the scheduler's decision
+-> the decode side's read notification -> read_notif: free_blocks, i.e.
+finished_sending. Claims and heartbeats extend the lease; expiry frees the
+blocks, and a claim after it is answered "expired". Every answer comes from
+the table (``CLAIM_ANSWERS``); an abandon that overtakes the finish is the
+send machine's ``abandoned_early`` state.
+"""
+
+from __future__ import annotations
+
+from kvsm.facts import SendFinish
+from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.machine import Outcome
+from kvsm.lifecycle.table import CLAIM_ANSWERS, SEND, SEND_NEW_AFTER_END
+from kvsm.loop import LoopError
+from kvsm.worker.context import NOTIF_FAST_WINDOW_NS, NOTIF_POLL_MAX_NS, SendEffect, SendIO, WorkerContext
+
+
+class SendSide(WorkerContext):
+    """Prefill requests: pins, leases, claims answered, notifications."""
+
+    def _send_effect_table(self) -> dict[str, SendEffect]:
+        return {
+            "pin_blocks": self._nothing_send,
+            "arm_lease": self._arm_lease,
+            "extend_lease": self._arm_lease,
+            "cancel_lease": self._cancel_lease,
+            "free_blocks": self._free_blocks,
+            "arm_abandon_timer": self._arm_abandon_timer,
+            "cancel_abandon_timer": self._cancel_abandon_timer,
+        }
+
+    # -- the side channel's questions -----------------------------------------------------
+
+    def _provide(self, tp_rank: int, pp_rank: int) -> tuple[str, bytes, bytes, int] | None:
+        if tp_rank != self.tp_rank or pp_rank != 0 or self.transport is None:
+            return None
+        self._has_readers = True
+        self._arm_notif_poll(soon=True)  # a new reader connects: its first read needs us
+        return self.agent_name, self.transport.metadata(), b"", 1
+
+    def _on_claims(self, kind: str, requester: str, claims: list[str]) -> dict[str, str]:
+        """Answer a decode worker's claims, heartbeats and abandons."""
+        answers: dict[str, str] = {}
+        for req in claims:
+            if kind == "abandon":
+                if req not in self.send and self.send.final_state(req) is None:
+                    self.send.create(req)  # not heard of yet: the machine waits for its finish
+                self._apply_send(ev.RemoteAbandoned(req=req, reason=f"abandoned by {requester}"))
+                answers[req] = "ok"
+                continue
+            answer = CLAIM_ANSWERS.get(self._send_state(req), "unknown")
+            if answer == "ok":  # pinned: the claim extends the lease
+                self._apply_send(ev.Heartbeat(req=req, lease_ns=self.cfg.lease_ns))
+            answers[req] = answer
+        if kind == "claim" or (kind == "heartbeat" and "ok" in answers.values()):
+            self._arm_notif_poll(soon=True)  # a claimed request is read next
+        return answers
+
+    def _send_state(self, req: str) -> str | None:
+        m = self.send.get(req)
+        return m.state if m is not None else self.send.final_state(req)
+
+    # -- finishes from the scheduler ---------------------------------------------------
+
+    def _on_pins(self, pins: list[SendFinish], via: str) -> None:
+        """The scheduler's finishes, straight from it (loop thread)."""
+        for finish in pins:
+            self._guard(finish.req, self._on_send_finish, (finish, via))
+
+    def _on_send_finish(self, item: tuple[SendFinish, str]) -> None:
+        finish, via = item
+        req = finish.req
+        if req not in self.send:
+            final = self.send.final_state(req)
+            if final is None or final in SEND_NEW_AFTER_END:
+                self.send.create(req)
+        # A finish told twice (a direct hand-off that partly failed also goes with a
+        # step) is a declared stale input.
+        if finish.ok:
+            self._apply_send(ev.FinishedOk(req=req, block_ids=finish.block_ids, expected_reads=1,
+                                           lease_ns=self.cfg.lease_ns, pinned_ns=finish.pinned_ns, via=via))
+        elif finish.reason == "FINISHED_ABORTED":
+            self._apply_send(ev.Abort(req=req))
+        else:
+            self._apply_send(ev.FinishedAbnormally(req=req, reason=finish.reason))
+
+    # -- one transition and its effects -------------------------------------------------
+
+    def _step_send(self, event: ev.Event) -> Outcome:
+        o = self.send.apply(event)
+        if o.violation is not None or o.stale:
+            if o.violation is not None:
+                self.warn.warning("violation", "%s", o.describe())
+            return o
+        req = o.req
+        effects = self._send_effects
+        if o.dst not in SEND.terminal:
+            for name in o.effects:
+                try:
+                    effects[name](req, o)
+                except Exception as e:  # noqa: BLE001 - fails this request only
+                    self._on_loop_error(LoopError(e, req, f"effect {name}", "post"))
+                    break
+            return o
+        # The request ends: every effect runs even if one raises, and its blocks go
+        # back to vLLM whatever happens (free_blocks, always the last one, may be
+        # the one that raised).
+        failed: list[tuple[str, Exception]] = []
+        for name in o.effects:
+            try:
+                effects[name](req, o)
+            except Exception as e:  # noqa: BLE001 - reported below, the rest still runs
+                failed.append((name, e))
+        io = self._send_io.pop(req, None)
+        if not self._send_io:
+            self._send_io = {}  # as _compact_recv
+            self.send.compact()
+        if failed:
+            if io is not None:
+                self.loop.cancel(io.lease_timer)
+                self.loop.cancel(io.abandon_timer)
+            names = [name for name, _ in failed]
+            if "free_blocks" in names:
+                self.results.sent(req)
+            self._note("worker.effects_cut_short", req, final=o.dst, effects=names,
+                       reported="sent" if "free_blocks" in names else None)
+            name, exc = failed[0]
+            self._on_loop_error(LoopError(exc, req, f"effect {name}", "post"))
+        return o
+
+    @staticmethod
+    def _nothing_send(req: str, o: Outcome) -> None:
+        return None
+
+    def _arm_lease(self, req: str, o: Outcome) -> None:
+        io = self._send_io.setdefault(req, SendIO())
+        m = self.send.get(req)
+        assert m is not None
+        self.loop.cancel(io.lease_timer)
+        io.lease_timer = self.loop.call_at(m.lease_deadline_ns, lambda: self._lease_expired(req), req=req,
+                                           label="lease expiry")
+        self._arm_notif_poll()
+
+    def _lease_expired(self, req: str) -> None:
+        if req in self.send:
+            self._apply_send(ev.LeaseExpired(req=req))
+
+    def _cancel_lease(self, req: str, o: Outcome) -> None:
+        io = self._send_io.get(req)
+        if io is not None:
+            self.loop.cancel(io.lease_timer)
+            io.lease_timer = None
+
+    def _arm_abandon_timer(self, req: str, o: Outcome) -> None:
+        io = self._send_io.setdefault(req, SendIO())
+        io.abandon_timer = self.loop.call_later(self.cfg.lease_ns, lambda: self._abandon_expired(req), req=req,
+                                                label="early abandon expiry")
+
+    def _abandon_expired(self, req: str) -> None:
+        if req in self.send:
+            self._apply_send(ev.AbandonExpired(req=req))
+
+    def _cancel_abandon_timer(self, req: str, o: Outcome) -> None:
+        io = self._send_io.get(req)
+        if io is not None:
+            self.loop.cancel(io.abandon_timer)
+            io.abandon_timer = None
+
+    def _free_blocks(self, req: str, o: Outcome) -> None:
+        if o.dst == "expired":
+            self.stats.lease_expired()
+            self.warn.warning("lease_expired", "lease of request %s expired unread; its %d blocks are freed",
+                              req, len(o.block_ids))
+        elif o.trigger == "read_notif":
+            self.stats.read_served()
+        self.results.sent(req)
+
+    # -- NIXL notifications -------------------------------------------------------------
+
+    def _arm_notif_poll(self, *, soon: bool = False) -> None:
+        """Poll NIXL notifications (which also drives our side of every NIXL
+        connection): every ``notif_poll_interval`` right after a claim (a read
+        is coming), backing off to NOTIF_POLL_MAX_NS while nothing arrives. No
+        timer until a decode worker has fetched our agent: a prefill engine
+        that never served anyone never wakes."""
+        now = self.loop.now_ns()
+        if soon:
+            # A claimed request is read next, and on a fresh connection the read
+            # needs our side to progress too: poll at full speed for a while.
+            self._notif_fast_until_ns = now + NOTIF_FAST_WINDOW_NS
+            self._notif_interval_ns = self._notif_min_ns
+            if self._notif_timer is not None and self._notif_timer.deadline_ns > now + self._notif_min_ns:
+                self.loop.cancel(self._notif_timer)
+                self._notif_timer = None
+        if self._notif_timer is None and (self._send_io or self._has_readers):
+            self._notif_timer = self.loop.call_later(self._notif_interval_ns, self._poll_notifs,
+                                                     label="poll notifications")
+
+    def _poll_notifs(self) -> None:
+        self._notif_timer = None
+        assert self.transport is not None
+        notifs = self.transport.get_notifs()
+        for peer, msg in notifs:
+            try:
+                req = msg.decode()
+            except UnicodeDecodeError:
+                self._note("worker.bad_notification", None, peer=peer, size=len(msg))
+                continue
+            # After a release (the reader's abandon overtook its read's notification)
+            # the table records it as stale; after expiry, as the violation it is.
+            self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer))
+        if notifs or self.loop.now_ns() < self._notif_fast_until_ns:
+            self._notif_interval_ns = self._notif_min_ns
+        else:
+            self._notif_interval_ns = min(self._notif_interval_ns * 2, NOTIF_POLL_MAX_NS)
+        self._arm_notif_poll()
