@@ -48,6 +48,7 @@ EFFECTS: Mapping[str, str] = {
     "send_notif": "tell the prefill side over the side channel that its blocks are not needed (nothing to read)",
     "deliver_blocks": "report finished_recving: the local blocks hold the remote KV",
     "report_invalid": "report the local blocks through get_block_ids_with_load_errors",
+    "count_late_reads": "count reads that completed too late in their claim's lease (metrics, log)",
     "release_blocks": "report finished_recving for an aborted request: blocks go back",
     "notify_abandon": "tell the prefill side we will never read, so it can unpin",
     "release_reads": "release the request's settled NIXL transfer handles",
@@ -55,6 +56,7 @@ EFFECTS: Mapping[str, str] = {
     # sending side
     "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
     "free_blocks": "report finished_sending: the blocks may be reused",
+    "count_expired_lease": "count a lease that expired unread (metrics, rate-limited warning)",
     "arm_lease": "start the lease timer for the pinned blocks",
     "extend_lease": "move the lease deadline (a heartbeat came)",
     "cancel_lease": "stop the lease timer",
@@ -252,7 +254,7 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "all_reads_done", "source": "transferring", "dest": "done", "prepare": "check_lease",
      "conditions": "within_lease", "after": ["release_reads", "deliver_blocks", "cancel_timers"]},
     {"trigger": "all_reads_done", "source": "transferring", "dest": "failed", "prepare": "note_late_reads",
-     "after": ["release_reads", "report_invalid", "cancel_timers"]},
+     "after": ["count_late_reads", "release_reads", "report_invalid", "cancel_timers"]},
     # Before any read is posted a failure ends the request at once.
     *_each(_FAILURES, source=["new", "awaiting_blocks", "pending_handshake", "remote_known"],
            dest="failed", prepare="note_failure", after=["notify_abandon", "report_invalid", "cancel_timers"]),
@@ -313,7 +315,8 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "read_notif", "source": "awaiting_pull", "dest": "="},
     {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "released",
      "after": ["cancel_lease", "free_blocks"]},
-    {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "expired", "after": "free_blocks"},
+    {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "expired",
+     "after": ["count_expired_lease", "free_blocks"]},
     # The decode side gave up before this worker heard of the prefill's end
     # (its abandon overtook the scheduler's finish): the finish frees at once.
     {"trigger": "remote_abandoned", "source": "prefilling", "dest": "abandoned_early",

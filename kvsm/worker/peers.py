@@ -39,6 +39,10 @@ from kvsm.loop import LoopError
 from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerEffect, PeerIO, S, WorkerContext, log
 
 
+# A claim answer (the prefill side's word), not a state of ours.
+ANSWER_EXPIRED = "expired"
+
+
 class PeerSide(WorkerContext):
     """Peer machines, claims, heartbeats and abandons sent, handshake results."""
 
@@ -256,7 +260,7 @@ class PeerSide(WorkerContext):
             if status == "ok":
                 self._apply_recv(ev.HandshakeOk(req=req, remote_engine=peer.engine, claim_sent_ns=claim.sent_ns,
                                                 lease_window_ns=window))
-            elif status == "expired":
+            elif status == ANSWER_EXPIRED:
                 self.stats.failure("lease_expired")
                 self._apply_recv(ev.Error(req=req, kind="lease_expired", detail=(
                     f"prefill request {remote_req} on {peer.engine} is no longer pinned "

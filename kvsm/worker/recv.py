@@ -34,6 +34,7 @@ class RecvSide(WorkerContext):
             "cancel_reads": self._cancel_reads,
             "deliver_blocks": self._deliver_blocks,
             "report_invalid": self._report_invalid,
+            "count_late_reads": self._count_late_reads,
             "release_blocks": self._release_blocks,
             "notify_abandon": self._notify_abandon,
             "cancel_timers": self._cancel_recv_timers,
@@ -113,11 +114,13 @@ class RecvSide(WorkerContext):
             return o
         req = o.req
         io = self._recv_io.get(req)
-        if o.src == "pending_handshake" and io is not None and io.answers and self.log is not None:
+        if io is not None and io.answers and o.src != o.dst:
             # Its claims are over: one record of how each was answered (not one per reply:
             # thousands of requests retried every few ms starved the loop under load).
-            self.log.emit("log", "worker.claims_answered", None, peer=io.peer.address, engine=io.peer.engine,
-                          **{status: {req: n} for status, n in io.answers.items()})
+            if self.log is not None:
+                self.log.emit("log", "worker.claims_answered", None, peer=io.peer.address, engine=io.peer.engine,
+                              **{status: {req: n} for status, n in io.answers.items()})
+            io.answers = {}
         effects = self._recv_effects
         if o.dst not in RECV.terminal:
             for name in o.effects:
@@ -358,13 +361,18 @@ class RecvSide(WorkerContext):
 
     def _report_invalid(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         assert io is not None
-        if o.trigger == "all_reads_done" and o.src == "transferring":  # completed, too late in the lease
-            self.stats.failure("lease_expired")
         inputs = o.event.inputs() if o.event is not None else {}
         self.warn.warning("load_failed", "request %s failed to load its KV from %s (%s): %s", req,
                           io.peer.engine, o.trigger, inputs)
         if io.start.awaited:
             self.results.failed(req, io.start.local_block_ids)
+
+    def _count_late_reads(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        self.stats.failure("lease_expired")
+        assert io is not None
+        self._note("worker.reads_late", req, peer=io.peer.address,
+                   reads_took_s=round((self.loop.now_ns() - io.posted_ns) / S, 6),
+                   lease_window_s=self.cfg.lease_s)
 
     def _release_blocks(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         if io is not None and io.start.awaited:

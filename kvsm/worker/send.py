@@ -29,6 +29,7 @@ class SendSide(WorkerContext):
             "extend_lease": self._arm_lease,
             "cancel_lease": self._cancel_lease,
             "free_blocks": self._free_blocks,
+            "count_expired_lease": self._count_expired_lease,
             "arm_abandon_timer": self._arm_abandon_timer,
             "cancel_abandon_timer": self._cancel_abandon_timer,
         }
@@ -171,13 +172,14 @@ class SendSide(WorkerContext):
             io.abandon_timer = None
 
     def _free_blocks(self, req: str, o: Outcome) -> None:
-        if o.dst == "expired":
-            self.stats.lease_expired()
-            self.warn.warning("lease_expired", "lease of request %s expired unread; its %d blocks are freed",
-                              req, len(o.block_ids))
-        elif o.trigger == "read_notif":
+        if o.trigger == "read_notif":
             self.stats.read_served()
         self.results.sent(req)
+
+    def _count_expired_lease(self, req: str, o: Outcome) -> None:
+        self.stats.lease_expired()
+        self.warn.warning("lease_expired", "lease of request %s expired unread; its %d blocks are freed",
+                          req, len(o.block_ids))
 
     # -- NIXL notifications -------------------------------------------------------------
 
