@@ -24,7 +24,7 @@ from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import LifecycleTracker
 from kvsm.lifecycle.table import RECV, SEND
 from kvsm.replay import analyse, main, render_text
-from kvsm.replay_causes import RULES
+from kvsm.replay.causes import RULES
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -234,8 +234,8 @@ def test_peer_dead_names_the_why(run, tmp_path: Path, noted: bool) -> None:
         r.log("prefill-0")
         r.at(100).decode("d-1", "p-1")
         if noted:
-            r.at(150).log("decode-0").emit("log", "worker.peer_dead", None, peer="tcp://127.0.0.1:9", engine="prefill-0",
-                                           why="an older outage", retry_in_s=0.5, failures=1)
+            r.at(150).log("decode-0").emit("log", "worker.peer_dead", None, peer="tcp://127.0.0.1:9",
+                                           engine="prefill-0", why="an older outage", retry_in_s=0.5, failures=1)
             r.log("decode-0").emit("log", "worker.peer_dead", None, peer=PEER, engine="prefill-0",
                                    why=f"connection refused by {PEER}", retry_in_s=1.0, failures=2)
         r.tracker("decode-0").apply(ev.PeerDead(req="d-1", peer=f"prefill-0@{PEER}"))

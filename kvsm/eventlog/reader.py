@@ -214,6 +214,7 @@ class Record(msgspec.Struct, gc=False, rename={"file": "_file", "line": "_line"}
     effects: tuple[str, ...] = ()
     blocks: tuple[_Int, ...] = ()
     violation: str | None = None
+    stale: str = ""  # a declared stale input: why it no longer applies
     dropped: Any = None  # log_overflow
     clean: Any = None  # worker.shutdown
     live: Any = None  # worker.shutdown
@@ -288,6 +289,7 @@ def _variant(event: str, input_field: tuple[Any, ...], stream: StreamKey | None)
         ("lifecycle", _Lifecycle),
         ("req", str),
         ("violation", str | None, None),
+        ("stale", str, ""),
         ("blocks", tuple[_Int, ...], ()),
         input_field,
         ("seq", _Int),

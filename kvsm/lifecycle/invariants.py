@@ -11,7 +11,10 @@ caller can list every problem rather than stop at the first one.
   block that is not held is a double free; taking a block that another
   request holds (exclusively, or at all for an exclusive take) is reuse while
   held (what serving a read from an expired, reused block looks like); a
-  block still held when its request is terminal was never freed.
+  block still held when its request is terminal was never freed. Which
+  effects take, share or hand back blocks is the table's to say
+  (``BLOCK_HOLDING_EFFECTS``, ``SHARED_HOLDING_EFFECTS``,
+  ``BLOCK_RELEASING_EFFECTS``); nothing here names an effect.
 * ``not_terminal`` names machines that ended a log (or a simulation)
   mid-lifecycle.
 """
@@ -27,100 +30,138 @@ from kvsm.lifecycle.table import BLOCK_HOLDING_EFFECTS, BLOCK_RELEASING_EFFECTS,
 
 @dataclass(frozen=True)
 class InvariantViolation:
-    """One broken invariant, with enough context to find it in the logs."""
+    """One broken invariant, with enough context to find it in the logs.
+
+    ``where`` is what the caller passed to say where it happened: a dict of
+    context (the simulation), or the log record itself (replay)."""
 
     kind: str
     req: str | None
     detail: str
-    where: dict[str, Any] = field(default_factory=dict)
+    where: Any = field(default_factory=dict)
 
     def __str__(self) -> str:
         who = f" request {self.req!r}" if self.req else ""
         return f"{self.kind}:{who} {self.detail}"
 
 
+# effects -> what they do to the request's blocks, in order: (takes?, shared?)
+# per block effect (filled as met: a lifecycle has a few dozen effect tuples).
+_BLOCK_OPS: dict[tuple[str, ...], tuple[tuple[bool, bool], ...]] = {}
+
+
+def block_ops(effects: Iterable[str]) -> tuple[tuple[bool, bool], ...]:
+    """What ``effects`` do to a request's blocks, in order: ``(holds, shared)``
+    per effect that takes (``holds``) or hands back (not ``holds``) blocks."""
+    key = effects if type(effects) is tuple else tuple(effects)
+    ops = _BLOCK_OPS.get(key)
+    if ops is None:
+        ops = _BLOCK_OPS[key] = tuple(
+            (e in BLOCK_HOLDING_EFFECTS, e in SHARED_HOLDING_EFFECTS) for e in key
+            if e in BLOCK_HOLDING_EFFECTS or e in BLOCK_RELEASING_EFFECTS)
+    return ops
+
+
 class BlockLedger:
-    """Who holds which block of one block pool (one engine process)."""
+    """Who holds which block of one block pool (one engine process).
+
+    On replay's path (about one call per two records of a log): violations are
+    built only when one happens, and ``where`` is kept as it was given.
+    """
+
+    __slots__ = ("_held_by", "_holders", "pool", "violations")
 
     def __init__(self, pool: str = "") -> None:
         self.pool = pool
-        # block -> {request: shared?}
-        self._holders: dict[int, dict[str, bool]] = {}
+        self._holders: dict[int, dict[str, bool]] = {}  # block -> {request: shared?}
         self._held_by: dict[str, set[int]] = {}
         self.violations: list[InvariantViolation] = []
 
     def held(self, req: str | None = None) -> set[int]:
+        """The blocks ``req`` holds (None: every held block)."""
         if req is None:
             return set(self._holders)
         return set(self._held_by.get(req, ()))
 
-    def hold(self, req: str, blocks: Iterable[int], where: dict[str, Any] | None = None, *,
-             shared: bool = False) -> None:
-        mine = self._held_by.setdefault(req, set())
-        clashes: dict[int, list[str]] = {}
+    def hold(self, req: str, blocks: Iterable[int], where: Any = None, *, shared: bool = False) -> None:
+        holders = self._holders
+        mine = self._held_by.get(req)
+        if mine is None:
+            mine = set()
+        clashes: dict[int, list[str]] | None = None
         for b in blocks:
-            holders = self._holders.setdefault(b, {})
-            others = [r for r, s in holders.items() if r != req and not (shared and s)]
-            if others:
-                clashes[b] = others
-                if not holders:
-                    del self._holders[b]
+            h = holders.get(b)
+            if h is None:
+                holders[b] = {req: shared}
+                mine.add(b)
                 continue
-            holders[req] = shared
+            others = [o for o, s in h.items() if o != req and not (shared and s)]
+            if others:
+                if clashes is None:
+                    clashes = {}
+                clashes[b] = others
+                continue
+            h[req] = shared
             mine.add(b)
-        if not mine:
-            self._held_by.pop(req, None)
+        if mine:
+            self._held_by[req] = mine
         if clashes:
-            owners = sorted({r for rs in clashes.values() for r in rs})
+            owners = sorted({o for os in clashes.values() for o in os})
             self.violations.append(InvariantViolation(
                 "block_reused_while_held", req,
                 f"blocks {sorted(clashes)} of pool {self.pool!r} taken while other requests still hold them "
-                f"({', '.join(owners)})", where or {}))
+                f"({', '.join(owners)})", {} if where is None else where))
 
-    def release(self, req: str, blocks: Iterable[int], where: dict[str, Any] | None = None) -> None:
-        mine = self._held_by.get(req, set())
+    def release(self, req: str, blocks: Iterable[int], where: Any = None) -> None:
+        mine = self._held_by.get(req)
         not_held = []
         for b in blocks:
-            if b not in mine:
+            if mine is None or b not in mine:
                 not_held.append(b)
                 continue
             mine.discard(b)
-            holders = self._holders[b]
-            del holders[req]
-            if not holders:
+            h = self._holders[b]
+            del h[req]
+            if not h:
                 del self._holders[b]
         if not_held:
             self.violations.append(InvariantViolation(
                 "block_freed_twice", req,
                 f"blocks {sorted(not_held)} of pool {self.pool!r} handed back but not held by this request "
-                "(freed before, or never taken)", where or {}))
-        if not mine:
-            self._held_by.pop(req, None)
+                "(freed before, or never taken)", {} if where is None else where))
+        if mine is not None and not mine:
+            del self._held_by[req]
 
-    def apply_effects(self, req: str, effects: Iterable[str], blocks: Iterable[int],
-                      where: dict[str, Any] | None = None) -> None:
+    def apply_effects(self, req: str, effects: Iterable[str], blocks: Iterable[int], where: Any = None) -> None:
         """Feed one transition's effects; ``blocks`` are the request's block ids."""
-        blocks = tuple(blocks)
-        for effect in effects:
-            if effect in BLOCK_HOLDING_EFFECTS:
-                self.hold(req, blocks, where, shared=effect in SHARED_HOLDING_EFFECTS)
-            elif effect in BLOCK_RELEASING_EFFECTS:
+        ops = _BLOCK_OPS.get(effects) if type(effects) is tuple else None
+        if ops is None:
+            ops = block_ops(effects)
+        if not ops:
+            return
+        if type(blocks) is not tuple:
+            blocks = tuple(blocks)
+        for holds, shared in ops:
+            if holds:
+                self.hold(req, blocks, where, shared=shared)
+            else:
                 self.release(req, blocks, where)
 
-    def finish(self, req: str, final_state: str, where: dict[str, Any] | None = None) -> None:
+    def finish(self, req: str, final_state: str, where: Any = None) -> None:
         """A request reached ``final_state`` (terminal): it must hold nothing."""
-        left = self._held_by.pop(req, set())
+        left = self._held_by.pop(req, None)
+        if not left:
+            return
         for b in left:
-            holders = self._holders.get(b)
-            if holders is not None:
-                holders.pop(req, None)
-                if not holders:
+            h = self._holders.get(b)
+            if h is not None:
+                h.pop(req, None)
+                if not h:
                     del self._holders[b]
-        if left:
-            self.violations.append(InvariantViolation(
-                "blocks_never_freed", req,
-                f"ended {final_state!r} still holding blocks {sorted(left)} of pool {self.pool!r}",
-                where or {}))
+        self.violations.append(InvariantViolation(
+            "blocks_never_freed", req,
+            f"ended {final_state!r} still holding blocks {sorted(left)} of pool {self.pool!r}",
+            {} if where is None else where))
 
 
 def not_terminal(lifecycle: str, states: dict[str, str]) -> list[InvariantViolation]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.data import RequestMachine
@@ -93,13 +92,83 @@ def take_step(rules: tuple[Rule, ...], m: RequestMachine, event: Event, now_ns: 
     """The one implementation of a step: fold ``event`` into ``m``'s data with
     each rule's ``prepare`` callbacks, in order, and return the first rule whose
     conditions hold (the last rule of a pair is unconditional). The runtime's
-    tracker and replay both call this, so they cannot disagree."""
+    tracker and replay both call this (through ``apply_step``), so they cannot
+    disagree."""
     for rule in rules:
         for name in rule.prepare:
             PREPARE[name](m, event, now_ns)
-        if all(CONDITIONS[c](m, event) for c in rule.conditions):
+        for c in rule.conditions:
+            if not CONDITIONS[c](m, event):
+                break
+        else:
             return rule
     return rule  # unreachable for a validated declaration: its last rule has no condition
+
+
+def move(m: RequestMachine, dest: str, now_ns: int) -> None:
+    """What a taken rule does to the machine's own bookkeeping (conditions may read it)."""
+    m.state = dest
+    m.updated_ns = now_ns
+    m.num_events += 1
+
+
+def step_rule(spec: LifecycleSpec, m: RequestMachine, event: Event, now_ns: int) -> Rule | None:
+    """The legal part of a step: the rule ``event`` takes from the live machine's
+    state (``take_step``), the machine moved by it; None (nothing done) when the
+    state has no rule for the trigger. ``apply_step`` wraps it in an outcome;
+    replay calls it alone for an input recorded as a legal transition."""
+    rules = spec.rules.get((m.state, event.trigger))
+    if rules is None:
+        return None
+    rule = take_step(rules, m, event, now_ns)
+    move(m, rule.dest, now_ns)
+    return rule
+
+
+def create_step(spec: LifecycleSpec, req: str, entry: str | None, block_ids: tuple[int, ...], now_ns: int,
+                live: RequestMachine | None) -> tuple[RequestMachine | None, Outcome]:
+    """One whole creation, as ``LifecycleTracker.create`` and replay do it: the
+    new machine (``spec.machine_cls``, in ``entry`` or the initial state) and its
+    outcome, or None and the violation (an entry the spec does not allow; ``live``:
+    the request already has a live machine)."""
+    state = entry or spec.initial
+    if state not in spec.entry_states and state != spec.initial:
+        return None, Outcome(spec.name, req, "create", state, state, (), "illegal_entry_state", None, now_ns)
+    if live is not None:
+        return None, Outcome(spec.name, req, "create", live.state, live.state, (), "duplicate_request", None,
+                             now_ns)
+    m = spec.machine_cls(req, spec.name, state, now_ns)
+    m.block_ids = tuple(block_ids)
+    return m, Outcome(spec.name, req, "create", None, state, t_ns=now_ns, block_ids=m.block_ids)
+
+
+def apply_step(spec: LifecycleSpec, m: RequestMachine | None, final: str | None, event: Event,
+               now_ns: int) -> Outcome:
+    """One whole step of one request, as ``LifecycleTracker.apply`` and replay do
+    it: ``event`` moves the live machine ``m`` (``take_step``, then ``move``), or,
+    with no live machine, is judged against ``final``, the state it ended in (None:
+    never known). Illegal inputs come back as violations named by the spec
+    (``named_violations``), declared late ones after the end as stale outcomes
+    (``stale_after_end``: src == dst == ``final``, no effects). The machine has
+    ended when it was live and the outcome's ``dst`` is terminal: the caller
+    drops it then and remembers ``dst`` as its ``final``."""
+    req = event.req
+    trigger = event.trigger
+    if m is None:
+        if final is None:
+            return Outcome(spec.name, req, trigger, None, None, (), "unknown_request", event, now_ns)
+        why = spec.stale_after_end.get((final, trigger))
+        if why is not None:  # a declared late input: recorded, changes nothing
+            return Outcome(spec.name, req, trigger, final, final, (), None, event, now_ns, (), why)
+        kind = spec.named_violations.get((final, trigger), "event_after_terminal")
+        return Outcome(spec.name, req, trigger, final, final, (), kind, event, now_ns)
+    src = m.state
+    rule = step_rule(spec, m, event, now_ns)
+    if rule is None:
+        kind = spec.named_violations.get((src, trigger), "illegal_transition")
+        return Outcome(spec.name, req, trigger, src, src, (), kind, event, now_ns)
+    return Outcome(spec.name, req, trigger, src, rule.dest, rule.effects, None, event, now_ns, m.block_ids,
+                   rule.stale)
 
 
 class LifecycleTracker:
@@ -128,7 +197,6 @@ class LifecycleTracker:
         self._remember_finished = remember_finished
         self.violations = 0
         self.transitions = 0
-        self._rules = spec.rules
         self._terminal = spec.terminal
 
     # -- queries -------------------------------------------------------------
@@ -166,17 +234,11 @@ class LifecycleTracker:
 
     def create(self, req: str, entry: str | None = None, block_ids: tuple[int, ...] = ()) -> Outcome:
         """Start tracking ``req`` in ``entry`` (default: the initial state)."""
-        state = entry or self.spec.initial
-        now = self.clock.monotonic_ns()
-        if state not in self.spec.entry_states and state != self.spec.initial:
-            return self._violate(req, "create", state, "illegal_entry_state", None, now)
-        if req in self._live:
-            return self._violate(req, "create", self._live[req].state, "duplicate_request", None, now)
-        m = self.spec.machine_cls(req, self.spec.name, state, now)
-        m.block_ids = tuple(block_ids)
+        m, outcome = create_step(self.spec, req, entry, block_ids, self.clock.monotonic_ns(), self._live.get(req))
+        if m is None:
+            return self._violated(outcome)
         self._live[req] = m
         self._finished.pop(req, None)
-        outcome = Outcome(self.spec.name, req, "create", None, state, t_ns=now, block_ids=m.block_ids)
         if self.listener is not None:
             self.listener(outcome)
         return outcome
@@ -184,46 +246,24 @@ class LifecycleTracker:
     def apply(self, event: Event) -> Outcome:
         """Move ``event.req``'s machine by ``event``; record and return what happened."""
         req = event.req
-        trigger = event.trigger
-        now = self.clock.monotonic_ns()
         m = self._live.get(req)
-        if m is None:
-            final = self._finished.get(req)
-            if final is None:
-                return self._violate(req, trigger, None, "unknown_request", event, now)
-            why = self.spec.stale_after_end.get((final, trigger))
-            if why is not None:  # a declared late input: recorded, changes nothing
-                outcome = Outcome(self.spec.name, req, trigger, final, final, (), None, event, now, (), why)
-                if self.listener is not None:
-                    self.listener(outcome)
-                return outcome
-            kind = self.spec.named_violations.get((final, trigger), "event_after_terminal")
-            return self._violate(req, trigger, final, kind, event, now)
-        src = m.state
-        rules = self._rules.get((src, trigger))
-        if rules is None:
-            kind = self.spec.named_violations.get((src, trigger), "illegal_transition")
-            return self._violate(req, trigger, src, kind, event, now)
-        rule = take_step(rules, m, event, now)
-        m.state = rule.dest
-        m.updated_ns = now
-        m.num_events += 1
-        self.transitions += 1
-        outcome = Outcome(self.spec.name, req, trigger, src, rule.dest, rule.effects, None, event, now, m.block_ids,
-                          rule.stale)
-        if rule.dest in self._terminal:
-            del self._live[req]
-            self._finished[req] = rule.dest
-            if len(self._finished) > self._remember_finished:
-                self._finished.popitem(last=False)
+        outcome = apply_step(self.spec, m, None if m is not None else self._finished.get(req), event,
+                             self.clock.monotonic_ns())
+        if outcome.violation is not None:
+            return self._violated(outcome)
+        if m is not None:
+            self.transitions += 1
+            if outcome.dst in self._terminal:
+                del self._live[req]
+                self._finished[req] = outcome.dst  # type: ignore[assignment]
+                if len(self._finished) > self._remember_finished:
+                    self._finished.popitem(last=False)
         if self.listener is not None:
             self.listener(outcome)
         return outcome
 
-    def _violate(self, req: str, trigger: str, state: str | None, kind: str, event: Event | None,
-                 now: int) -> Outcome:
+    def _violated(self, outcome: Outcome) -> Outcome:
         self.violations += 1
-        outcome = Outcome(self.spec.name, req, trigger, state, state, (), kind, event, now)
         if self.listener is not None:
             self.listener(outcome)
         if self.policy is IllegalEventPolicy.RAISE:

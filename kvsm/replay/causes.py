@@ -1,6 +1,6 @@
 """Why a request failed or got stuck, from the logs of both engines: one line each.
 
-``kvsm.replay`` hands over the machines that ended ``failed`` (recv) or
+``kvsm.replay.fold`` hands over the machines that ended ``failed`` (recv) or
 ``expired`` (send), and those left mid-lifecycle without a clean shutdown that
 listed them; everything else is never looked at. Each is sorted to one rule of
 ``RULES`` by what its own log shows (a failure trigger, an expiry, no end), and
@@ -27,19 +27,18 @@ the engines a cause asks about.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-
 from kvsm.eventlog.reader import Record, read_back
 from kvsm.lifecycle.events import Event
-from kvsm.lifecycle.table import LIFECYCLES
 
 if TYPE_CHECKING:
-    from kvsm.replay import Machine
+    from kvsm.replay.model import Machine
 
-StreamKey = tuple[str, str, int, int]
+StreamKey = tuple[str, str, int, int]  # engine_id, role, rank, pid
 
 __all__ = ["CAUSE_STATES", "NOTE_EVENTS", "RULES", "Cause", "explain"]
 
@@ -152,6 +151,8 @@ class _Context:
         for key in streams:
             self.by_engine.setdefault(key[0], []).append(key)
         self._claims: dict[StreamKey, _Claims] = {}
+        self._peer_dead: dict[str, dict[Any, list[tuple[Record, dict[str, Any]]]]] = {}
+        self._peer_dead_said: dict[tuple[Any, ...], Any] = {}
         self._streams_of: dict[tuple[str, str | None], list[StreamKey]] = {}
         self._logs: dict[tuple[str, frozenset[str], str | None], bool] = {}
         self.by_req = by_req
@@ -204,6 +205,44 @@ class _Context:
         if got is None:
             got = self._logs[(engine, events, role)] = any(
                 not events.isdisjoint(self.log_events.get(k, ())) for k in self.streams_of(engine, role))
+        return got
+
+    def peer_dead_said(self, engine_id: str, stream: StreamKey, address: str, engine: str,
+                       ) -> tuple[list[tuple[Record, dict[str, Any]]], list[int] | None,
+                                  list[tuple[Record, dict[str, Any]]]]:
+        """The ``worker.peer_dead`` notes of ``engine_id``'s logs about the peer
+        at ``address`` (of ``engine``, when named): those of ``stream``, their
+        monotonic times (None unless in order) and those of its other logs."""
+        key = (engine_id, stream, address, engine)
+        got = self._peer_dead_said.get(key)
+        if got is None:
+            mine: list[tuple[Record, dict[str, Any]]] = []
+            others: list[tuple[Record, dict[str, Any]]] = []
+            for r, f in self.peer_dead_notes(engine_id).get(address, ()):
+                if engine and f.get("engine") not in (engine, None):
+                    continue
+                (mine if _stream(r) == stream else others).append((r, f))
+            times: list[int] | None = [r.t_mono_ns for r, _ in mine]
+            if any(a > b for a, b in zip(times, times[1:])):  # type: ignore[arg-type]
+                times = None
+            got = self._peer_dead_said[key] = (mine, times, others)
+        return got
+
+    def peer_dead_notes(self, engine: str) -> dict[Any, list[tuple[Record, dict[str, Any]]]]:
+        """The ``worker.peer_dead`` notes of ``engine``'s logs, with their fields,
+        by the peer address they name, in log order (indexed once per engine:
+        a run with a dead peer fails thousands of requests on it)."""
+        got = self._peer_dead.get(engine)
+        if got is None:
+            got = self._peer_dead[engine] = {}
+            for k in self.streams_of(engine):
+                for r in self.stream_notes.get(k, ()):
+                    if r.event == PEER_DEAD:
+                        f = self.lines.fields(r)
+                        try:
+                            got.setdefault(f.get("peer"), []).append((r, f))
+                        except TypeError:  # an unhashable 'peer': it names no address
+                            pass
         return got
 
     def claims(self, stream: StreamKey) -> _Claims:
@@ -320,7 +359,8 @@ def _send_said(ctx: _Context, m: Machine, who: str) -> str:
         if state == "prefilling" or state is None:
             return f"{who} had it still prefilling (never received the pin)"
         reason = _inp(last, "reason", "") or ""
-        return f"{who} released it unpinned at {ctx.at(last)} ({last.event}{': ' + _clip(reason, 80) if reason else ''})"
+        why = f": {_clip(reason, 80)}" if reason else ""
+        return f"{who} released it unpinned at {ctx.at(last)} ({last.event}{why})"
     via = _inp(got, "via", "") or ""
     text = f"{who} received it at {ctx.at(got)}" + (f" (via {via})" if via else "")
     if state == "expired":
@@ -400,20 +440,21 @@ def _peer_dead(ctx: _Context, m: Machine, fail: Record | None) -> str:
     assert fail is not None
     peer = str(_inp(fail, "peer", "") or "?")
     engine, _, address = peer.partition("@")
-    best: tuple[int, dict[str, Any]] | None = None  # (rank: same stream, before it; ...)
-    for r in (r for k in ctx.streams_of(m.engine_id) for r in ctx.stream_notes.get(k, ())):
-        if r.event != PEER_DEAD:
-            continue
-        f = ctx.lines.fields(r)
-        if f.get("peer") != address or (engine and f.get("engine") not in (engine, None)):
-            continue
-        same = _stream(r) == m.stream
-        score = (2 if same else 0) + (1 if (r.t_mono_ns <= fail.t_mono_ns if same else r.t_wall_ns <= fail.t_wall_ns)
-                                      else 0)
-        if best is None or score >= best[0]:
-            best = (score, f)
-    if best is not None:
-        return f"peer {peer} dead: {_clip(best[1].get('why', '?'))}"
+    # The note that says why: from the failed request's own log, the last one
+    # before the failure (else its first after); from the engine's other logs,
+    # the last one before it on the wall clock (else their last).
+    same, times, other = ctx.peer_dead_said(m.engine_id, m.stream, address, engine)
+    said: dict[str, Any] | None = None
+    if same:
+        if times is not None:
+            i = bisect_right(times, fail.t_mono_ns)
+            said = same[i - 1][1] if i else same[-1][1]
+        else:  # not in time order: the last one before it, by a scan
+            said = next((f for r, f in reversed(same) if r.t_mono_ns <= fail.t_mono_ns), same[-1][1])
+    elif other:
+        said = next((f for r, f in reversed(other) if r.t_wall_ns <= fail.t_wall_ns), other[-1][1])
+    if said is not None:
+        return f"peer {peer} dead: {_clip(said.get('why', '?'))}"
     if ctx.logs(m.engine_id, _PEER_DEAD_LOGGING):
         return f"peer {peer} dead (no worker.peer_dead note names it)"
     return f"peer {peer} dead (why: not logged)"
@@ -505,8 +546,7 @@ RULES = tuple(_EXPLAIN)
 
 
 def _rule_of(m: Machine, fail: Record | None) -> str:
-    spec = LIFECYCLES.get(m.lifecycle)
-    if spec is None or m.final_state not in spec.terminal:
+    if not m.terminal:
         return "stuck"
     if m.final_state == "expired":
         return "lease_expired"
