@@ -7,13 +7,12 @@ kvsm gives each process exactly one thread that owns all of it, so nothing
 that touches a socket or a NIXL handle ever needs a lock, and every outcome
 comes out of one place in one order.
 
-How other threads talk to it (trio's *entry queue* idea): they never touch a
-socket or a timer; they hand a callable to ``post`` (fire and forget) or
-``call`` (wait for the result, with a timeout). ``post`` appends to a bounded
-``deque`` under a lock and, only when no wake-up is already on its way, sends
-one byte over an inproc ``PAIR`` socket pair that the loop polls together
-with its own sockets. A burst of posts therefore costs one wake-up, not one
-syscall each.
+How other threads talk to it (trio's *entry queue* idea, ``kvsm.loop_entry``):
+they never touch a socket or a timer; they hand a callable to ``post`` (fire
+and forget) or ``call`` (wait for the result, with a timeout). ``post``
+appends to a bounded ``deque`` under a lock and, only when no wake-up is
+already on its way, sends one byte over an inproc ``PAIR`` socket pair that
+the loop polls with its own sockets: a burst of posts costs one wake-up.
 
 What the loop does, forever until ``stop``::
 
@@ -27,12 +26,22 @@ Every exception a callable, timer or reader raises is caught and handed to
 for, so the connector can fail exactly that request; the loop never dies of
 one.
 
-Time: the loop is real-time. Its clock is injectable (timer deadlines and
-``now_ns`` read it, so log records and deadlines share one time base), but
-the poller waits real milliseconds, so the clock must advance with real
-time (``SYSTEM_CLOCK``). Tests that need virtual time drive
-``kvsm.lifecycle.timers.TimerHeap`` through the simulation harness
-(``kvsm.sim``) instead of this loop.
+Time (``mode``). Timer deadlines and ``now_ns`` read the injectable clock.
+
+* ``"real"`` (the default, production): the poller waits real milliseconds,
+  so the clock must be ``SYSTEM_CLOCK``.
+* ``"autojump"`` (trio's ``MockClock(autojump_threshold)``): the loop thread
+  runs on a ``VirtualClock``; when nothing is posted, readable or due for
+  ``autojump_threshold_s`` of real time, the clock jumps to the next timer
+  deadline. ``post``/``call`` from other threads work as usual. For one loop
+  (a jump is decided by this loop alone).
+* ``"driven"``: no loop thread. The thread that calls ``start`` drives the
+  loop with ``run_once``/``run_until_idle`` (zero-timeout polls) and, for
+  that thread, ``call`` and the loop-thread-only methods run inline. Several
+  driven loops on one ``VirtualClock`` and one zmq context, run from one
+  thread, make a deterministic simulation: inproc delivery between sockets
+  of one context is immediate, and the driver moves the clock to the
+  earliest ``next_deadline_ns`` only when no loop has work (``kvsm.sim``).
 """
 
 from __future__ import annotations
@@ -41,21 +50,35 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Final, Generic, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Final, Literal, Self, TypeVar
 
 import zmq
 
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.timers import TimerHandle, TimerHeap
+from kvsm.loop_entry import (
+    CallSlot,
+    EntryQueue,
+    LoopError,
+    LoopFull,
+    LoopRejected,
+    LoopStopped,
+    Posted,
+    Where,
+    WrongThread,
+    describe,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvsm.loop_group import DrivenLoops
 
 __all__ = [
     "EventLoop",
     "LoopError",
     "LoopFull",
+    "LoopMode",
     "LoopRejected",
     "LoopStopped",
     "TimerHandle",
@@ -67,6 +90,9 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+LoopMode = Literal["real", "autojump", "driven"]
+_MODES: Final = ("real", "autojump", "driven")
+
 THREAD_NAME_PREFIX: Final = "kvsm-loop-"
 # Longest single wait in the poller: even an idle loop with no timers looks at
 # its stop flag this often, and no wait is ever unbounded.
@@ -74,53 +100,14 @@ MAX_BLOCK_MS: Final = 1000
 # Posted callables run per iteration at most; the rest wait one iteration, so
 # timers and sockets get their turn even under a flood of posts.
 MAX_BATCH: Final = 1024
+# run_until_idle gives up after this many busy iterations (a reader that never
+# drains, or a callable that re-posts itself forever).
+MAX_IDLE_ITERATIONS: Final = 100_000
 # Back-off after an unexpected poller error, so a persistent one cannot spin.
 _POLL_ERROR_BACKOFF_S: Final = 0.01
 _NS_PER_MS: Final = 1_000_000
 
-Where = Literal["post", "call", "timer", "reader", "loop"]
-
 _wake_endpoint_ids = itertools.count()
-
-
-class LoopRejected(RuntimeError):
-    """``call`` could not hand its callable to the loop."""
-
-
-class LoopStopped(LoopRejected):
-    """The loop is stopped (or stopping): it runs nothing new."""
-
-
-class LoopFull(LoopRejected):
-    """``max_pending`` posted callables are already waiting."""
-
-
-class WrongThread(RuntimeError):
-    """A loop-thread-only method was called from another thread (use ``post``/``call``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoopError:
-    """An exception the loop caught, with enough context to blame one request.
-
-    ``where`` says what raised: a posted callable (``post``), an abandoned
-    ``call`` (its caller had timed out, so nobody else will see it), a timer,
-    a socket reader, or the loop's own machinery (``loop``).
-    """
-
-    exc: BaseException
-    req: str | None
-    label: str
-    where: Where
-
-    def __str__(self) -> str:
-        req = f" req={self.req}" if self.req is not None else ""
-        return f"{self.where} {self.label!r}{req} raised {type(self.exc).__name__}: {self.exc}"
-
-
-def _describe(fn: object) -> str:
-    """A readable name for an unlabelled callable (only computed on error paths)."""
-    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 class _Timer:
@@ -136,82 +123,14 @@ class _Timer:
         self.done = False
 
 
-_PENDING: Final = 0
-_RUNNING: Final = 1
-_FINISHED: Final = 2
-_ABANDONED: Final = 3
-
-
-class _CallSlot(Generic[T]):
-    """The loop-side half of ``call``: runs the callable and hands back its outcome.
-
-    A caller that times out marks the slot abandoned: if the loop has not
-    started it yet, it never runs (the caller was told it failed); if it is
-    already running, its result is dropped and an exception goes to
-    ``on_error`` instead, since nobody else will see it.
-    """
-
-    __slots__ = ("exc", "finished", "fn", "label", "lock", "state", "value")
-
-    def __init__(self, fn: Callable[[], T], label: str) -> None:
-        self.fn = fn
-        self.label = label
-        self.state = _PENDING
-        self.value: T | None = None
-        self.exc: BaseException | None = None
-        self.lock = threading.Lock()
-        self.finished = threading.Event()
-
-    def __call__(self) -> None:
-        with self.lock:
-            if self.state != _PENDING:
-                return  # abandoned before it started
-            self.state = _RUNNING
-        exc: BaseException | None = None
-        try:
-            value = self.fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            exc, value = e, None
-        with self.lock:
-            abandoned = self.state == _ABANDONED
-            self.state = _FINISHED
-            self.value, self.exc = value, exc
-        self.finished.set()
-        if abandoned and exc is not None:
-            raise exc  # the loop reports it (where="call"): the caller is gone
-
-    def fail(self, exc: BaseException) -> None:
-        """Finish without running (the loop stopped first)."""
-        with self.lock:
-            if self.state != _PENDING:
-                return
-            self.state = _FINISHED
-            self.exc = exc
-        self.finished.set()
-
-    def wait(self, timeout: float, loop_name: str) -> T:
-        if not self.finished.wait(timeout):
-            with self.lock:
-                if self.state != _FINISHED:
-                    self.state = _ABANDONED
-                    raise TimeoutError(
-                        f"loop {loop_name!r}: call {self.label!r} did not finish within {timeout:g} s"
-                    )
-        if self.exc is not None:
-            raise self.exc
-        return self.value  # type: ignore[return-value]
-
-
-_Posted = tuple[Callable[[], None], str | None, str]
-
-
 class EventLoop:
-    """One thread that owns its sockets, timers and (later) NIXL calls.
+    """One thread that owns its sockets, timers and NIXL calls.
 
     Any thread may call: ``start``, ``stop``, ``post``, ``call``, ``stats``,
     ``in_loop_thread``. Everything else (timers, readers, sockets) is for the
     loop thread only and raises ``WrongThread`` elsewhere: other threads get
-    there through ``post``/``call``.
+    there through ``post``/``call``. In ``mode="driven"`` the loop thread is the
+    thread that called ``start`` (see the module docstring for the modes).
     """
 
     def __init__(
@@ -222,36 +141,29 @@ class EventLoop:
         context: zmq.Context | None = None,
         on_error: Callable[[LoopError], None] | None = None,
         max_pending: int = 100_000,
+        mode: LoopMode = "real",
+        autojump_threshold_s: float = 0.001,
+        group: DrivenLoops | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if mode != "real" and not callable(getattr(clock, "jump_to", None)):
+            raise ValueError(f"mode {mode!r} needs a clock the loop can move (VirtualClock), got {clock!r}")
+        if autojump_threshold_s < 0:
+            raise ValueError(f"autojump_threshold_s must be >= 0, got {autojump_threshold_s}")
         self.name = name
+        self.mode = mode
         self._clock = clock
+        self._autojump = mode == "autojump"
+        self._autojump_ms = -(-int(autojump_threshold_s * 1e9) // _NS_PER_MS)
         self._context = context if context is not None else zmq.Context.instance()
         self._on_error = on_error
-        self._max_pending = max_pending
-
-        # Entry queue, shared with posting threads: guarded by _lock.
-        self._lock = threading.Lock()
-        self._queue: deque[_Posted] = deque()
-        self._wake_pending = False  # a wake byte is on its way; posters need not send another
-        self._stopping = False
-        self._posted = 0
-        self._dropped_posts = 0
-        self._wakeups = 0
-
-        # The wake pair. Posters share _wake_tx under _wake_lock (a zmq socket is
-        # not thread-safe); the loop only ever reads _wake_rx, so it never waits
-        # on a poster's send.
+        # Entry queue and wake pair, shared with posting threads (kvsm.loop_entry).
         endpoint = f"inproc://kvsm-loop-wake-{next(_wake_endpoint_ids)}-{id(self):x}"
-        self._wake_rx: zmq.Socket = self._context.socket(zmq.PAIR)
-        self._wake_rx.setsockopt(zmq.LINGER, 0)
-        self._wake_rx.bind(endpoint)
-        self._wake_lock = threading.Lock()
-        wake_tx = self._context.socket(zmq.PAIR)
-        wake_tx.setsockopt(zmq.LINGER, 0)
-        wake_tx.connect(endpoint)
-        self._wake_tx: zmq.Socket | None = wake_tx  # None once the loop has shut down
+        self._entry = EntryQueue(self._context, max_pending, endpoint)
+        self._wake_rx = self._entry.rx
 
         # Loop-thread state: touched only by the loop thread once it runs.
         self._poller = zmq.Poller()
@@ -267,17 +179,27 @@ class EventLoop:
         self._iterations = 0
 
         self._thread: threading.Thread | None = None
+        self._driven = False  # mode "driven" and started
         self._loop_ident: int | None = None
+        if group is not None:
+            if mode != "driven":
+                raise ValueError(f"a loop of a DrivenLoops group must be mode 'driven', not {mode!r}")
+            group.add(self)
 
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> Self:
-        """Start the loop thread (a daemon, so a forgotten loop cannot hang exit)."""
-        with self._lock:
-            if self._stopping:
+        """Start the loop thread (a daemon, so a forgotten loop cannot hang exit).
+        Driven: make the calling thread the loop's (it then drives ``run_once``)."""
+        with self._entry.lock:
+            if self._entry.stopping:
                 raise LoopStopped(f"loop {self.name!r} is stopped; make a new one")
-            if self._thread is not None:
+            if self._thread is not None or self._driven:
                 raise RuntimeError(f"loop {self.name!r} is already started")
+            if self.mode == "driven":
+                self._driven = True
+                self._loop_ident = threading.get_ident()
+                return self
             self._thread = threading.Thread(
                 target=self._run, name=f"{THREAD_NAME_PREFIX}{self.name}", daemon=True
             )
@@ -293,37 +215,32 @@ class EventLoop:
         Returns whether the thread has finished; False when called from the
         loop thread itself (it exits once the current callable returns).
         """
-        with self._lock:
-            first = not self._stopping
-            self._stopping = True
-            thread = self._thread
+        first = self._entry.stop()
+        thread = self._thread
         if thread is None:
             if first:
                 self._shut_down()
+                self._loop_ident = None
             return True
         if self.in_loop_thread():
             return False
         if first:
-            self._send_wake()
+            self._entry.wake()
         thread.join(timeout)
         return not thread.is_alive()
 
     def __enter__(self) -> Self:
-        if self._thread is None:
+        if self._thread is None and not self._driven:
             self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.stop()
 
     def __repr__(self) -> str:
-        state = "stopped" if self._stopping else ("running" if self._thread else "new")
-        return f"<EventLoop {self.name!r} {state} pending={len(self._queue)}>"
+        state = "stopped" if self._entry.stopping else ("running" if self._thread or self._driven else "new")
+        return f"<EventLoop {self.name!r} {state} pending={len(self._entry.items)}>"
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -351,25 +268,9 @@ class EventLoop:
         """
         if not callable(fn):
             raise TypeError(f"post needs a callable, got {fn!r}")
-        with self._lock:
-            if self._stopping or len(self._queue) >= self._max_pending:
-                self._dropped_posts += 1
-                return False
-            self._queue.append((fn, req, label))
-            self._posted += 1
-            # The loop thread is awake by definition; elsewhere send one wake
-            # byte per sleep, not one per post.
-            wake = not self._wake_pending and threading.get_ident() != self._loop_ident
-            if wake:
-                self._wake_pending = True
-                self._wakeups += 1
-        if wake:
-            self._send_wake()
-        return True
+        return self._entry.put((fn, req, label), threading.get_ident() == self._loop_ident)
 
-    def call(
-        self, fn: Callable[[], T], timeout: float, *, req: str | None = None, label: str = ""
-    ) -> T:
+    def call(self, fn: Callable[[], T], timeout: float, *, req: str | None = None, label: str = "") -> T:
         """Run ``fn`` on the loop and return its result (or raise its exception).
 
         Raises ``TimeoutError`` (naming the label) after ``timeout`` seconds; a
@@ -379,13 +280,13 @@ class EventLoop:
         """
         if self.in_loop_thread():
             return fn()
-        label = label or _describe(fn)
-        slot: _CallSlot[T] = _CallSlot(fn, label)
+        label = label or describe(fn)
+        slot: CallSlot[T] = CallSlot(fn, label)
         if not self.post(slot, req=req, label=label):
-            if self._stopping:
+            if self._entry.stopping:
                 raise LoopStopped(f"loop {self.name!r} is stopped: call {label!r} not run")
             raise LoopFull(
-                f"loop {self.name!r} has {self._max_pending} posts pending: call {label!r} not run"
+                f"loop {self.name!r} has {self._entry.max_pending} posts pending: call {label!r} not run"
             )
         return slot.wait(timeout, self.name)
 
@@ -397,17 +298,17 @@ class EventLoop:
         ``on_error`` (those ``call`` returns to its caller are not errors).
         """
         return {
-            "posted": self._posted,
+            "posted": self._entry.posted,
             "run": self._run_count,
             "timers_fired": self._timers_fired,
             "timers_pending": len(self._timers),
             "errors": self._errors,
             "on_error_failures": self._on_error_failures,
-            "dropped_posts": self._dropped_posts,
+            "dropped_posts": self._entry.dropped,
             "discarded": self._discarded,
-            "wakeups": self._wakeups,
+            "wakeups": self._entry.wakeups,
             "iterations": self._iterations,
-            "pending": len(self._queue),
+            "pending": len(self._entry.items),
             "readers": len(self._readers),
         }
 
@@ -438,9 +339,7 @@ class EventLoop:
         self._check_thread("call_at")
         return self._schedule(deadline_ns, fn, req, label)
 
-    def _schedule(
-        self, deadline_ns: int, fn: Callable[[], None], req: str | None, label: str
-    ) -> TimerHandle:
+    def _schedule(self, deadline_ns: int, fn: Callable[[], None], req: str | None, label: str) -> TimerHandle:
         if not callable(fn):
             raise TypeError(f"a timer needs a callable, got {fn!r}")
         return self._timers.schedule(deadline_ns, label, _Timer(fn, req, label))
@@ -506,24 +405,68 @@ class EventLoop:
     def _run(self) -> None:
         self._loop_ident = threading.get_ident()
         try:
-            while not self._stopping:
-                try:
-                    self._iterate()
-                except zmq.ContextTerminated as exc:
-                    # Without its context the loop can do nothing: say so and stop.
-                    self._report(exc, None, "context terminated", "loop", None)
-                    with self._lock:
-                        self._stopping = True
-                except BaseException as exc:  # noqa: BLE001 - the loop must not die
-                    self._report(exc, None, "loop iteration", "loop", None)
+            while not self._entry.stopping:
+                if self._guarded_iterate(None) < 0:
                     time.sleep(_POLL_ERROR_BACKOFF_S)
         finally:
             self._shut_down()
             # Thread ids are reused: a later thread must not pass for this loop's.
             self._loop_ident = None
 
-    def _iterate(self) -> None:
-        ready = self._poller.poll(self._poll_timeout_ms())
+    def run_once(self) -> int:
+        """Driven mode: one iteration that does not wait (a zero-timeout poll, the
+        due timers, a batch of posted callables, the readable sockets). Returns
+        how many callables, timers and readers ran (0: nothing to do now)."""
+        if not self._driven:
+            raise RuntimeError(f"loop {self.name!r}: run_once is for a started loop in mode 'driven'")
+        self._check_thread("run_once")
+        if self._entry.stopping:
+            return 0
+        if self._readers:
+            self._forget_closed_readers()
+        return max(0, self._guarded_iterate(0))
+
+    def run_until_idle(self, max_iterations: int = MAX_IDLE_ITERATIONS) -> int:
+        """Driven mode: ``run_once`` until it finds nothing to do; returns the work done.
+        Raises RuntimeError after ``max_iterations`` busy iterations."""
+        total = 0
+        for _ in range(max_iterations):
+            done = self.run_once()
+            if not done:
+                return total
+            total += done
+        raise RuntimeError(f"loop {self.name!r} still busy after {max_iterations} iterations "
+                           "(a reader that never drains, or a callable that re-posts itself?)")
+
+    @property
+    def driven_running(self) -> bool:
+        """Driven, started and not stopped: ``run_once`` has something to drive."""
+        return self._driven and not self._entry.stopping
+
+    def next_deadline_ns(self) -> int | None:
+        """The earliest pending timer's deadline (loop clock), or None: where a
+        driver of several loops moves the clock when none has work."""
+        return self._timers.next_deadline_ns()
+
+    def has_work_due(self) -> bool:
+        """A post is queued or a timer is due (sockets not looked at)."""
+        deadline = self._timers.next_deadline_ns()
+        return bool(self._entry.items) or (deadline is not None and deadline <= self._clock.monotonic_ns())
+
+    def _guarded_iterate(self, timeout_ms: int | None) -> int:
+        """One iteration; -1 when the loop's own machinery raised (reported)."""
+        try:
+            return self._iterate(self._poll_timeout_ms() if timeout_ms is None else timeout_ms)
+        except zmq.ContextTerminated as exc:
+            # Without its context the loop can do nothing: say so and stop.
+            self._report(exc, None, "context terminated", "loop", None)
+            self._entry.stop()
+        except BaseException as exc:  # noqa: BLE001 - the loop must not die
+            self._report(exc, None, "loop iteration", "loop", None)
+        return -1
+
+    def _iterate(self, timeout_ms: int) -> int:
+        ready = self._poller.poll(timeout_ms)
         self._iterations += 1
         woke = False
         readable: list[zmq.Socket] = []
@@ -533,17 +476,24 @@ class EventLoop:
             else:
                 readable.append(sock)
         if woke:
-            self._drain_wake()
+            self._entry.drain_wake()
+        elif self._autojump and not ready and not self._entry.items:
+            # Nothing happened for the threshold: virtual time moves to the next timer.
+            deadline = self._timers.next_deadline_ns()
+            if deadline is not None:
+                self._clock.jump_to(deadline)  # type: ignore[attr-defined]
+        before = self._run_count + self._timers_fired
         self._run_due_timers()
-        if woke or self._queue:
+        if woke or self._entry.items:
             self._run_posted()
         if readable:
             self._dispatch(readable)
+        return self._run_count + self._timers_fired - before + len(readable)
 
     def _poll_timeout_ms(self) -> int:
         """How long the poller may block: until the next timer, rounded up
         (a timer never fires early), at most ``MAX_BLOCK_MS``; 0 with work queued."""
-        if self._queue:
+        if self._entry.items:
             return 0
         if self._readers:
             self._forget_closed_readers()
@@ -553,6 +503,8 @@ class EventLoop:
         wait_ns = deadline - self._clock.monotonic_ns()
         if wait_ns <= 0:
             return 0
+        if self._autojump:
+            return self._autojump_ms
         return min(MAX_BLOCK_MS, -(-wait_ns // _NS_PER_MS))
 
     def _forget_closed_readers(self) -> None:
@@ -566,26 +518,6 @@ class EventLoop:
             err = RuntimeError("socket was closed while registered; use close_socket()")
             self._report(err, None, label, "reader", None)
 
-    def _drain_wake(self) -> None:
-        rx = self._wake_rx
-        try:
-            while True:
-                rx.recv(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            pass
-
-    def _send_wake(self) -> None:
-        with self._wake_lock:
-            tx = self._wake_tx
-            if tx is None:
-                return  # the loop has shut down
-            try:
-                tx.send(b"\0", zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the pipe is full of wake bytes: the loop will wake anyway
-            except zmq.ZMQError:
-                pass  # context going away: nothing left to wake
-
     def _run_due_timers(self) -> None:
         if not self._timers:
             return
@@ -593,7 +525,7 @@ class EventLoop:
             entry: _Timer = handle.payload
             if entry.done:
                 continue  # cancelled by a timer that ran before it in this batch
-            if self._stopping:
+            if self._entry.stopping:
                 return
             entry.done = True
             try:
@@ -603,34 +535,23 @@ class EventLoop:
             self._timers_fired += 1
 
     def _run_posted(self) -> None:
-        with self._lock:
-            # Cleared before taking the batch: a post after this point sends a
-            # fresh wake byte, a post before it is in this batch.
-            self._wake_pending = False
-            queue = self._queue
-            if not queue:
-                return
-            if len(queue) <= MAX_BATCH:
-                self._queue = deque()
-                batch: Iterable[_Posted] = queue
-            else:
-                batch = [queue.popleft() for _ in range(MAX_BATCH)]
-        # No lock held from here on: posters never wait on a callable.
-        batch_iter = iter(batch)
+        # No lock held while they run: posters never wait on a callable.
+        batch_iter = iter(self._entry.take(MAX_BATCH))
+        entry = self._entry
         for fn, req, label in batch_iter:
-            if self._stopping:
+            if entry.stopping:
                 self._discard(itertools.chain([(fn, req, label)], batch_iter))
                 return
             try:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - the loop must not die
-                where: Where = "call" if isinstance(fn, _CallSlot) else "post"
+                where: Where = "call" if isinstance(fn, CallSlot) else "post"
                 self._report(exc, req, label, where, fn)
             self._run_count += 1
 
     def _dispatch(self, readable: list[zmq.Socket]) -> None:
         for sock in readable:
-            if self._stopping:
+            if self._entry.stopping:
                 return
             entry = self._readers.get(sock)
             if entry is None:
@@ -644,11 +565,9 @@ class EventLoop:
             except BaseException as exc:  # noqa: BLE001 - the loop must not die
                 self._report(exc, None, label, "reader", callback)
 
-    def _report(
-        self, exc: BaseException, req: str | None, label: str, where: Where, fn: object
-    ) -> None:
+    def _report(self, exc: BaseException, req: str | None, label: str, where: Where, fn: object) -> None:
         self._errors += 1
-        error = LoopError(exc, req, label or (_describe(fn) if fn is not None else ""), where)
+        error = LoopError(exc, req, label or (describe(fn) if fn is not None else ""), where)
         handler = self._on_error
         if handler is None:
             log.error("loop %r: %s", self.name, error, exc_info=exc)
@@ -659,19 +578,16 @@ class EventLoop:
             self._on_error_failures += 1
             log.exception("loop %r: on_error raised while handling %s", self.name, error)
 
-    def _discard(self, items: Iterable[_Posted]) -> None:
+    def _discard(self, items: Iterable[Posted]) -> None:
         """Drop posted callables that will never run; wake their ``call`` waiters."""
         for fn, _req, label in items:
             self._discarded += 1
-            if isinstance(fn, _CallSlot):
+            if isinstance(fn, CallSlot):
                 fn.fail(LoopStopped(f"loop {self.name!r} stopped before call {label!r} ran"))
 
     def _shut_down(self) -> None:
         """Drop what is left and close every socket the loop owns (runs once, last)."""
-        with self._lock:
-            self._stopping = True
-            leftover, self._queue = self._queue, deque()
-        self._discard(leftover)
+        self._discard(self._entry.take_all())
         for sock in list(self._readers) + list(self._owned):
             try:
                 sock.close(linger=0)
@@ -679,8 +595,4 @@ class EventLoop:
                 pass
         self._readers.clear()
         self._owned.clear()
-        self._wake_rx.close(linger=0)
-        with self._wake_lock:
-            if self._wake_tx is not None:
-                self._wake_tx.close(linger=0)
-                self._wake_tx = None
+        self._entry.close()

@@ -3,6 +3,14 @@ its socket readers, never dies of a callback's exception and sleeps when idle.
 
 Real ZMQ (inproc wake-ups, a tcp PULL on loopback). Every loop a test makes is
 stopped in the fixture, and the test fails if a loop thread outlives it.
+
+Timer logic (order, cancellation, which clock, errors) runs on virtual time
+(``mode="autojump"``: the clock jumps to the next timer once the loop is idle),
+so it asserts exact virtual times and waits for no real ones. Wall-clock
+assertions are kept where real time is what is tested: how fast a post or a
+stop wakes the loop, ``call``'s and ``stop``'s real-second timeouts, a real
+timer's lateness, fairness under a flood, idle CPU. The driven mode (no
+thread; several loops on one clock run from one thread) is at the end.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
+from kvsm.lifecycle.clock import VirtualClock
 from kvsm.loop import (
     MAX_BATCH,
     EventLoop,
@@ -23,9 +32,11 @@ from kvsm.loop import (
     TimerHandle,
     WrongThread,
 )
+from kvsm.loop_group import DrivenLoops
 
 MS = 1_000_000  # ns
-WAIT_S = 2.0  # upper bound on any wait for the loop to get something done
+S = 1_000_000_000
+WAIT_S = 2.0  # upper bound on any (real) wait for the loop to get something done
 
 MakeLoop = Callable[..., EventLoop]
 
@@ -37,6 +48,35 @@ def make_loop() -> Iterator[MakeLoop]:
 
     def make(name: str = "t", **kwargs: object) -> EventLoop:
         loop = EventLoop(name, **kwargs)  # type: ignore[arg-type]
+        loops.append(loop)
+        return loop.start()
+
+    yield make
+    stopped = [loop.stop(timeout=WAIT_S) for loop in loops]
+    assert all(stopped), "a loop thread did not stop"
+    leaked = [loop.thread for loop in loops if loop.thread is not None and loop.thread.is_alive()]
+    assert not leaked
+
+
+@pytest.fixture
+def make_virtual_loop(make_loop: MakeLoop) -> MakeLoop:
+    """Started loops on a fresh VirtualClock that jumps to the next timer when idle."""
+
+    def make(name: str = "v", **kwargs: object) -> EventLoop:
+        kwargs.setdefault("clock", VirtualClock(start_ns=7 * S))
+        return make_loop(name, mode="autojump", **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def make_driven() -> Iterator[Callable[..., EventLoop]]:
+    """Driven loops (no thread; this thread runs them), always stopped."""
+    loops: list[EventLoop] = []
+
+    def make(name: str = "d", **kwargs: object) -> EventLoop:
+        kwargs.setdefault("clock", VirtualClock())
+        loop = EventLoop(name, mode="driven", **kwargs)  # type: ignore[arg-type]
         loops.append(loop)
         return loop.start()
 
@@ -273,10 +313,13 @@ def test_a_flood_of_posts_does_not_starve_timers_or_readers(make_loop: MakeLoop)
         push.send(b"x")
         assert fired.wait(WAIT_S), "a flood of posts starved the timer"
         assert got_message.wait(WAIT_S), "a flood of posts starved the reader"
+        # The flood hits max_pending rather than growing (on a slow machine the
+        # timer and the reader may get their turn before it gets there).
+        wait_until(lambda: loop.stats()["dropped_posts"] > 0, "the flood to reach max_pending")
+        assert loop.stats()["pending"] <= 4 * MAX_BATCH
     finally:
         push.close(linger=0)
         flooding = False
-    assert loop.stats()["dropped_posts"] > 0  # the flood hit max_pending rather than growing
 
 
 # ------------------------------------------------------------------------ call
@@ -351,31 +394,69 @@ def test_call_from_the_loop_thread_runs_inline(make_loop: MakeLoop) -> None:
 # ---------------------------------------------------------------------- timers
 
 
-def test_timers_fire_in_deadline_order(make_loop: MakeLoop) -> None:
-    loop = make_loop()
-    fired: list[str] = []
+def test_timers_fire_in_deadline_order(make_virtual_loop: MakeLoop) -> None:
+    loop = make_virtual_loop()
+    fired: list[tuple[str, int]] = []
     done = threading.Event()
     plan = [("c", 30), ("a", 10), ("b", 20), ("now", 0), ("a2", 10)]
 
-    def setup() -> None:
-        for label, delay_ms in plan:
-            loop.call_later(delay_ms * MS, lambda label=label: fired.append(label), label=label)
-        loop.call_later(40 * MS, done.set)
+    def setup() -> int:
+        for label, delay_s in plan:
+            loop.call_later(delay_s * S, lambda label=label: fired.append((label, loop.now_ns())), label=label)
+        loop.call_later(40 * S, done.set)
+        return loop.now_ns()
 
-    loop.call(setup, timeout=WAIT_S)
+    t0 = loop.call(setup, timeout=WAIT_S)
     assert done.wait(WAIT_S)
-    assert fired == ["now", "a", "a2", "b", "c"]
+    assert fired == [("now", t0), ("a", t0 + 10 * S), ("a2", t0 + 10 * S), ("b", t0 + 20 * S), ("c", t0 + 30 * S)]
     assert loop.stats()["timers_fired"] == 6
 
 
-def test_call_at_uses_the_loop_clock(make_loop: MakeLoop) -> None:
-    loop = make_loop()
+def test_call_at_uses_the_loop_clock(make_virtual_loop: MakeLoop) -> None:
+    clock = VirtualClock(start_ns=10**15)  # nowhere near the system's monotonic clock
+    loop = make_virtual_loop(clock=clock)
+    at: list[int] = []
     done = threading.Event()
-    loop.call(lambda: loop.call_at(loop.now_ns() + 5 * MS, done.set), timeout=WAIT_S)
+
+    def fire() -> None:
+        at.append(clock.monotonic_ns())
+        done.set()
+
+    def setup() -> int:
+        deadline = loop.now_ns() + 5 * MS
+        loop.call_at(deadline, fire)
+        return deadline
+
+    deadline = loop.call(setup, timeout=WAIT_S)
+    assert deadline == 10**15 + 5 * MS
     assert done.wait(WAIT_S)
+    assert at == [deadline]
+
+
+def test_a_timer_fires_at_its_deadline_never_earlier(make_virtual_loop: MakeLoop) -> None:
+    """On virtual time, exactly at the deadline, however far; the clock jumps
+    only once the loop has nothing else to do."""
+    loop = make_virtual_loop()
+    times: dict[str, int] = {}
+    done = threading.Event()
+
+    def fire() -> None:
+        times["fired"] = loop.now_ns()
+        done.set()
+
+    def setup() -> None:
+        times["scheduled"] = loop.now_ns()
+        loop.call_later(3600 * S, fire)  # an hour
+
+    t0 = time.monotonic()
+    loop.call(setup, timeout=WAIT_S)
+    assert done.wait(WAIT_S)
+    assert times["fired"] - times["scheduled"] == 3600 * S
+    assert time.monotonic() - t0 < WAIT_S
 
 
 def test_a_50ms_timer_fires_after_50ms_not_much_later(make_loop: MakeLoop) -> None:
+    """Real time (the poller's wait, rounded up to whole ms, is what is tested)."""
     loop = make_loop()
     times: dict[str, int] = {}
     done = threading.Event()
@@ -394,19 +475,19 @@ def test_a_50ms_timer_fires_after_50ms_not_much_later(make_loop: MakeLoop) -> No
     assert 50 <= elapsed_ms < 150, elapsed_ms
 
 
-def test_cancel(make_loop: MakeLoop) -> None:
-    loop = make_loop()
+def test_cancel(make_virtual_loop: MakeLoop) -> None:
+    loop = make_virtual_loop()
     fired: list[str] = []
     done = threading.Event()
     handles: dict[str, TimerHandle] = {}
 
     def setup() -> tuple[bool, bool]:
-        handles["kept"] = loop.call_later(10 * MS, lambda: fired.append("kept"))
-        handles["gone"] = loop.call_later(10 * MS, lambda: fired.append("gone"))
+        handles["kept"] = loop.call_later(10 * S, lambda: fired.append("kept"))
+        handles["gone"] = loop.call_later(10 * S, lambda: fired.append("gone"))
         # Due in the same batch: the first cancels the second before it runs.
-        loop.call_later(5 * MS, lambda: fired.append(f"cancel-same-batch={loop.cancel(handles['late'])}"))
-        handles["late"] = loop.call_later(5 * MS, lambda: fired.append("late"))
-        loop.call_later(30 * MS, done.set)
+        loop.call_later(5 * S, lambda: fired.append(f"cancel-same-batch={loop.cancel(handles['late'])}"))
+        handles["late"] = loop.call_later(5 * S, lambda: fired.append("late"))
+        loop.call_later(30 * S, done.set)
         return loop.cancel(handles["gone"]), loop.cancel(handles["gone"])
 
     assert loop.call(setup, timeout=WAIT_S) == (True, False)
@@ -416,8 +497,8 @@ def test_cancel(make_loop: MakeLoop) -> None:
     assert loop.call(lambda: loop.cancel(None), timeout=WAIT_S) is False
 
 
-def test_timer_scheduled_from_another_thread_through_post(make_loop: MakeLoop) -> None:
-    loop = make_loop()
+def test_timer_scheduled_from_another_thread_through_post(make_virtual_loop: MakeLoop) -> None:
+    loop = make_virtual_loop()
     fired = threading.Event()
     on_thread: list[int] = []
 
@@ -425,7 +506,7 @@ def test_timer_scheduled_from_another_thread_through_post(make_loop: MakeLoop) -
         on_thread.append(threading.get_ident())
         fired.set()
 
-    scheduler = threading.Thread(target=lambda: loop.post(lambda: loop.call_later(10 * MS, fire)))
+    scheduler = threading.Thread(target=lambda: loop.post(lambda: loop.call_later(10 * S, fire)))
     scheduler.start()
     scheduler.join(WAIT_S)
     assert fired.wait(WAIT_S)
@@ -493,18 +574,18 @@ def test_system_exit_in_a_callable_does_not_end_the_loop(make_loop: MakeLoop) ->
     assert loop.call(lambda: "alive", timeout=WAIT_S) == "alive"
 
 
-def test_timer_that_raises_is_reported_with_its_request(make_loop: MakeLoop) -> None:
+def test_timer_that_raises_is_reported_with_its_request(make_virtual_loop: MakeLoop) -> None:
     sink = ErrorSink()
-    loop = make_loop(on_error=sink)
+    loop = make_virtual_loop(on_error=sink)
 
     def expire() -> None:
         raise TimeoutError("lease")
 
-    loop.call(lambda: loop.call_later(MS, expire, req="req-9", label="lease-timer"), timeout=WAIT_S)
+    loop.call(lambda: loop.call_later(30 * S, expire, req="req-9", label="lease-timer"), timeout=WAIT_S)
     [error] = sink.wait()
     assert (error.req, error.label, error.where) == ("req-9", "lease-timer", "timer")
     fired = threading.Event()
-    loop.call(lambda: loop.call_later(MS, fired.set), timeout=WAIT_S)
+    loop.call(lambda: loop.call_later(S, fired.set), timeout=WAIT_S)
     assert fired.wait(WAIT_S)
 
 
@@ -684,3 +765,137 @@ def test_idle_loop_with_a_far_timer_burns_no_cpu(make_loop: MakeLoop) -> None:
     assert cpu_s < 0.020, f"loop with a far timer used {cpu_s * 1000:.1f} ms CPU in 1 s"
     assert iterations <= 3, f"loop with a far timer woke {iterations} times in 1 s"
     assert loop.stats()["timers_pending"] == 1
+
+
+# ----------------------------------------------------------------- virtual time
+
+
+def test_virtual_modes_need_a_clock_they_can_move() -> None:
+    with pytest.raises(ValueError, match="VirtualClock"):
+        EventLoop("bad", mode="autojump")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        EventLoop("bad", mode="sideways")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be mode 'driven'"):
+        EventLoop("bad", clock=VirtualClock(), mode="autojump", group=DrivenLoops(VirtualClock()))
+
+
+def test_autojump_waits_while_the_loop_is_busy(make_virtual_loop: MakeLoop) -> None:
+    """A callable that runs (in real time) holds virtual time still: the jump
+    comes only once nothing is posted, readable or due."""
+    loop = make_virtual_loop()
+    fired = threading.Event()
+    t0 = loop.call(lambda: (loop.call_later(60 * S, fired.set), loop.now_ns())[1], timeout=WAIT_S)
+    release = blocker(loop)
+    time.sleep(0.05)  # fifty thresholds of real time
+    assert loop.now_ns() == t0 and not fired.is_set()
+    release.set()
+    assert fired.wait(WAIT_S)
+    assert loop.now_ns() == t0 + 60 * S
+
+
+def test_autojump_loop_takes_posts_and_calls_from_other_threads(make_virtual_loop: MakeLoop) -> None:
+    loop = make_virtual_loop()
+    for i in range(50):
+        assert loop.call(lambda i=i: i, timeout=WAIT_S) == i
+    ran = threading.Event()
+    assert loop.post(ran.set)
+    assert ran.wait(WAIT_S)
+
+
+def test_driven_loop_has_no_thread_and_runs_inline_for_its_driver(make_driven: Callable[..., EventLoop]) -> None:
+    loop = make_driven()
+    assert loop.thread is None and loop.in_loop_thread()
+    assert loop.call(lambda: 42, timeout=WAIT_S) == 42  # inline: nothing to wait for
+    sock = loop.socket(zmq.PULL)  # loop-thread-only methods work from the driver
+    ran: list[str] = []
+    assert loop.post(lambda: ran.append("posted"))
+    assert ran == [] and loop.run_once() == 1 and ran == ["posted"]
+    assert loop.run_once() == 0  # idle: returns at once
+    assert loop.stop() and sock.closed
+
+
+def test_driven_loop_runs_timers_only_when_the_driver_moves_the_clock(make_driven: Callable[..., EventLoop]) -> None:
+    clock = VirtualClock()
+    loop = make_driven(clock=clock)
+    fired: list[int] = []
+    loop.call_later(5 * S, lambda: fired.append(clock.monotonic_ns()))
+    assert loop.run_until_idle() == 0 and fired == []
+    assert loop.next_deadline_ns() == 5 * S
+    clock.jump_to(5 * S)
+    assert loop.run_until_idle() == 1 and fired == [5 * S]
+    assert loop.next_deadline_ns() is None
+
+
+def test_driven_loop_takes_posts_from_other_threads_at_its_next_turn(make_driven: Callable[..., EventLoop]) -> None:
+    loop = make_driven()
+    ran: list[int] = []
+    poster = threading.Thread(target=lambda: [loop.post(lambda i=i: ran.append(i)) for i in range(100)])
+    poster.start()
+    poster.join(WAIT_S)
+    assert ran == []
+    assert loop.run_until_idle() == 100 and ran == list(range(100))
+    assert loop.stats()["wakeups"] >= 1
+
+
+def test_driven_loop_refuses_to_spin_forever(make_driven: Callable[..., EventLoop]) -> None:
+    loop = make_driven()
+
+    def again() -> None:
+        loop.post(again)
+
+    loop.post(again)
+    with pytest.raises(RuntimeError, match="still busy"):
+        loop.run_until_idle(max_iterations=50)
+
+
+def test_two_driven_loops_on_one_clock_run_a_deterministic_exchange() -> None:
+    """Ping-pong over inproc PAIR sockets with timers in between: the group runs
+    both loops from this thread; a message sent is readable at once, so one
+    ``run_until_idle`` settles a whole exchange; the clock moves only between."""
+
+    def run() -> list[tuple[int, str]]:
+        clock = VirtualClock()
+        group = DrivenLoops(clock, zmq.Context())
+        a = EventLoop("a", clock=clock, **group.loop_options()).start()
+        b = EventLoop("b", clock=clock, **group.loop_options()).start()
+        trace: list[tuple[int, str]] = []
+        sa, sb = a.socket(zmq.PAIR), b.socket(zmq.PAIR)
+        sa.bind("inproc://ping")
+        sb.connect("inproc://ping")
+
+        def on(loop: EventLoop, sock: zmq.Socket, name: str) -> Callable[[], None]:
+            def readable() -> None:
+                while True:
+                    try:
+                        n = int(sock.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        return
+                    trace.append((clock.monotonic_ns(), f"{name} got {n}"))
+                    if n < 6:
+                        # Answer at once when even, after (n + 1) seconds when odd.
+                        if n % 2 == 0:
+                            sock.send(str(n + 1).encode())
+                        else:
+                            loop.call_later((n + 1) * S, lambda n=n: sock.send(str(n + 1).encode()))
+            return readable
+
+        a.add_reader(sa, on(a, sa, "a"))
+        b.add_reader(sb, on(b, sb, "b"))
+        sa.send(b"0")
+        rounds = 0
+        while True:
+            group.run_until_idle()
+            deadline = group.next_deadline_ns()
+            if deadline is None:
+                break
+            clock.jump_to(deadline)
+            rounds += 1
+        assert rounds == 3
+        group.close()
+        assert sa.closed and sb.closed
+        return trace
+
+    trace = run()
+    assert trace == [(0, "b got 0"), (0, "a got 1"), (2 * S, "b got 2"), (2 * S, "a got 3"),
+                     (6 * S, "b got 4"), (6 * S, "a got 5"), (12 * S, "b got 6")]
+    assert run() == trace

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Write the sample event logs under tests/data/ from the simulation harness.
+"""Write the sample event logs under tests/data/ from the simulation.
 
-* ``sample-clean/``: a prefill and a decode engine log of a run with every
+The simulation runs the real prefill and decode workers (``kvsm.sim``); their
+logs are ``prefill-0.worker.rank0.jsonl`` and ``decode-0.worker.rank0.jsonl``.
+
+* ``sample-clean/``: a prefill and a decode worker log of a run with every
   survivable fault mixed in (timeouts, aborts, expired leases, errors): the
   replay must find no violation and exit 0.
 * ``sample-violations/``: the same kind of run with planted faults the replay
@@ -28,15 +31,17 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvsm.eventlog import EventLog  # noqa: E402
-from kvsm.lifecycle import events as ev  # noqa: E402
-from kvsm.lifecycle.clock import VirtualClock  # noqa: E402
-from kvsm.lifecycle.machine import LifecycleTracker  # noqa: E402
-from kvsm.lifecycle.table import RECV, SEND  # noqa: E402
-from kvsm.sim import Faults, SimConfig, run_simulation  # noqa: E402
+from kvsm.eventlog import EventLog
+from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.clock import VirtualClock
+from kvsm.lifecycle.machine import LifecycleTracker
+from kvsm.lifecycle.table import RECV, SEND
+from kvsm.sim import Faults, SimConfig, run_simulation
 
 CLEAN_SEED = 7
 VIOLATIONS_SEED = 11
+PREFILL_LOG = "prefill-0.worker.rank0.jsonl"
+DECODE_LOG = "decode-0.worker.rank0.jsonl"
 
 
 def _lines(path: Path) -> list[bytes]:
@@ -55,8 +60,8 @@ def make_violations(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_simulation(SimConfig(seed=VIOLATIONS_SEED, num_requests=30, faults=Faults.mixed(0.05),
                                  log_dir=Path(tmp)))
-        decode = _lines(Path(tmp) / "decode-0.scheduler.jsonl")
-        prefill = _lines(Path(tmp) / "prefill-0.scheduler.jsonl")
+        decode = _lines(Path(tmp) / DECODE_LOG)
+        prefill = _lines(Path(tmp) / PREFILL_LOG)
 
     # 1. A lost line in the middle of the decode log.
     del decode[len(decode) // 2]
@@ -68,15 +73,16 @@ def make_violations(out: Path) -> None:
             rec["dst"] = "released"
             prefill[i] = orjson.dumps(rec) + b"\n"
             break
-    (out / "decode-0.scheduler.jsonl").write_bytes(b"".join(decode))
-    (out / "prefill-0.scheduler.jsonl").write_bytes(b"".join(prefill))
+    (out / DECODE_LOG).write_bytes(b"".join(decode))
+    (out / PREFILL_LOG).write_bytes(b"".join(prefill))
 
     # 3. + 4. A second decode engine whose process logged a read notification
-    #    after a lease expired and then died while a request was mid-transfer.
+    #    after a lease expired and then died while a request was mid-transfer
+    #    (no worker.shutdown record: the process did not stop cleanly).
     clock = VirtualClock(start_ns=5_000_000)
-    path = out / "decode-1.scheduler.jsonl"
+    path = out / "decode-1.worker.rank0.jsonl"
     path.unlink(missing_ok=True)
-    log = EventLog(path, role="scheduler", engine_id="decode-1", rank=0, clock=clock)
+    log = EventLog(path, role="worker", engine_id="decode-1", rank=0, clock=clock)
     send = LifecycleTracker(SEND, clock, listener=log.record_outcome)
     recv = LifecycleTracker(RECV, clock, listener=log.record_outcome)
     send.create("p-late")

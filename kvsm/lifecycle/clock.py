@@ -2,11 +2,14 @@
 
 Everything in kvsm that reads the time takes a ``Clock``; nothing calls
 ``time.monotonic_ns()`` directly. The system clock is for production; the
-virtual clock only moves when a test (or the replay) moves it.
+virtual clock only moves when something moves it: a test, the replay, or an
+event loop on virtual time (``kvsm.loop``, ``mode="autojump"`` or
+``"driven"``), which jumps it to its next timer when it has nothing to do.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Protocol
 
@@ -36,14 +39,16 @@ class VirtualClock:
     """A clock that stands still until told to move (trio's MockClock idea).
 
     ``wall_ns`` keeps a fixed offset from ``monotonic_ns`` so records made on
-    virtual time still look like real ones.
+    virtual time still look like real ones. Reads take no lock; moves take one,
+    so a loop thread's jump and a test thread's ``advance`` cannot lose either.
     """
 
-    __slots__ = ("_now_ns", "_wall_offset_ns")
+    __slots__ = ("_lock", "_now_ns", "_wall_offset_ns")
 
     def __init__(self, start_ns: int = 0, wall_offset_ns: int = 1_700_000_000_000_000_000) -> None:
         self._now_ns = start_ns
         self._wall_offset_ns = wall_offset_ns
+        self._lock = threading.Lock()
 
     def monotonic_ns(self) -> int:
         return self._now_ns
@@ -55,13 +60,24 @@ class VirtualClock:
         """Move time forward; time never goes backwards."""
         if delta_ns < 0:
             raise ValueError(f"VirtualClock cannot go back in time (delta_ns={delta_ns})")
-        self._now_ns += delta_ns
+        with self._lock:
+            self._now_ns += delta_ns
 
     def set(self, now_ns: int) -> None:
         """Jump to an absolute time (used by replay to stand at a record's time)."""
-        if now_ns < self._now_ns:
-            raise ValueError(f"VirtualClock cannot go back in time ({now_ns} < {self._now_ns})")
-        self._now_ns = now_ns
+        with self._lock:
+            if now_ns < self._now_ns:
+                raise ValueError(f"VirtualClock cannot go back in time ({now_ns} < {self._now_ns})")
+            self._now_ns = now_ns
+
+    def jump_to(self, now_ns: int) -> bool:
+        """Move to ``now_ns`` if that is later (an event loop's jump to its next
+        timer); False, and no move, if the clock is there or past it already."""
+        with self._lock:
+            if now_ns <= self._now_ns:
+                return False
+            self._now_ns = now_ns
+            return True
 
 
 SYSTEM_CLOCK = SystemClock()

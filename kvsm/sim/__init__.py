@@ -1,5 +1,6 @@
-"""Deterministic simulation of a prefill/decode pair on virtual time."""
+"""Deterministic simulation of a prefill/decode pair of real workers on virtual time."""
 
-from kvsm.sim.harness import Faults, SimConfig, SimResult, Simulation, run_simulation
+from kvsm.sim.config import Faults, SimConfig, SimResult
+from kvsm.sim.harness import Simulation, run_simulation
 
 __all__ = ["Faults", "SimConfig", "SimResult", "Simulation", "run_simulation"]

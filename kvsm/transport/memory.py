@@ -3,17 +3,28 @@
 Agents share one ``InMemoryFabric``. Reads move real bytes between the
 agents' ``bytearray`` pools, but only when the fabric is stepped to the read's
 completion time, so a test decides exactly when (and whether) each transfer
-lands. Faults are chosen per transfer by a hook: complete, fail, hang (never
-complete on its own), corrupt the bytes, or refuse cancellation.
+lands. Faults are chosen per transfer by a hook: complete, fail, fail as a
+disconnected peer, hang (never complete on its own), corrupt the bytes, or
+refuse cancellation.
+
+It behaves like ``kvsm.transport.nixl`` where the worker can tell: a read
+that ended in error says why in ``handle.error`` (a dead peer's reads say
+``Disconnect``, as NIXL's ``nixlRemoteDisconnectError`` does), a read that
+cannot be cancelled makes ``release`` return False until it settles, and
+``remove_peer`` settles every read from that peer (none writes afterwards).
 
 ``on_write`` / ``on_read`` hooks let the simulation check that a read never
 writes into a block its request no longer holds, and never reads a block that
-its sender has freed.
+its sender has freed. ``cancel_lies`` plants a transport bug (for tests that
+show those checks can fail): ``release`` of a read that cannot be cancelled
+says it was, and the read still lands later.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,18 +35,34 @@ from kvsm.transport.base import TransferState, Transport, XferHandle
 class Fault(enum.Enum):
     NONE = "none"
     ERROR = "error"  # completes with an error, writes nothing
+    DISCONNECT = "disconnect"  # completes with the error of a peer whose process is gone
     HANG = "hang"  # never completes unless released
     CORRUPT = "corrupt"  # completes, but one byte arrives flipped
     STUCK = "stuck"  # completes late and cannot be cancelled meanwhile
 
 
-@dataclass
+DISCONNECT_ERROR = "nixlRemoteDisconnectError: the peer's agent disconnected"
+
+
+class MemoryXferHandle(XferHandle):
+    """A posted in-memory read; ``error`` says why it ended in ERROR."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                 notif: bytes, tag: str = "") -> None:
+        super().__init__(peer, local_blocks, remote_blocks, notif, tag)
+        self.error = ""
+
+
+@dataclass(eq=False)
 class _Transfer:
-    handle: XferHandle
+    handle: MemoryXferHandle
     reader: str
     complete_at_ns: int
     fault: Fault
     state: TransferState = TransferState.PENDING
+    lied: bool = False  # released under ``cancel_lies`` while in flight: lands, nobody watches
 
 
 @dataclass
@@ -45,33 +72,51 @@ class InMemoryFabric:
     clock: Clock
     latency_ns: int = 200_000
     fault_for: Callable[[XferHandle], Fault] = field(default=lambda h: Fault.NONE)
+    # How long a read takes to settle (None: latency_ns, five times that when STUCK).
+    delay_for: Callable[[XferHandle, Fault], int] | None = None
     agents: dict[str, InMemoryAgent] = field(default_factory=dict)
-    _transfers: dict[XferHandle, _Transfer] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
+    cancel_lies: bool = False
+    _transfers: dict[MemoryXferHandle, _Transfer] = field(default_factory=dict)
+    # (complete_at_ns, order, transfer) of every read that will land on its own.
+    _due: list[tuple[int, int, _Transfer]] = field(default_factory=list)
+    _order: itertools.count = field(default_factory=itertools.count)
 
     def kill(self, name: str) -> None:
         """The agent's process died: its pending reads (both ways) end in error."""
         self.dead.add(name)
 
     def next_completion_ns(self) -> int | None:
-        pending = [t.complete_at_ns for t in self._transfers.values() if t.state is TransferState.PENDING
-                   and t.fault is not Fault.HANG]
-        return min(pending) if pending else None
+        """When the next read lands (or fails), or None."""
+        due = self._due
+        while due and due[0][2].state is not TransferState.PENDING:
+            heapq.heappop(due)
+        return due[0][0] if due else None
 
-    def step(self) -> None:
-        """Land every transfer due at the current virtual time."""
+    def step(self) -> int:
+        """Land every transfer due at the current virtual time; returns how many."""
         now = self.clock.monotonic_ns()
-        for t in list(self._transfers.values()):
-            if t.state is TransferState.PENDING and t.fault is not Fault.HANG and t.complete_at_ns <= now:
+        due = self._due
+        landed = 0
+        while due and due[0][0] <= now:
+            _, _, t = heapq.heappop(due)
+            if t.state is TransferState.PENDING:
                 self._land(t)
+                landed += 1
+        return landed
 
     def _land(self, t: _Transfer) -> None:
         h = t.handle
-        reader = self.agents[t.reader]
-        if t.fault is Fault.ERROR or h.peer in self.dead or t.reader in self.dead or h.peer not in self.agents:
-            t.state = TransferState.ERROR
+        if t.fault is Fault.ERROR:
+            self._fail(t, "NIXL reported ERR")
             return
-        sender = self.agents[h.peer]
+        if t.fault is Fault.DISCONNECT or h.peer in self.dead or t.reader in self.dead:
+            self._fail(t, DISCONNECT_ERROR)
+            return
+        if h.peer not in self.agents or t.reader not in self.agents:
+            self._fail(t, "NIXL reported ERR: agent unknown")
+            return
+        reader, sender = self.agents[t.reader], self.agents[h.peer]
         if sender.on_read is not None:
             sender.on_read(h.remote_blocks, h.tag)
         if reader.on_write is not None:
@@ -79,25 +124,45 @@ class InMemoryFabric:
         for lb, rb in zip(h.local_blocks, h.remote_blocks):
             reader.write_block(lb, sender.read_block(rb))
         if t.fault is Fault.CORRUPT and h.local_blocks:
-            lb = h.local_blocks[0]
-            off = lb * reader.block_bytes
-            reader.memory[off] ^= 0xFF
+            reader.memory[h.local_blocks[0] * reader.block_bytes] ^= 0xFF
         t.state = TransferState.DONE
+        if t.lied:
+            self._transfers.pop(h, None)
         if h.notif:
             sender.inbox.append((t.reader, h.notif))
 
-    def _post(self, reader: str, handle: XferHandle) -> None:
+    @staticmethod
+    def _fail(t: _Transfer, why: str) -> None:
+        t.state = TransferState.ERROR
+        t.handle.error = why
+
+    def _post(self, reader: str, handle: MemoryXferHandle) -> None:
         fault = self.fault_for(handle)
-        delay = self.latency_ns * (5 if fault is Fault.STUCK else 1)
-        self._transfers[handle] = _Transfer(handle, reader, self.clock.monotonic_ns() + delay, fault)
+        if self.delay_for is not None:
+            delay = self.delay_for(handle, fault)
+        else:
+            delay = self.latency_ns * (5 if fault is Fault.STUCK else 1)
+        t = _Transfer(handle, reader, self.clock.monotonic_ns() + delay, fault)
+        self._transfers[handle] = t
+        if fault is not Fault.HANG:
+            heapq.heappush(self._due, (t.complete_at_ns, next(self._order), t))
 
     def _find(self, handle: XferHandle) -> _Transfer:
-        t = self._transfers.get(handle)
+        t = self._transfers.get(handle)  # type: ignore[call-overload]
         if t is None:
             raise KeyError("unknown or released transfer handle")
         return t
 
+    def _settle_from(self, reader: str, peer: str | None, why: str) -> None:
+        """Every read of ``reader`` (from ``peer``, or from anyone) still in flight
+        ends in error and writes nothing."""
+        for t in self._transfers.values():
+            if (t.reader == reader and t.state is TransferState.PENDING and not t.lied
+                    and peer in (None, t.handle.peer)):
+                self._fail(t, why)
+
     def in_flight(self) -> int:
+        """Reads that have not settled yet (a released read that lies lands later: counted)."""
         return sum(1 for t in self._transfers.values() if t.state is TransferState.PENDING)
 
 
@@ -114,6 +179,7 @@ class InMemoryAgent(Transport):
         self.inbox: list[tuple[str, bytes]] = []
         self.on_write: Callable[[Sequence[int], str], None] | None = None
         self.on_read: Callable[[Sequence[int], str], None] | None = None
+        self.closed = False
         fabric.agents[name] = self
 
     # -- memory ---------------------------------------------------------------
@@ -141,15 +207,19 @@ class InMemoryAgent(Transport):
         return name
 
     def remove_peer(self, peer: str) -> None:
+        """Forget ``peer``; its reads still in flight end in error (none writes afterwards)."""
         self.peers.discard(peer)
+        self.fabric._settle_from(self.name, peer, f"cancelled in flight: peer {peer!r} removed")
 
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                  notif: bytes, tag: str = "") -> XferHandle:
+                  notif: bytes, tag: str = "") -> MemoryXferHandle:
+        if self.closed:
+            raise RuntimeError(f"agent {self.name!r} is closed")
         if peer not in self.peers:
             raise ConnectionError(f"agent {self.name!r} has no peer {peer!r} (handshake first)")
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
-        handle = XferHandle(peer, local_blocks, remote_blocks, notif, tag)
+        handle = MemoryXferHandle(peer, local_blocks, remote_blocks, notif, tag)
         self.fabric._post(self.name, handle)
         return handle
 
@@ -157,12 +227,16 @@ class InMemoryAgent(Transport):
         return self.fabric._find(handle).state
 
     def release(self, handle: XferHandle) -> bool:
-        t = self.fabric._find(handle)
+        fabric = self.fabric
+        t = fabric._find(handle)
         if t.state is TransferState.PENDING:
             if t.fault is Fault.STUCK:
-                return False  # still in flight; it will land (and write) later
-            t.state = TransferState.ERROR  # cancelled before it wrote anything
-        del self.fabric._transfers[handle]
+                if not fabric.cancel_lies:
+                    return False  # still in flight; it will land (and write) later
+                t.lied = True  # the planted bug: "cancelled", yet it lands later
+                return True
+            fabric._fail(t, "cancelled before it wrote anything")
+        del fabric._transfers[t.handle]
         return True
 
     def send_notif(self, peer: str, msg: bytes) -> None:
@@ -176,4 +250,10 @@ class InMemoryAgent(Transport):
 
     def resources(self) -> dict[str, int]:
         return {"peers": len(self.peers),
-                "handles": sum(1 for t in self.fabric._transfers.values() if t.reader == self.name)}
+                "handles": sum(1 for t in self.fabric._transfers.values() if t.reader == self.name and not t.lied)}
+
+    def close(self) -> None:
+        """The worker shuts down: its reads still in flight end in error."""
+        if not self.closed:
+            self.closed = True
+            self.fabric._settle_from(self.name, None, f"agent {self.name!r} closed")

@@ -193,7 +193,7 @@ class WorkerContext:
     _claim_queue: dict[str, list[str]]
     _retry_flush: TimerHandle | None
     _oneway: dict[int, tuple[PeerIO, int]]
-    _polling: set[str]
+    _polling: dict[str, None]  # insertion-ordered: the same run polls in the same order
     _poll_timer: TimerHandle | None
     _notif_timer: TimerHandle | None
     _expiry_timer: TimerHandle | None
@@ -215,7 +215,7 @@ class WorkerContext:
         self._claim_queue = {}
         self._retry_flush = None
         self._oneway = {}
-        self._polling = set()
+        self._polling = {}
         self._poll_timer = None
         self._notif_timer = None
         self._expiry_timer = None

@@ -230,8 +230,10 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
 
     def resources(self) -> dict[str, int]:
         """How much per-request state this worker holds (loop thread): every count
-        but ``peers``/``transport_peers`` and the loop's ``readers`` returns to 0 once
-        the requests it served have ended, so a growing count is a leak."""
+        but ``peers``/``transport_peers``, ``client_sockets`` and the loop's
+        ``readers`` returns to 0 once the requests it served have ended (on a prefill
+        worker that served a reader, ``loop_timers`` keeps its notification poll), so
+        a growing count is a leak."""
         out = {
             "recv_machines": len(self.recv),
             "send_machines": len(self.send),

@@ -141,7 +141,7 @@ class RecvSide(WorkerContext):
                     failed.append((name, e))
         finally:
             self._recv_io.pop(req, None)
-            self._polling.discard(req)
+            self._polling.pop(req, None)
             if not self._recv_io:
                 self._compact_recv()
         if failed:
@@ -174,7 +174,7 @@ class RecvSide(WorkerContext):
         """Nothing is receiving: rebuild the per-request tables, so memory returns to
         its baseline after a burst (dicts and sets keep the capacity of their peak)."""
         self._recv_io = {}
-        self._polling = set()
+        self._polling = {}
         self.recv.compact()
 
     # -- timers --------------------------------------------------------------------------
@@ -251,14 +251,14 @@ class RecvSide(WorkerContext):
         """Check a request's reads; once none is in flight, say how they ended."""
         io = self._recv_io.get(req)
         if io is None or req not in self.recv:
-            self._polling.discard(req)
+            self._polling.pop(req, None)
             return
         assert self.transport is not None
         states = [self.transport.check(h) for h in io.handles]
         if any(s is TransferState.PENDING for s in states):
             self._watch(req)
             return
-        self._polling.discard(req)
+        self._polling.pop(req, None)
         errors = [getattr(h, "error", "") or "NIXL reported an error" for h, s in zip(io.handles, states)
                   if s is TransferState.ERROR]
         if errors:
@@ -273,7 +273,7 @@ class RecvSide(WorkerContext):
         self._apply_recv(ev.AllReadsDone(req=req, num_bytes=self._bytes_of(io)))
 
     def _watch(self, req: str) -> None:
-        self._polling.add(req)
+        self._polling[req] = None
         self._arm_poll()
 
     def _release_reads(self, req: str, io: RecvIO | None, o: Outcome) -> None:
