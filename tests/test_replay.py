@@ -22,6 +22,9 @@ from kvsm.sim import Faults, SimConfig, run_simulation
 ROOT = Path(__file__).resolve().parent.parent
 CLEAN = ROOT / "tests" / "data" / "sample-clean"
 PLANTED = ROOT / "tests" / "data" / "sample-violations"
+# The simulation runs the real workers: one log per worker process (tools/make_sample_logs.py).
+DECODE_LOG = "decode-0.worker.rank0.jsonl"
+PREFILL_LOG = "prefill-0.worker.rank0.jsonl"
 
 
 def replay_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -41,12 +44,12 @@ def test_clean_sample_prints_summary_and_exits_0() -> None:
 
 
 def test_line_removed_from_the_middle_exits_1_and_names_the_gap(tmp_path: Path) -> None:
-    src = CLEAN / "decode-0.scheduler.jsonl"
+    src = CLEAN / DECODE_LOG
     lines = src.read_bytes().splitlines(keepends=True)
     middle = len(lines) // 2
     lost_seq = orjson.loads(lines[middle])["seq"]
     (tmp_path / src.name).write_bytes(b"".join(lines[:middle] + lines[middle + 1:]))
-    proc = replay_cli(tmp_path / src.name, CLEAN / "prefill-0.scheduler.jsonl")
+    proc = replay_cli(tmp_path / src.name, CLEAN / PREFILL_LOG)
     assert proc.returncode == 1
     assert f"seq_gap: decode-0: 1 record(s) lost: seq {lost_seq} missing" in proc.stdout
     assert f"{src.name}:{middle + 1}]" in proc.stdout  # the line after the gap
@@ -62,11 +65,16 @@ def test_planted_violations_are_each_reported() -> None:
     assert [(f.req, f.engine_id) for f in cut] == [("d-cut", "decode-1")]
     assert "'transferring'" in cut[0].detail
     late = [f for f in report.findings if f.kind == "read_after_lease_expiry"]
-    assert late[0].req == "p-late" and late[0].file.endswith("decode-1.scheduler.jsonl")
+    assert late[0].req == "p-late" and late[0].file.endswith("decode-1.worker.rank0.jsonl")
+    # The lost line is decode-0's; the edited destination is prefill-0's (the gap
+    # also makes decode-0 diverge where the lost record was needed).
+    assert {f.engine_id for f in report.findings if f.kind == "seq_gap"} == {"decode-0"}
+    edited = [f for f in report.findings if f.kind == "divergence" and f.engine_id == "prefill-0"]
+    assert len(edited) == 1 and "recorded 'prefilling' -> 'released'" in edited[0].detail, edited
 
 
 def test_truncated_and_garbage_lines_are_reported_and_the_rest_replays(tmp_path: Path) -> None:
-    lines = (CLEAN / "decode-0.scheduler.jsonl").read_bytes().splitlines(keepends=True)
+    lines = (CLEAN / DECODE_LOG).read_bytes().splitlines(keepends=True)
     lines.insert(10, b"this is not json\n")
     body = b"".join(lines)
     log = tmp_path / "decode.jsonl"
@@ -75,7 +83,7 @@ def test_truncated_and_garbage_lines_are_reported_and_the_rest_replays(tmp_path:
     problems = {(f.kind, f.line) for f in report.findings if f.kind == "corrupt_line"}
     assert problems == {("corrupt_line", 11), ("corrupt_line", len(lines))}
     assert report.exit_code == 1
-    clean = analyse([CLEAN / "decode-0.scheduler.jsonl"])
+    clean = analyse([CLEAN / DECODE_LOG])
     # Every request but the one whose last record was cut replays to the same final state.
     want = {m.req: m.final_state for m in clean.machines}
     got = {m.req: m.final_state for m in report.machines}
@@ -129,7 +137,7 @@ def test_prefill_pins_may_share_blocks(tmp_path: Path) -> None:
 
 
 def test_replay_detects_divergence_from_the_table(tmp_path: Path) -> None:
-    lines = (CLEAN / "prefill-0.scheduler.jsonl").read_bytes().splitlines(keepends=True)
+    lines = (CLEAN / PREFILL_LOG).read_bytes().splitlines(keepends=True)
     for i, line in enumerate(lines):
         rec = orjson.loads(line)
         if rec["kind"] == "transition" and rec.get("effects") == ["cancel_lease", "free_blocks"]:
@@ -146,11 +154,11 @@ def test_replay_detects_divergence_from_the_table(tmp_path: Path) -> None:
 
 
 def test_an_emptied_log_is_reported(tmp_path: Path) -> None:
-    (tmp_path / "decode-0.scheduler.jsonl").write_bytes(b"")
-    (tmp_path / "prefill-0.scheduler.jsonl").write_bytes((CLEAN / "prefill-0.scheduler.jsonl").read_bytes())
+    (tmp_path / DECODE_LOG).write_bytes(b"")
+    (tmp_path / PREFILL_LOG).write_bytes((CLEAN / PREFILL_LOG).read_bytes())
     report = analyse([tmp_path])
     assert report.exit_code == 1
-    assert [(f.kind, Path(f.file).name) for f in report.findings] == [("empty_log", "decode-0.scheduler.jsonl")]
+    assert [(f.kind, Path(f.file).name) for f in report.findings] == [("empty_log", DECODE_LOG)]
 
 
 def test_unreadable_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,7 +194,8 @@ def test_json_and_trace_outputs(tmp_path: Path) -> None:
     assert proc.returncode == 0
     data = json.loads(proc.stdout)
     assert data["exit_code"] == 0 and data["violations"] == []
-    assert {r["lifecycle"] for r in data["requests"]} == {"recv", "send"}
+    # (The decode worker's peers are machines too: the peer lifecycle.)
+    assert {r["lifecycle"] for r in data["requests"]} == {"recv", "send", "peer"}
     assert all(r["terminal"] for r in data["requests"])
     events = json.loads(trace.read_text())["traceEvents"]
     tracks = [e for e in events if e.get("name") == "thread_name"]
@@ -312,19 +321,24 @@ def test_timeline_includes_diagnostic_notes_of_the_request(tmp_path: Path) -> No
 
 
 def test_records_with_wrong_types_are_reported_not_fatal(tmp_path: Path) -> None:
-    lines = (CLEAN / "prefill-0.scheduler.jsonl").read_bytes().splitlines(keepends=True)
+    lines = (CLEAN / PREFILL_LOG).read_bytes().splitlines(keepends=True)
+    recs = [orjson.loads(line) for line in lines]
+    # The first request's create and its first transition (after the worker's start notes).
+    c = next(i for i, r in enumerate(recs) if r["kind"] == "create")
+    t = c + 1
+    assert recs[t]["kind"] == "transition" and recs[t]["req"] == recs[c]["req"], recs[t]
     bad = [
-        {**orjson.loads(lines[1]), "seq": "seven"},
-        {**orjson.loads(lines[2]), "lifecycle": None},
-        {**orjson.loads(lines[2]), "input": [1, 2]},
-        {**orjson.loads(lines[2]), "engine_id": 5},
+        {**recs[c], "seq": "seven"},
+        {**recs[t], "lifecycle": None},
+        {**recs[t], "input": [1, 2]},
+        {**recs[t], "engine_id": 5},
     ]
-    body = lines[:3] + [orjson.dumps(b) + b"\n" for b in bad] + lines[3:]
+    body = lines[:t + 1] + [orjson.dumps(b) + b"\n" for b in bad] + lines[t + 1:]
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"".join(body))
     report = analyse([path])  # must not raise
     corrupt = sorted((f.line, f.detail) for f in report.findings if f.kind == "corrupt_line")
-    assert [line for line, _ in corrupt] == [4, 5, 6, 7]
+    assert [line for line, _ in corrupt] == [t + 2, t + 3, t + 4, t + 5]
     assert "'seq' is 'seven', not an integer" in corrupt[0][1]
     assert report.exit_code == 1
     assert "seq_duplicate" not in kinds(report) and "seq_gap" not in kinds(report)
@@ -341,7 +355,7 @@ _json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.
      "t_mono_ns", "rank", "dropped"]), _json_values), max_size=6))
 def test_replay_never_crashes_on_mutated_records(tmp_path_factory: pytest.TempPathFactory,
                                                  mutations: list[tuple[int, str, object]]) -> None:
-    lines = (CLEAN / "decode-0.scheduler.jsonl").read_bytes().splitlines()
+    lines = (CLEAN / DECODE_LOG).read_bytes().splitlines()
     recs = [orjson.loads(line) for line in lines]
     for index, key, value in mutations:
         recs[index % len(recs)][key] = value
