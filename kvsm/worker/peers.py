@@ -114,9 +114,8 @@ class PeerSide(WorkerContext):
         self._note("worker.peer_dead", None, peer=peer.address, engine=peer.engine,
                    why=getattr(o.event, "why", ""), reason=reason,
                    retry_in_s=(m.dead_until_ns - self.loop.now_ns()) / S, failures=m.failures)
-        log.warning("kvsm worker %s: peer %s (%s) is dead: %s; failing its requests fast for %.1f s",
-                    self.loop.name, peer.address, peer.engine, m.last_error,
-                    (m.dead_until_ns - self.loop.now_ns()) / S)
+        self.warn.warning("peer_dead", "peer %s (%s) is dead: %s; failing its requests fast for %.1f s",
+                          peer.address, peer.engine, m.last_error, (m.dead_until_ns - self.loop.now_ns()) / S)
         kind = f"peer_{reason}" if reason else "peer_dead"
         for req, io in list(self._recv_io.items()):
             if io.peer is peer and req in self.recv:
