@@ -36,8 +36,7 @@ from kvsm.lifecycle.data import PeerMachine
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import PEER, PEER_FETCH_STATES, PEER_READABLE_STATES, PEER_UNREACHABLE_STATES
 from kvsm.loop import LoopError
-from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerEffect, PeerIO, S, WorkerContext, log
-
+from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerEffect, PeerIO, S, WorkerContext
 
 # A claim answer (the prefill side's word), not a state of ours.
 ANSWER_EXPIRED = "expired"
