@@ -443,6 +443,9 @@ class LifecycleSpec:
     stale_inputs: tuple[Mapping[str, Any], ...] = ()
     # The class of the data each machine carries.
     machine_cls: type[RequestMachine] = RequestMachine
+    # Machines that last as long as their process (peers): one still live where a
+    # log ends (a running or crashed process) is not stuck; a clean stop ends it.
+    lives_with_process: bool = False
     rules: Mapping[tuple[str, str], tuple[Rule, ...]] = field(init=False, repr=False)
     stale_after_end: Mapping[tuple[str, str], str] = field(init=False, repr=False)
     triggers: frozenset[str] = field(init=False)
@@ -605,6 +608,7 @@ PEER = LifecycleSpec(
     entry_states=frozenset({"unconnected"}),
     stale_inputs=tuple(PEER_STALE),
     machine_cls=PeerMachine,
+    lives_with_process=True,
 )
 
 LIFECYCLES: Mapping[str, LifecycleSpec] = {RECV.name: RECV, SEND.name: SEND, PEER.name: PEER}

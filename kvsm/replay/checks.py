@@ -166,7 +166,7 @@ def _check_machine(m: Machine, findings: list[Finding], live_at_shutdown: dict[S
                                 m.req, **_where(r)))
     final = m.final_state
     needs_cause = final in CAUSE_STATES
-    if final not in spec.terminal:
+    if final not in spec.terminal and not spec.lives_with_process:
         needs_cause = True
         stream = m.stream
         live = live_at_shutdown.get(stream)

@@ -174,6 +174,7 @@ class WorkerContext:
     tp_rank: int
     log: EventLog | None
     stats: StatsRecorder
+    state_counts: dict[str, dict[str, int]]
     results: Results
     loop: EventLoop
     warn: RateLimitedLog

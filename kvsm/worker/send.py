@@ -19,6 +19,11 @@ from kvsm.loop import LoopError
 from kvsm.worker.context import NOTIF_FAST_WINDOW_NS, NOTIF_POLL_MAX_NS, SendEffect, SendIO, WorkerContext
 
 
+# At most this many abandons may wait for a prefill this worker has not heard
+# finish (each is a small machine, alive for at most a lease).
+MAX_EARLY_ABANDONS = 4096
+
+
 class SendSide(WorkerContext):
     """Prefill requests: pins, leases, claims answered, notifications."""
 
@@ -49,6 +54,14 @@ class SendSide(WorkerContext):
         for req in claims:
             if kind == "abandon":
                 if req not in self.send and self.send.final_state(req) is None:
+                    if self.state_counts["send"]["abandoned_early"] >= MAX_EARLY_ABANDONS:
+                        # A bound on what peers can make us hold: beyond it the
+                        # abandon is dropped, visibly, and its blocks wait for the lease.
+                        self.stats.failure("early_abandon_dropped")
+                        self.warn.warning("early_abandon_dropped", "%d early abandons wait already; the one "
+                                          "for %s is dropped (its lease frees the blocks)", MAX_EARLY_ABANDONS, req)
+                        answers[req] = "ok"
+                        continue
                     self.send.create(req)  # not heard of yet: the machine waits for its finish
                 self._apply_send(ev.RemoteAbandoned(req=req, reason=f"abandoned by {requester}"))
                 answers[req] = "ok"
