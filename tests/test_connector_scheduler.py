@@ -17,6 +17,10 @@ from typing import Any
 
 import pytest
 
+from conftest import require
+
+require("vllm")
+
 from kvsm.metadata import KVSMConnectorMetadata
 from kvsm.testing.pins import PinWorker
 from kvsm.testing.scheduler import (
@@ -183,9 +187,11 @@ def test_heartbeats_keep_queued_requests_leases_alive() -> None:
                                        remote_port=6000)
         h.add_request(20, kv_transfer_params=params, request_id="d-h")
         beats = []
-        for _ in range(5):
-            import time
+        # The sleeps below are the tested thing: a heartbeat is due once its interval
+        # (1 ms) has passed in real time, at the next step.
+        import time
 
+        for _ in range(5):
             time.sleep(0.002)
             beats += meta_of(h.step()).heartbeats
         assert beats, "no heartbeat for a queued remote request"

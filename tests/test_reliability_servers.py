@@ -5,7 +5,11 @@ One prefill and one decode server (tiny local model, KVSMConnector, event
 logs, vLLM's stats on) and the ``kvsm.router`` CLI in front of them serve the
 whole module. A test that kills a server restarts it (same ``ServerSpec``, so
 the same HTTP and side-channel ports and engine id; a new pid, so new event-log
-files), so every test starts from a healthy pair and could run alone.
+files), and every test starts by making sure both servers and the router are
+up (the ``pair`` fixture: it restarts what an earlier test, failed or not, left
+stopped). Each prefill outage is a module-scoped fixture, run once by the first
+test that needs it: every test sets up what it needs itself, so any one of them
+runs alone (``pytest tests/test_reliability_servers.py::test_x``), in any order.
 
 The decode engine runs with ``kv_load_failure_policy: recompute``: a request
 whose KV cannot be read is prefilled locally instead, so the client still gets
@@ -46,7 +50,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm")
+from conftest import require
+
+require("vllm")
 
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
@@ -64,6 +70,8 @@ from kvsm.testing.reliability import (
     wait_until,
 )
 from kvsm.testing.servers import RouterProcess, pd_specs
+
+pytestmark = pytest.mark.slow
 
 LEASE_S = 4.0
 HANDSHAKE_TIMEOUT_S = 2.0
@@ -106,8 +114,6 @@ class Cluster:
         self.router = self.router_proc.url
         self.router_log = self.router_proc.log_path
         self.rng = random.Random(20261130)
-        # What test_prefill_killed_* saw of each outage, for the back-off test.
-        self.outages: dict[str, dict[str, Any]] = {}
 
     def start(self) -> None:
         for node in (self.prefill, self.decode):
@@ -115,6 +121,19 @@ class Cluster:
         for node in (self.prefill, self.decode):
             node.wait_ready(timeout=600)
         self.router_proc.start()
+
+    def ensure_healthy(self) -> None:
+        """Both servers and the router up: (re)start whatever is not running (a
+        server an earlier test killed and, failing, did not restart; everything,
+        after the clean stop that ends test_clients_hanging_up_leak_nothing)."""
+        started = [node for node in (self.prefill, self.decode) if not node.alive]
+        for node in started:
+            node.start()
+        for node in started:
+            node.wait_ready(timeout=600)
+        router = self.router_proc.proc
+        if router is None or router.poll() is not None:
+            self.router_proc.start()
 
     def stop(self) -> None:
         self.router_proc.stop()
@@ -182,6 +201,7 @@ class Cluster:
                     and metric(text, "vllm:num_requests_waiting") == 0)
 
         # Twice, 0.5 s apart: an abort still on its way could otherwise slip between two steps.
+        # (The sleep is the check, settled staying settled, not a wait for something.)
         def probe() -> float | None:
             if not settled():
                 return None
@@ -204,6 +224,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     for node in (c.prefill, c.decode):
         for port in (node.spec.port, node.spec.side_channel_port):
             wait_until(lambda p=port: not _listening(p), 15, f"{node.spec.name}'s port {port} to close")
+
+
+@pytest.fixture
+def pair(cluster: Cluster) -> Cluster:
+    """The module's cluster, both servers and the router up."""
+    cluster.ensure_healthy()
+    return cluster
 
 
 def _listening(port: int) -> bool:
@@ -236,12 +263,12 @@ def _idle_usage(node: Node, timeout: float = 30.0) -> float:
 # -- 2: the decode engine dies while the prefill engine holds pinned blocks ---------------------------
 
 
-def test_decode_killed_prefill_frees_pinned_blocks_at_lease_expiry(cluster: Cluster) -> None:
+def test_decode_killed_prefill_frees_pinned_blocks_at_lease_expiry(pair: Cluster) -> None:
     """Pins that no decode engine will ever read cost the prefill engine its blocks
     for one lease, no longer: kv_cache_usage goes up while they are pinned and back to
     where it was after the lease, leases_expired counts them, and each send machine in
     the prefill's event log ends ``expired`` (by ``lease_expired``)."""
-    c = cluster
+    c = pair
     P, D = c.prefill, c.decode
     # The decode engine has read from this prefill engine (so it is a connected reader
     # that dies, not a stranger): one full request through the router.
@@ -312,10 +339,12 @@ def test_decode_killed_prefill_frees_pinned_blocks_at_lease_expiry(cluster: Clus
 # -- 1: the prefill engine dies -------------------------------------------------------------------
 
 
-def _prefill_dies(c: Cluster, tag: str) -> dict[str, float]:
+def _prefill_dies(c: Cluster, tag: str) -> dict[str, Any]:
     """Kill the prefill engine with KV pinned for six prompts, send those requests to the
     decode engine, restart the prefill engine, and check every claim of issue 5 item 1.
-    Returns the figures."""
+    Returns what the outage showed: ``figures``, and what the back-off and metrics
+    tests check (``first_dead``, ``retry``, ``dead_notes``, ``failed_requests``,
+    ``failures_counted``, ``failures_by_kind``)."""
     P, D = c.prefill, c.decode
     figures: dict[str, float] = {}
     prompts = [c.ids(250) for _ in range(6)]
@@ -342,9 +371,10 @@ def _prefill_dies(c: Cluster, tag: str) -> dict[str, float]:
     t_kill = time.monotonic()
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(c.decode_with, prompts[0], params[0], rids[0])
-        # The decode engine is not stuck behind the request waiting on its handshake:
-        # a plain request is answered before that one is failed.
-        time.sleep(0.2)
+        # The decode engine is not stuck behind the request to the dead peer: once that
+        # one has reached the decode worker, a plain request is answered as usual.
+        wait_until(lambda: recv_machines(D.records(worker_only=True), rids[0]), 30,
+                   f"{rids[0]} to reach the decode worker")
         text, _, t_plain = c.decode_with(plain[0], None, f"{tag}-plain0-{uuid.uuid4().hex[:8]}")
         assert text == plain_refs[0]
         # Once the decode worker has marked the peer dead, the next requests fail fast.
@@ -353,8 +383,9 @@ def _prefill_dies(c: Cluster, tag: str) -> dict[str, float]:
         later = [pool.submit(c.decode_with, prompts[i], params[i], rids[i]) for i in range(1, 5)]
         text0, seconds0, t_first = first.result(timeout=120)
         later_results = [f.result(timeout=120) for f in later]
-    # (The plain request went 0.2 s after the first; it was answered, see above, and the
-    # first no longer waits for anything: the dead port refuses its claim at once.)
+    # (The plain request went once the first had reached the decode worker; it was
+    # answered, see above, and the first waits for nothing: the dead port refuses its
+    # claim at once.)
     # With recompute the client gets the right answer all the same.
     assert text0 == refs[0]
     assert [t for t, _, _ in later_results] == refs[1:5]
@@ -382,8 +413,9 @@ def _prefill_dies(c: Cluster, tag: str) -> dict[str, float]:
     assert max(fast) < FAIL_FAST_S, fast
     # Each of them was answered without waiting out a handshake timeout.
     assert all(s < HANDSHAKE_TIMEOUT_S for _, s, _ in later_results), [s for _, s, _ in later_results]
-    # A success resets the back-off: this outage starts at its first step.
-    assert dead["failures"] == 1 and dead["retry_in_s"] == pytest.approx(PEER_BACKOFF_S), dead
+    # A success resets the back-off: this outage starts at its first step. (retry_in_s is
+    # what is left of the step when the record is written: a little under the step.)
+    assert dead["failures"] == 1 and dead["retry_in_s"] == pytest.approx(PEER_BACKOFF_S, abs=0.01), dead
 
     # The decode engine's metrics count the failures (all of them: test_failures_metric_...).
     wait_until(lambda: metric(D.metrics(), "vllm:kvsm_failures_total") > failures_before, 20,
@@ -391,12 +423,14 @@ def _prefill_dies(c: Cluster, tag: str) -> dict[str, float]:
 
     # The back-off ends: the next request tries the peer again, the peer still being dead.
     # (What that retry must look like is test_dead_peer_backoff_is_one_step_per_outage's.)
+    # The back-off's length in real time is what is tested: wait it out (and 0.3 s more),
+    # nothing outside the worker says when it ended.
     retry_at_ns = dead["t_mono_ns"] + dead["retry_in_s"] * _S
     time.sleep(max(0.0, (retry_at_ns - time.monotonic_ns()) / _S) + 0.3)
     text5, _, _ = c.decode_with(prompts[5], params[5], rids[5])
     assert text5 == refs[5]
-    c.outages[tag] = {"first_dead": dead, "retry": c.recv_final(rids[5]),
-                      "dead_notes": D.notes("worker.peer_dead")[dead_before:]}
+    outage: dict[str, Any] = {"figures": figures, "first_dead": dead, "retry": c.recv_final(rids[5]),
+                              "dead_notes": D.notes("worker.peer_dead")[dead_before:]}
 
     # The killed prefill's own log names its fault: its pinned requests never ended.
     report = analyse(killed_files)
@@ -435,12 +469,12 @@ def _prefill_dies(c: Cluster, tag: str) -> dict[str, float]:
     text, _, _ = c.decode_with(plain[2], None, f"{tag}-plain2-{uuid.uuid4().hex[:8]}")
     assert text == plain_refs[2]
     # Many engine steps later, every failure of this outage has reached /metrics.
-    c.outages[tag]["failed_requests"] = len(rids)
-    c.outages[tag]["failures_counted"] = metric(D.metrics(), "vllm:kvsm_failures_total") - failures_before
-    c.outages[tag]["failures_by_kind"] = {
+    outage["failed_requests"] = len(rids)
+    outage["failures_counted"] = metric(D.metrics(), "vllm:kvsm_failures_total") - failures_before
+    outage["failures_by_kind"] = {
         kind: metric(D.metrics(), "vllm:kvsm_failures_total", kind=kind)
         for kind in ("handshake_timeout", "peer_dead", "peer_refused", "peer_silent")}
-    return figures
+    return outage
 
 
 def _peer_known(c: Cluster) -> bool:
@@ -448,72 +482,97 @@ def _peer_known(c: Cluster) -> bool:
     return bool(c.decode.notes("worker.peer_added"))
 
 
-def test_prefill_killed_before_the_handshake(cluster: Cluster) -> None:
-    """Issue 5 item 1a: the decode engine never talked to the prefill engine before it died."""
-    if _peer_known(cluster):  # run alone after a test that used the pair: a fresh decode engine
+@pytest.fixture(scope="module")
+def outage_before_handshake(cluster: Cluster) -> dict[str, Any]:
+    """Issue 5 item 1a, once per module run: the prefill engine dies before the decode
+    engine ever talked to it (a fresh decode engine if this one has)."""
+    cluster.ensure_healthy()
+    if _peer_known(cluster):
         cluster.decode.restart()
     assert not _peer_known(cluster)
-    figures = _prefill_dies(cluster, "before-hs")
-    for name, value in figures.items():
-        _figure(f"prefill_death_before_handshake.{name}", value, "ms" if name.endswith("_ms") else "s")
+    return _prefill_dies(cluster, "before-hs")
 
 
-def test_prefill_killed_after_the_handshake(cluster: Cluster) -> None:
-    """Issue 5 item 1b: the decode engine holds the prefill engine's NIXL agent (it read
-    from it) when the prefill engine dies, before the reads of the next requests."""
+@pytest.fixture(scope="module")
+def outage_after_handshake(cluster: Cluster) -> dict[str, Any]:
+    """Issue 5 item 1b, once per module run: the decode engine holds the prefill
+    engine's NIXL agent (it read from it) when the prefill engine dies, before the
+    reads of the next requests."""
     c = cluster
+    c.ensure_healthy()
     warm = c.ids(200)
     rid = f"hs-warm-{uuid.uuid4().hex[:8]}"
     assert c.through_router(warm, rid)[0] == c.reference(warm)
     assert c.recv_final(rid)[-1]["dst"] == "done"
     assert _peer_known(c)
-    figures = _prefill_dies(c, "after-hs")
+    return _prefill_dies(c, "after-hs")
+
+
+OUTAGES = ["before_handshake", "after_handshake"]
+
+
+def _outage(request: pytest.FixtureRequest, when: str) -> dict[str, Any]:
+    outage: dict[str, Any] = request.getfixturevalue(f"outage_{when}")
+    return outage
+
+
+def _print_figures(prefix: str, figures: dict[str, float]) -> None:
     for name, value in figures.items():
-        _figure(f"prefill_death_after_handshake.{name}", value, "ms" if name.endswith("_ms") else "s")
+        _figure(f"{prefix}.{name}", value, "ms" if name.endswith("_ms") else "s")
 
 
-def test_dead_peer_backoff_is_one_step_per_outage(cluster: Cluster) -> None:
+def test_prefill_killed_before_the_handshake(outage_before_handshake: dict[str, Any]) -> None:
+    """Issue 5 item 1a: the decode engine never talked to the prefill engine before it
+    died. (The checks run as the outage happens: ``_prefill_dies``.)"""
+    _print_figures("prefill_death_before_handshake", outage_before_handshake["figures"])
+
+
+def test_prefill_killed_after_the_handshake(outage_after_handshake: dict[str, Any]) -> None:
+    """Issue 5 item 1b: the decode engine holds the prefill engine's NIXL agent (it read
+    from it) when the prefill engine dies, before the reads of the next requests."""
+    _print_figures("prefill_death_after_handshake", outage_after_handshake["figures"])
+
+
+@pytest.mark.parametrize("when", OUTAGES)
+def test_dead_peer_backoff_is_one_step_per_outage(request: pytest.FixtureRequest, when: str) -> None:
     """After the back-off, a request tries the dead peer again: its connection is refused
     again (the peer is still dead), and only that retry's failure starts the next,
-    doubled back-off step. Checked on what the two prefill-death tests saw."""
-    if not cluster.outages:
-        pytest.skip("needs test_prefill_killed_before_the_handshake or _after_the_handshake in the same run")
-    for tag, outage in cluster.outages.items():
-        first, retry, notes = outage["first_dead"], outage["retry"], outage["dead_notes"]
-        retry_failed_ns = retry[-1]["t_mono_ns"]
-        steps = [n for n in notes if n["t_mono_ns"] <= retry_failed_ns + 100 * _MS]
-        # One mark for the first failure, one for the retry's: nothing in between.
-        assert [n["failures"] for n in steps] == [first["failures"], first["failures"] + 1], (tag, steps)
-        assert "heartbeat/abandon" not in steps[1]["why"], (tag, steps[1])
-        assert steps[1]["retry_in_s"] == pytest.approx(min(first["retry_in_s"] * 2, PEER_BACKOFF_MAX_S))
-        # The retry really tried the peer (not failed as known dead): refused again, at once.
-        assert retry[-1]["input"]["reason"] == "refused" and "connection refused" in steps[1]["why"], (tag, steps)
-        assert _duration_s(retry) < 1.0, (tag, retry[-1])
-        # Refused vs silent shows in the metrics too.
-        assert outage["failures_by_kind"]["peer_refused"] >= 2 and outage["failures_by_kind"]["peer_silent"] == 0, \
-            (tag, outage["failures_by_kind"])
+    doubled back-off step. Checked on what each prefill outage showed."""
+    outage = _outage(request, when)
+    first, retry, notes = outage["first_dead"], outage["retry"], outage["dead_notes"]
+    retry_failed_ns = retry[-1]["t_mono_ns"]
+    steps = [n for n in notes if n["t_mono_ns"] <= retry_failed_ns + 100 * _MS]
+    # One mark for the first failure, one for the retry's: nothing in between.
+    assert [n["failures"] for n in steps] == [first["failures"], first["failures"] + 1], steps
+    assert "heartbeat/abandon" not in steps[1]["why"], steps[1]
+    assert steps[1]["retry_in_s"] == pytest.approx(min(PEER_BACKOFF_S * 2, PEER_BACKOFF_MAX_S), abs=0.01)
+    # The retry really tried the peer (not failed as known dead): refused again, at once.
+    assert retry[-1]["input"]["reason"] == "refused" and "connection refused" in steps[1]["why"], steps
+    assert _duration_s(retry) < 1.0, retry[-1]
+    # Refused vs silent shows in the metrics too.
+    assert outage["failures_by_kind"]["peer_refused"] >= 2 and outage["failures_by_kind"]["peer_silent"] == 0, \
+        outage["failures_by_kind"]
 
 
-def test_failures_metric_counts_every_failed_request(cluster: Cluster) -> None:
+@pytest.mark.parametrize("when", OUTAGES)
+def test_failures_metric_counts_every_failed_request(request: pytest.FixtureRequest, when: str) -> None:
     """vllm:kvsm_failures goes up by one for each request whose KV could not be read:
-    the one that timed out, the ones failed fast, the retry. Checked on what the two
-    prefill-death tests saw."""
-    if not cluster.outages:
-        pytest.skip("needs test_prefill_killed_before_the_handshake or _after_the_handshake in the same run")
-    for tag, outage in cluster.outages.items():
-        assert outage["failures_counted"] == outage["failed_requests"], (tag, outage["failures_by_kind"])
+    the one that failed first, the ones failed fast, the retry. Checked on what each
+    prefill outage showed."""
+    outage = _outage(request, when)
+    assert outage["failures_counted"] == outage["failed_requests"], outage["failures_by_kind"]
 
 
 # -- 5: clients that hang up, through the router -----------------------------------------------------
 
 
-def test_clients_hanging_up_leak_nothing(cluster: Cluster) -> None:
+def test_clients_hanging_up_leak_nothing(pair: Cluster) -> None:
     """Issue 5 item 5: 32 streamed requests through the router, most of whose clients hang
     up at some point (during the prefill, right after the headers, after a few chunks),
     the rest read to the end. Afterwards both engines are back where they started: KV
     usage, no live kvsm request, a clean replay, and a clean stop with nothing live.
     The completed requests' outputs equal the reference."""
-    c = cluster
+    c = pair
     P, D = c.prefill, c.decode
     base_p, base_d = _idle_usage(P), _idle_usage(D)
     rng = random.Random(5)

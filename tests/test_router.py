@@ -42,14 +42,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
-pytest.importorskip("vllm")
-web = pytest.importorskip("aiohttp.web")
+from conftest import require
+
+require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.router import create_app
 from kvsm.testing import build_tiny_model
 from kvsm.testing.servers import RouterProcess, VLLMServer, free_port, pd_specs, running_pair
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 RECV_TERMINAL = LIFECYCLES["recv"].terminal

@@ -13,7 +13,9 @@ import threading
 
 import pytest
 
-pytest.importorskip("vllm")
+from conftest import require
+
+require("vllm")
 
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus

