@@ -1,6 +1,6 @@
 """The one event-loop thread per process: every socket, every NIXL call, every timer.
 
-Why (DESIGN.md, "One event-loop thread per process owns all I/O"): upstream
+Why (docs/design.md, "One event-loop thread per process owns all I/O"): upstream
 spreads I/O over a listener thread that dies silently, a one-worker executor
 that lets one dead peer delay everyone, and polling from the model runner.
 kvsm gives each process exactly one thread that owns all of it, so nothing

@@ -326,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description="Route OpenAI completion requests to a prefill, then a decode vLLM "
                                      "backend (disaggregated serving, pull mode).")
     parser.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="a prefill backend (vLLM with a KV connector, kv_role kv_producer or kv_both); repeat for more")
+                        help="a prefill backend (vLLM with a KV connector, kv_role kv_producer or kv_both); "
+                             "repeat for more")
     parser.add_argument("--decode", action="append", required=True, metavar="URL",
                         help="a decode backend (kv_role kv_consumer or kv_both); repeat for more")
     parser.add_argument("--host", default="127.0.0.1")

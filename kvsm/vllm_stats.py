@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # Seconds. Transfers on this machine range from sub-millisecond to the 10-40 s
-# stalls seen with upstream (DESIGN.md), so the buckets span both.
+# stalls seen with upstream (docs/design.md), so the buckets span both.
 TRANSFER_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 HANDSHAKE_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

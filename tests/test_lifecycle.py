@@ -65,7 +65,7 @@ def test_every_trigger_has_a_typed_event() -> None:
 def test_lifecycles_of_design() -> None:
     assert RECV.initial == "new" and RECV.terminal == {"done", "failed", "aborted"}
     assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired", "forgotten"}
-    # The happy paths of DESIGN.md.
+    # The happy paths of docs/design.md.
     t = LifecycleTracker(RECV, VirtualClock(), policy=IllegalEventPolicy.RAISE)
     t.create("r")
     path = [t.apply(SAMPLE_EVENTS[n]).dst for n in

@@ -1,6 +1,6 @@
 """The per-process event log: a non-blocking JSON-lines sink.
 
-Why it looks like this (DESIGN.md, "The event log"): logging must never block
+Why it looks like this (docs/design.md, "The event log"): logging must never block
 the event loop, and a full buffer or a dead disk must be counted and reported,
 never a crash and never an unbounded queue. So:
 
@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import msgspec
 import orjson
@@ -240,7 +240,8 @@ class EventLog:
         rec["dst"] = dst
         if fields:
             if not _RESERVED.isdisjoint(fields):
-                raise TypeError(f"emit(): header fields cannot be passed as extras: {sorted(_RESERVED & fields.keys())}")
+                clash = sorted(_RESERVED & fields.keys())
+                raise TypeError(f"emit(): header fields cannot be passed as extras: {clash}")
             rec.update(fields)
         return self._push(rec, t_mono_ns)
 
@@ -352,7 +353,7 @@ class EventLog:
                 "writer_alive": self._thread.is_alive(),
             }
 
-    def __enter__(self) -> EventLog:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -17,6 +17,7 @@ when the read completes, that it completed within one lease of the claim.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from kvsm.facts import HeartbeatTarget
@@ -267,7 +268,7 @@ class PeerSide(WorkerContext):
                 # Not known there (yet): the prefill worker may hear of the finish a
                 # little later. Asking again is this effect's own business (the
                 # handshake timeout in the table bounds it), not a transition.
-                io.retry_timer = self.loop.call_later(CLAIM_RETRY_NS, lambda r=req: self._retry_claim(r),
+                io.retry_timer = self.loop.call_later(CLAIM_RETRY_NS, partial(self._retry_claim, req),
                                                       req=req, label="claim retry")
 
     def _apply_if_live(self, event: ev.Event) -> None:

@@ -9,6 +9,8 @@ blocks are reported invalid.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvsm.facts import RecvAbandon, RecvAbort, RecvStart
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
@@ -118,8 +120,9 @@ class RecvSide(WorkerContext):
             # Its claims are over: one record of how each was answered (not one per reply:
             # thousands of requests retried every few ms starved the loop under load).
             if self.log is not None:
+                by_status: dict[str, Any] = {status: {req: n} for status, n in io.answers.items()}
                 self.log.emit("log", "worker.claims_answered", None, peer=io.peer.address, engine=io.peer.engine,
-                              **{status: {req: n} for status, n in io.answers.items()})
+                              **by_status)
             io.answers = {}
         effects = self._recv_effects
         if o.dst not in RECV.terminal:
@@ -160,8 +163,8 @@ class RecvSide(WorkerContext):
         if io is not None and self.transport is not None:
             for h in io.handles:  # terminal: every read has settled
                 self.transport.release(h)
-        for h in io.timers() if io is not None else ():
-            self.loop.cancel(h)
+        for timer in io.timers() if io is not None else ():
+            self.loop.cancel(timer)
         self._note("worker.effects_cut_short", req, final=o.dst, effects=names, reported=reported)
         name, exc = failed[0]
         self._on_loop_error(LoopError(exc, req, f"effect {name}", "post"))

@@ -18,7 +18,6 @@ from kvsm.lifecycle.table import CLAIM_ANSWERS, SEND, SEND_NEW_AFTER_END
 from kvsm.loop import LoopError
 from kvsm.worker.context import NOTIF_FAST_WINDOW_NS, NOTIF_POLL_MAX_NS, SendEffect, SendIO, WorkerContext
 
-
 # At most this many abandons may wait for a prefill this worker has not heard
 # finish (each is a small machine, alive for at most a lease).
 MAX_EARLY_ABANDONS = 4096
@@ -194,6 +193,9 @@ class SendSide(WorkerContext):
         self.warn.warning("lease_expired", "lease of request %s expired unread; its %d blocks are freed",
                           req, len(o.block_ids))
 
+    def _apply_send_notif(self, event: ev.Event) -> None:
+        self._apply_send(event)
+
     # -- NIXL notifications -------------------------------------------------------------
 
     def _arm_notif_poll(self, *, soon: bool = False) -> None:
@@ -227,7 +229,7 @@ class SendSide(WorkerContext):
                 continue
             # After a release (the reader's abandon overtook its read's notification)
             # the table records it as stale; after expiry, as the violation it is.
-            self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer))
+            self._guard(req, self._apply_send_notif, ev.ReadNotif(req=req, reader=peer))
         if notifs or self.loop.now_ns() < self._notif_fast_until_ns:
             self._notif_interval_ns = self._notif_min_ns
         else:
