@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+from conftest import require
+
+require("vllm")
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "tools" / "bench.py"
@@ -137,6 +140,7 @@ def _closed(port: int) -> bool:
     return False
 
 
+@pytest.mark.timeout(900)
 def test_bench_servers_smoke(tmp_path: Path) -> None:
     """Sections 6 and 7 on real servers, kvsm and upstream pairs one after the other."""
     out, data = _run(tmp_path, "e2e,handshake", timeout=600)
@@ -185,6 +189,7 @@ def test_bench_servers_smoke(tmp_path: Path) -> None:
     assert all(_closed(p) for p in ports), [p for p in ports if not _closed(p)]
 
 
+@pytest.mark.timeout(900)
 def test_ttft_breakdown_smoke() -> None:
     """tools/ttft_breakdown.py on a real pair: every decode leg lined up with both
     workers' logs, and the parts fit inside the TTFT they split."""

@@ -6,7 +6,9 @@ import msgspec
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import require
+
+torch = require("torch")
 
 from kvsm.transport.layout import KVLayout, Region, describe_kv_caches
 

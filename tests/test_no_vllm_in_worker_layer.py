@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require
 from kvsm.facts import RecvAbort, SendFinish, StepFacts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_step_facts_pickle_as_vllm_sends_them_to_workers() -> None:
 
 
 def test_vllms_connector_metadata_is_the_step_facts() -> None:
-    pytest.importorskip("vllm")
+    require("vllm")
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
     from kvsm.metadata import KVSMConnectorMetadata

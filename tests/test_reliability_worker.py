@@ -49,10 +49,13 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("nixl._api")
-torch = pytest.importorskip("torch")
+from conftest import require
+
+require("nixl._api")
+torch = require("torch")
 
 import zmq
+
 from test_worker_nixl import (
     HOST,
     Decode,
@@ -503,7 +506,8 @@ def test_kill_while_the_read_is_in_flight(peers: Peers, decode) -> None:
     assert set(findings) <= {("not_terminal_at_end", r) for r in killed}, findings
     assert all(finals[("recv", r)] in ("done", "failed") for r in d.recving)
     assert {r for r in d.recving if finals[("recv", r)] == "failed"} == (
-        {f"kc{i}" for i, o in enumerate(outcomes) if o["failed"]} | {r for r in d.recving if r.endswith(("-next", "-probe"))})
+        {f"kc{i}" for i, o in enumerate(outcomes) if o["failed"]}
+        | {r for r in d.recving if r.endswith(("-next", "-probe"))})
 
 
 # ============================================================================ 3: unreachable peers

@@ -35,10 +35,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("nixl._api")
-torch = pytest.importorskip("torch")
+from conftest import require
+
+require("nixl._api")
+torch = require("torch")
 
 import zmq
+
 from worker_peer import (
     GEOMETRY,
     agent_name,
