@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union, cast, get_args, get_origin, get_type_hints
 
 import msgspec
 import orjson
@@ -261,8 +261,8 @@ def _input_type(cls: type[Event]) -> type[Event]:
             fields.append((f.name, tp, f.default))
         else:
             fields.append((f.name, tp, msgspec.field(default_factory=f.default_factory)))
-    return msgspec.defstruct(f"Logged{cls.__name__}", fields, bases=(cls,), kw_only=True, frozen=True,  # type: ignore[no-any-return]
-                             tag=cls.__struct_config__.tag, module=__name__)
+    return cast("type[Event]", msgspec.defstruct(f"Logged{cls.__name__}", fields, bases=(cls,), kw_only=True,
+                                                 frozen=True, tag=cls.__struct_config__.tag, module=__name__))
 
 
 # Names a lifecycle record uses, as literals: the decoder hands out one shared
@@ -285,7 +285,7 @@ def _variant(event: str, input_field: tuple[Any, ...], stream: StreamKey | None)
         ("kind", Literal["create", "transition", "violation"]),
         ("dst", _State | None),
         ("src", _State | None),
-        ("effects", tuple[_Effect, ...], ()),
+        ("effects", tuple[_Effect, ...], ()),  # type: ignore[valid-type]
         ("lifecycle", _Lifecycle),
         ("req", str),
         ("violation", str | None, None),
@@ -305,7 +305,7 @@ def _variant(event: str, input_field: tuple[Any, ...], stream: StreamKey | None)
     ]
     ns = {"event": event, "dropped": None, "clean": None, "live": None,
           "__getitem__": _record_getitem, "get": _record_get}
-    return msgspec.defstruct(f"Record_{event}", fields, tag_field="event", tag=event, gc=False, kw_only=True,  # type: ignore[no-any-return]
+    return msgspec.defstruct(f"Record_{event}", fields, tag_field="event", tag=event, gc=False, kw_only=True,
                              rename={"file": "_file", "line": "_line"}, namespace=ns, module=__name__)
 
 
@@ -317,7 +317,7 @@ def _event_input(cls: type[Event]) -> tuple[Any, ...]:
     logged = _input_type(cls)
     if any(f.required for f in msgspec.structs.fields(cls) if f.name != "req"):
         return ("input", logged)
-    return ("input", logged, logged())
+    return ("input", logged, logged())  # type: ignore[call-arg]  # req defaults to "" in the logged subclass
 
 
 _EVENT_INPUTS = {tag: _event_input(cls) for tag, cls in EVENT_TYPES.items()}
@@ -330,7 +330,7 @@ def _typed_decoder(stream: StreamKey | None) -> Callable[[bytes], Any]:
     # A create record's ``input`` is the object, if any (the runtime writes none).
     variants = [_variant("create", ("input", dict[str, Any] | None, None), stream)] + [
         _variant(tag, field_, stream) for tag, field_ in _EVENT_INPUTS.items()]
-    return msgspec.json.Decoder(Union[tuple(variants)]).decode  # type: ignore[no-any-return]  # noqa: UP007
+    return msgspec.json.Decoder(Union[tuple(variants)]).decode  # noqa: UP007
 
 
 _decode_typed = _typed_decoder(None)
@@ -375,7 +375,10 @@ def scan_log(path: str | os.PathLike[str]) -> FileScan:
         # say which lines still count and how to report the rest.
         scan.has_dicts = True
         for item in iter_log(path):
-            (scan.problems if type(item) is Problem else scan.items).append(item)
+            if type(item) is Problem:
+                scan.problems.append(item)
+            else:
+                scan.items.append(item)
         return scan
     lines = data.split(b"\n")
     del data

@@ -218,7 +218,7 @@ class Closed(Event, frozen=True, tag="closed"):
     """The worker shuts down: it forgets the peer."""
 
 
-AnyEvent = Union[
+AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __args__)
     Matched,
     Allocated,
     HandshakeOk,

@@ -255,7 +255,7 @@ class LifecycleTracker:
             self.transitions += 1
             if outcome.dst in self._terminal:
                 del self._live[req]
-                self._finished[req] = outcome.dst  # type: ignore[assignment]
+                self._finished[req] = outcome.dst
                 if len(self._finished) > self._remember_finished:
                     self._finished.popitem(last=False)
         if self.listener is not None:

@@ -40,6 +40,6 @@ class TransitionsModel:
         from transitions import MachineError
 
         try:
-            return bool(self.trigger(event.trigger, event, now_ns))  # type: ignore[attr-defined]
+            return bool(self.trigger(event.trigger, event, now_ns))
         except (MachineError, AttributeError):
             return False

@@ -7,7 +7,7 @@ vocabulary (``trigger``, ``source``, ``dest``, ``prepare``, ``conditions``,
 
 * drives the runtime, compiled by ``LifecycleSpec`` into a dict lookup
   (``transitions`` costs ~14 us a trigger and O(n) per added model, too
-  much for the hot path; see DESIGN.md),
+  much for the hot path; see docs/design.md),
 * builds a real ``transitions.Machine`` (``LifecycleSpec.machine``) that the
   tests run side by side with the compiled table and that
   ``tools/statecharts.py`` renders with its mermaid engine,

@@ -222,9 +222,8 @@ class _Context:
                 if engine and f.get("engine") not in (engine, None):
                     continue
                 (mine if _stream(r) == stream else others).append((r, f))
-            times: list[int] | None = [r.t_mono_ns for r, _ in mine]
-            if any(a > b for a, b in zip(times, times[1:])):  # type: ignore[arg-type]
-                times = None
+            mono = [r.t_mono_ns for r, _ in mine]
+            times: list[int] | None = None if any(a > b for a, b in zip(mono, mono[1:])) else mono
             got = self._peer_dead_said[key] = (mine, times, others)
         return got
 

@@ -145,7 +145,7 @@ def _check_shutdown(key: StreamKey, recs: list[Record], marker: Record,
                                 f"its 'live' is not {{lifecycle: {{request: state}}}}: {live!r}"[:300],
                                 **_where(marker)))
         return None
-    return live  # type: ignore[no-any-return]
+    return live
 
 
 def _check_machine(m: Machine, findings: list[Finding], live_at_shutdown: dict[StreamKey, dict[str, dict[str, str]]],

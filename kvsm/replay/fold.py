@@ -121,16 +121,16 @@ def _analyse(paths: Sequence[str | Path], specs: Specs) -> Report:
         if len(keys) == 1:  # one process's log, the usual case
             key = keys.pop()
             if key in streams:
-                streams[key].extend(items)  # type: ignore[arg-type]
+                streams[key].extend(items)
             else:
-                streams[key] = items  # type: ignore[assignment]
+                streams[key] = items
         else:
             for r in items:
                 k = _STREAM_OF(r)
                 if k in streams:
-                    streams[k].append(r)  # type: ignore[arg-type]
+                    streams[k].append(r)
                 else:
-                    streams[k] = [r]  # type: ignore[list-item]
+                    streams[k] = [r]
 
     machines: list[Machine] = []
     notes: dict[tuple[str, str], list[Record]] = {}
@@ -287,7 +287,7 @@ def _fold_stream(key: StreamKey, recs: list[Record], findings: list[Finding],
                         t = r.t_mono_ns
                         if t > m._now:  # noqa: PLR1730 - max() is a call per record
                             m._now = t
-                        move(live, dst, m._now)  # type: ignore[arg-type]
+                        move(live, dst, m._now)
                         if step[3]:
                             m._final = dst
                             m._live = None
@@ -373,7 +373,9 @@ def _reapply(m: Machine, r: Record, spec: LifecycleSpec) -> None:
             m._final = None
         src = r.src  # a creation has no prior state to compare
     else:
-        event = r.input
+        # A per-event record's input is its Event struct (``Record.input`` is
+        # typed as the plain record's dict): dynamic here, typed once rebuilt.
+        event: Any = r.input
         if event is None or type(event) is dict:
             # Not decoded as its event (a line the per-event types did not fit,
             # or no input at all): rebuild it as the runtime's records are.

@@ -138,7 +138,7 @@ class Machine:
 
     @property
     def stream(self) -> StreamKey:
-        return self.key[:4]  # type: ignore[return-value]
+        return self.key[:4]
 
     @property
     def lifecycle(self) -> str:

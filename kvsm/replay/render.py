@@ -113,7 +113,8 @@ def chrome_trace(report: Report) -> dict[str, Any]:
 def _fmt_shutdown(r: dict[str, Any], request: str | None) -> str:
     """A clean-shutdown record in a timeline: what it says about this request,
     not its whole (possibly long) list of live requests."""
-    live = r.get("live") if type(r.get("live")) is dict else {}
+    got = r.get("live")
+    live: dict[Any, Any] = got if type(got) is dict else {}
     counts = {lc: len(reqs) for lc, reqs in live.items() if type(reqs) is dict}
     said = [f"{lc} {request} listed {reqs[request]!r}" for lc, reqs in live.items()
             if type(reqs) is dict and request in reqs]

@@ -14,6 +14,7 @@ is told it received is compared with what the prefill side computed.
 
 from __future__ import annotations
 
+import functools
 import random
 import struct
 from collections.abc import Callable, Sequence
@@ -111,7 +112,7 @@ class _Engine:
         facts, self._step = self.facts, self._step + 1
         self.facts = StepFacts(self._step)
         assert self.worker is not None
-        self.worker.submit(facts)  # type: ignore[arg-type]
+        self.worker.submit(facts)
         return 1
 
     def violation(self, kind: str, req: str | None, detail: str) -> None:
@@ -326,7 +327,7 @@ class DecodeEngine(_Engine):
             self.awaited.discard(req)
             self._check_report(self.reqs[req], req in failed)
             self.freeing += 1
-            self.sim.at(self.sim.rng.randint(0, MS), lambda req=req: self._free(req))
+            self.sim.at(self.sim.rng.randint(0, MS), functools.partial(self._free, req))
         return len(recving)
 
     def _check_report(self, dr: _DecodeReq, failed: bool) -> None:

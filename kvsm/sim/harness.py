@@ -33,6 +33,7 @@ Checked at the end (``SimResult.violations``):
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -123,7 +124,7 @@ class Simulation:
         self._start()
         try:
             for i in range(cfg.num_requests):
-                self.at(i * cfg.arrival_gap_ns, lambda i=i: self.prefill.arrive(i, self._router))
+                self.at(i * cfg.arrival_gap_ns, functools.partial(self.prefill.arrive, i, self._router))
             horizon = cfg.horizon_ns()
             jumped = False
             while self._steps < max_steps:
@@ -203,7 +204,7 @@ class Simulation:
         for engine, observer, role in ((self.prefill, self.prefill_observer, "kv_producer"),
                                        (self.decode, self.decode_observer, "kv_consumer")):
             worker_cfg = self._worker_config(engine.engine_id, role)
-            engine.worker = WorkerHalf(worker_cfg, 0, event_log=self._log(engine.engine_id, observer),  # type: ignore[arg-type]
+            engine.worker = WorkerHalf(worker_cfg, 0, event_log=self._log(engine.engine_id, observer),
                                        clock=self.clock, loop_options=self.loops.loop_options())
             engine.worker.start(engine.agent, compat)
         self.prefill.connect()

@@ -68,8 +68,8 @@ class EngineObserver:
         spec = LIFECYCLES.get(o.lifecycle)
         if spec is not None and o.dst in spec.terminal:
             self.live.pop(key, None)
-            self.finals[key] = o.dst  # type: ignore[assignment]
-            self.ledger.finish(o.req, o.dst, where)  # type: ignore[arg-type]
+            self.finals[key] = o.dst
+            self.ledger.finish(o.req, o.dst, where)
         else:
             self.live[key] = o.dst  # type: ignore[assignment]
 
