@@ -10,6 +10,7 @@ rather than surfacing as a confusing failure on the first request.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +98,7 @@ class KVSMConfig:
         return self.side_channel_port + tp_rank
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any, env: dict[str, str] | None = None) -> KVSMConfig:
+    def from_vllm(cls, vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMConfig:
         env = os.environ if env is None else env
         kvt = vllm_config.kv_transfer_config
         if kvt is None:

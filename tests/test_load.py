@@ -107,9 +107,9 @@ class GatedAgent(InMemoryAgent):
         with self.lock:
             return super().release(handle)
 
-    def send_notif(self, peer: str, msg: bytes) -> None:
+    def send_notif(self, peer: str, msg: bytes) -> bool:
         with self.lock:
-            super().send_notif(peer, msg)
+            return super().send_notif(peer, msg)
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         with self.lock:

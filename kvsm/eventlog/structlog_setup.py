@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
+from structlog.typing import EventDict
+from structlog.typing import Processor as StructlogProcessor
 
-from kvsm.eventlog.log import EventLog, Processor
+from kvsm.eventlog.log import EventLog
 from kvsm.eventlog.schema import HEADER_FIELDS
 
 __all__ = ["EventLogForwarder", "configure_structlog"]
@@ -40,7 +42,7 @@ class EventLogForwarder:
     def __init__(self, log: EventLog) -> None:
         self.log = log
 
-    def __call__(self, logger: Any, method_name: str, event_dict: dict[str, Any]) -> Any:
+    def __call__(self, logger: Any, method_name: str, event_dict: EventDict) -> NoReturn:
         ed = event_dict  # structlog hands each call its own fresh dict
         message = ed.pop("event", "")
         if not isinstance(message, str):
@@ -59,7 +61,7 @@ def configure_structlog(
     log: EventLog,
     *,
     min_level: int = logging.DEBUG,
-    processors: Sequence[Processor] = (),
+    processors: Sequence[StructlogProcessor] = (),
     cache_logger_on_first_use: bool = False,
 ) -> None:
     """Make ``structlog.get_logger(...).info("msg", req=..., k=v)`` a ``log``

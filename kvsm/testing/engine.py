@@ -370,7 +370,7 @@ def wait_engine_subprocess(proc: subprocess.Popen) -> dict[str, Any]:
     """
     log, out_file, timeout = proc._kvsm  # type: ignore[attr-defined]
     try:
-        rc = proc.wait(timeout=timeout)
+        rc: int | str = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -56,6 +56,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvsm.facts import SendFinish
 from kvsm.handshake import (
     MAX_CLAIMS,
     MAX_FRAME_BYTES,
@@ -74,7 +75,6 @@ from kvsm.handshake import (
     decode_request,
     peer_address,
 )
-from kvsm.facts import SendFinish
 from kvsm.pin_channel import (
     MAX_BLOCKS_PER_PIN,
     MAX_MESSAGE_BYTES,
@@ -1017,13 +1017,14 @@ class PinChannelFuzzer:
         tok = self._token_for_garbage()
         pin: list[Any] = [self._fake_id(), True, [1, 2, 3], "", 12345]
         field_ = r.randrange(5)
-        pin[field_] = r.choice([
+        wrong: list[list[Any]] = [
             [7, None, "", "x" * 257, b"r", ["r"]],  # req: not a 1..256-character string
             ["yes", 1, 0, None, 1.0, []],  # ok: not a bool
             [["a"], [-1], [1 << 40], "1,2", {"0": 1}, [1.5], None, [True]],  # block_ids
             [None, 5, "x" * 65, ["r"], b""],  # reason: not a string of at most 64 characters
             [-1, "0", 1.5, None, [0], -(2**63)],  # pinned_ns: not an int >= 0
-        ][field_])
+        ]
+        pin[field_] = r.choice(wrong[field_])
         pins = [pin] if r.random() < 0.7 else [["ok-1", True, [], "", 0], pin]  # behind a good pin, too
         return [tok, msgspec.msgpack.encode(pins)], self._refused_by(tok)
 

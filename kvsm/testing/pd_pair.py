@@ -59,8 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
     from kvsm.testing.engine import apply_engine_env
 
     apply_engine_env()
-    if args.cpu is not None and hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
-        os.sched_setaffinity(0, {args.cpu % os.cpu_count()})
+    ncpu = os.cpu_count()
+    if args.cpu is not None and hasattr(os, "sched_setaffinity") and ncpu and ncpu > 1:
+        os.sched_setaffinity(0, {args.cpu % ncpu})
     from kvsm.testing.engine import kv_cache_tensors, make_llm
 
     extra = json.loads(args.extra) if args.extra else None
@@ -69,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
     llm = make_llm(args.model, kv_transfer_config=kv, max_model_len=args.max_model_len)
     engine = llm.llm_engine
 
-    def connector_halves() -> tuple[Any, Any]:
+    def connector_halves() -> tuple[Any, Any, Any]:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker_half
@@ -83,8 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     reply({"ready": True, "pid": os.getpid()})
-    for line in sys.stdin:
-        line = line.strip()
+    for raw in sys.stdin:
+        line = raw.strip()
         if not line:
             continue
         cmd = json.loads(line)

@@ -161,7 +161,7 @@ def remote_prefill_params(
     list per KV cache group (``([1, 2, 3],)``); through JSON the decode engine
     receives ``[[1, 2, 3]]``. A flat list of ints is taken as one group.
     """
-    ids = list(remote_block_ids)
+    ids: list[Any] = list(remote_block_ids)
     if ids and not isinstance(ids[0], (list, tuple)):
         groups = [[int(b) for b in ids]]
     else:
@@ -436,8 +436,8 @@ class SchedulerHarness:
             self._auto_recv_done,
             self._auto_fin_done,
         ):
-            if tracked:
-                tracked &= requests.keys()
+            if tracked:  # in place: `&=` with dict keys would only rebind the name
+                tracked.intersection_update(requests.keys())
 
         return StepResult(
             scheduler_output=so,
@@ -579,6 +579,7 @@ def _tracer(name: str, method: Callable, calls: list[HookCall]) -> Callable:
                 "num_external_tokens": args[2],
             }
         elif name in ("request_finished", "request_finished_all_groups"):
+            assert first is not None
             detail = {
                 "status": first.status.name,
                 "blocks": [list(g) for g in args[1]]

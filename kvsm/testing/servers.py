@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kvsm.testing.engine import engine_env
 from kvsm.testing.ports import free_port, free_ports
@@ -92,7 +92,8 @@ def pd_specs(*, connector: str = "KVSMConnector", event_log_dir: str | None = No
              extra_config: dict[str, Any] | None = None) -> tuple[ServerSpec, ServerSpec]:
     """A prefill (core 0) and a decode (core 1) server on free ports."""
     http_p, http_d, side_p, side_d = free_ports(4)
-    common = {"connector": connector, "event_log_dir": event_log_dir, "extra_config": dict(extra_config or {})}
+    common: dict[str, Any] = {"connector": connector, "event_log_dir": event_log_dir,
+                              "extra_config": dict(extra_config or {})}
     return (ServerSpec("prefill", "kv_producer", http_p, side_p, "prefill", cpu=0, **common),
             ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", cpu=1, **common))
 
@@ -112,7 +113,7 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{spec.port}"
         self.log_path = self.workdir / f"{spec.name}.server.log"
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: TextIO | None = None
 
     # -- life cycle ------------------------------------------------------------
 

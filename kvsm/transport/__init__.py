@@ -1,5 +1,5 @@
 """Block transports: the NIXL agent wrapper and an in-memory twin for simulation."""
 
-from kvsm.transport.base import Transport, TransferState, XferHandle
+from kvsm.transport.base import TransferState, Transport, XferHandle
 
 __all__ = ["Transport", "TransferState", "XferHandle"]

@@ -65,8 +65,9 @@ class Transport(ABC):
         could not be cancelled: it may still write, so the caller keeps waiting."""
 
     @abstractmethod
-    def send_notif(self, peer: str, msg: bytes) -> None:
-        """A notification without a transfer (nothing-to-read, abandon)."""
+    def send_notif(self, peer: str, msg: bytes) -> bool:
+        """A notification without a transfer (nothing-to-read, abandon); False
+        when it could not be handed to the peer."""
 
     @abstractmethod
     def get_notifs(self) -> list[tuple[str, bytes]]:

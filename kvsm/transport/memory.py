@@ -239,10 +239,12 @@ class InMemoryAgent(Transport):
         del fabric._transfers[t.handle]
         return True
 
-    def send_notif(self, peer: str, msg: bytes) -> None:
+    def send_notif(self, peer: str, msg: bytes) -> bool:
         agent = self.fabric.agents.get(peer)
         if agent is not None and peer not in self.fabric.dead:
             agent.inbox.append((self.name, msg))
+            return True
+        return False
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         out, self.inbox = self.inbox, []

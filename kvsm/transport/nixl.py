@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -109,7 +110,7 @@ class _Peer:
     name: str
     raw: bytes  # the metadata it was added with (add_peer is idempotent on it)
     layout: KVLayout
-    dlist: object  # nixl_prepped_dlist_handle of all its blocks
+    dlist: Any  # nixl_prepped_dlist_handle of all its blocks
     handles: set[NixlXferHandle] = field(default_factory=set)
 
 
