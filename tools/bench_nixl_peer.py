@@ -357,7 +357,7 @@ class Prefill:
         poller.register(self.ctrl_runner, zmq.POLLIN)
         pack = msgspec.msgpack.encode
         while True:
-            events = dict(poller.poll(STEP_S * 1000 if self.pending else None))
+            events = dict(poller.poll(int(STEP_S * 1000) if self.pending else None))
             finished: list[tuple[str, list[int]]] = []
             acks: list[tuple[bytes, str, int]] = []
             if self.pin in events:
@@ -399,7 +399,7 @@ class Prefill:
         """A question to the model-runner thread (which owns the connector)."""
         with self.ctrl_lock:
             self.ctrl.send_pyobj(what)
-            if not self.ctrl.poll(timeout_s * 1000):
+            if not self.ctrl.poll(int(timeout_s * 1000)):
                 raise TimeoutError(f"prefill runner did not answer {what!r} within {timeout_s} s")
             return self.ctrl.recv_pyobj()
 
@@ -476,7 +476,7 @@ class Decode:
             if left <= 0:
                 raise TimeoutError(f"prefill did not pin {block_until} within {timeout_s} s "
                                    f"(pinned {self.pinned.get(block_until[0], 0)})")
-            self.pin.poll(min(left, 1.0) * 1000)
+            self.pin.poll(int(min(left, 1.0) * 1000))
 
     # -- checks
 
@@ -766,7 +766,7 @@ class RawReader:
         b = np.asarray(blocks, dtype=np.int64)
         return (np.arange(LAYERS, dtype=np.int64)[:, None] * per_layer + b[None, :]).reshape(-1).astype(np.int32)
 
-    def _check(self, local: Sequence[int], remote: Sequence[int]) -> None:
+    def _check(self, local: Sequence[int], remote: np.ndarray | Sequence[int]) -> None:
         loc = np.asarray(local)
         for layer, a in enumerate(self.bufs):
             want = tags(layer, remote).astype(np.float32)

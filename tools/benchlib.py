@@ -32,19 +32,23 @@ class Target:
     def met(self, row: Row) -> bool | None:
         if row.failed:
             return False
+        if self.kind == "none":
+            return None
+        value = self.value
+        assert value is not None, f"a {self.kind!r} target needs a value"
         if self.kind == "ratio_max":
             r = row.ratio
-            return None if r is None else r <= self.value
+            return None if r is None else r <= value
         if self.kind == "each_max":  # every repetition, not just the median (counts of bad things)
             vals = [v for v in row.kvsm if v is not None and not math.isnan(v)]
-            return None if not vals else max(vals) <= self.value
+            return None if not vals else max(vals) <= value
         k = row.kvsm_median
         if k is None:
             return None
         if self.kind == "max":
-            return k <= self.value
+            return k <= value
         if self.kind == "min":
-            return k >= self.value
+            return k >= value
         return None
 
 

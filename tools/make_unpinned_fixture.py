@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             decode.close()
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        for i, f in enumerate(sorted(logs.glob("*.jsonl"))):
+        for f in sorted(logs.glob("*.jsonl")):
             # Stable names: the pid in each file name changes every run.
             name = ".".join(p for p in f.name.split(".") if not p.isdigit())
             shutil.copy(f, out / name)

@@ -25,7 +25,7 @@ import argparse
 import logging
 import shutil
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,8 @@ GRAPHVIZ_NODE_STYLES = {
 
 class _Model:
     """A plain model object: GraphMachine binds the triggers and ``get_graph`` to it."""
+
+    get_graph: Callable[..., Any]  # declared for mypy only; GraphMachine sets it
 
 
 def _title(spec: LifecycleSpec) -> str:
@@ -112,8 +114,9 @@ def _postprocess_mermaid(raw: str, spec: LifecycleSpec) -> str:
     for line in lines:
         stripped = line.lstrip()
         if stripped.startswith("Class "):
-            line = line[: len(line) - len(stripped)] + "class " + stripped[len("Class "):]
-        out.append(line)
+            out.append(line[: len(line) - len(stripped)] + "class " + stripped[len("Class "):])
+        else:
+            out.append(line)
     indent = "  "
     out.extend(f"{indent}{state} --> [*]" for state in spec.states if state in spec.terminal)
     return "\n".join(out) + "\n"
@@ -174,7 +177,7 @@ def render_index(diagrams: Mapping[str, str]) -> str:
         "always unconditional, so a legal event always moves the machine.",
         "",
     ]
-    for name, spec in LIFECYCLES.items():
+    for name in LIFECYCLES:
         lines.append(f"- [{name}](#{name}) ([{name}.mmd]({name}.mmd))")
     lines.append("")
     for name, spec in LIFECYCLES.items():
