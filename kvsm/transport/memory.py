@@ -147,6 +147,15 @@ class InMemoryFabric:
         if fault is not Fault.HANG:
             heapq.heappush(self._due, (t.complete_at_ns, next(self._order), t))
 
+    def _compact_due(self) -> None:
+        """Drop settled reads from the landing heap once they outnumber the live
+        ones: a caller that lands reads itself (``_land``) and never steps the
+        fabric must not keep every read it ever posted (bounded like TimerHeap)."""
+        due = self._due
+        if len(due) > 2 * len(self._transfers) + 8:
+            self._due = [e for e in due if e[2].state is TransferState.PENDING]
+            heapq.heapify(self._due)
+
     def _find(self, handle: XferHandle) -> _Transfer:
         t = self._transfers.get(handle)  # type: ignore[call-overload]
         if t is None:
@@ -237,6 +246,7 @@ class InMemoryAgent(Transport):
                 return True
             fabric._fail(t, "cancelled before it wrote anything")
         del fabric._transfers[t.handle]
+        fabric._compact_due()
         return True
 
     def send_notif(self, peer: str, msg: bytes) -> bool:
