@@ -168,7 +168,7 @@ class EventLoop:
         # Loop-thread state: touched only by the loop thread once it runs.
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
-        self._readers: dict[zmq.Socket, tuple[Callable[[], None], str]] = {}
+        self._readers: dict[zmq.Socket, tuple[Callable[[], object], str]] = {}
         self._owned: set[zmq.Socket] = set()
         self._timers: TimerHeap[_Timer] = TimerHeap()
         self._run_count = 0
@@ -356,7 +356,7 @@ class EventLoop:
         self._timers.cancel(handle)  # False when it is already popped as due: still cancelled
         return True
 
-    def add_reader(self, sock: zmq.Socket, callback: Callable[[], None], *, label: str = "") -> None:
+    def add_reader(self, sock: zmq.Socket, callback: Callable[[], object], *, label: str = "") -> None:
         """Call ``callback`` on the loop whenever ``sock`` has a message waiting.
 
         The callback should drain with ``zmq.NOBLOCK`` until ``zmq.Again``

@@ -84,7 +84,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from benchlib import (  # tools/benchlib.py: the tables, shared with bench_nixl
     E2E_DEFAULT_REPEAT,
@@ -1004,9 +1004,7 @@ class HandshakeBench:
                 server = HandshakeServer(f"prefill-{i}", self.compat, provide, on_claims,
                                          context=self.server_loop.context, lease_ms=30_000)
                 for sock in server.sockets():
-                    # on_readable's count is not needed: the loop discards a callback's result.
-                    self.server_loop.add_reader(sock, cast("Callable[[], None]", server.on_readable),
-                                                label=f"server {i}")
+                    self.server_loop.add_reader(sock, server.on_readable, label=f"server {i}")
                 servers.append(server)
             return servers
 
@@ -1067,8 +1065,7 @@ class HandshakeBench:
         def start() -> None:
             client = HandshakeClient(self.compat, "bench-decode/tp0", context=loop.context,
                                      on_socket_added=watch,
-                                     # remove_reader's bool is discarded by the client
-                                     on_socket_removed=cast("Callable[[Any], None]", loop.remove_reader))
+                                     on_socket_removed=loop.remove_reader)
             state["client"] = client
             for i, peer in enumerate(peers):
                 sent_at[peer] = time.perf_counter_ns()

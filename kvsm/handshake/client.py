@@ -113,8 +113,8 @@ class HandshakeClient:
     """
 
     def __init__(self, compat: CompatInfo, requester: str, *, context: zmq.Context | None = None,
-                 on_socket_added: Callable[[zmq.Socket], None] | None = None,
-                 on_socket_removed: Callable[[zmq.Socket], None] | None = None,
+                 on_socket_added: Callable[[zmq.Socket], object] | None = None,
+                 on_socket_removed: Callable[[zmq.Socket], object] | None = None,
                  max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
         self.compat = compat
         self.compat_hash = compat_hash(compat)

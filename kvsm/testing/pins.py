@@ -34,11 +34,8 @@ class PinWorker:
 
         def open_server() -> PinChannelServer:
             server = PinChannelServer(self.loop.context, on_pins, lambda fn, label: self.loop.post(fn, label=label))
-            def on_readable() -> None:
-                server.on_readable()
-
             for sock in server.sockets():
-                self.loop.add_reader(sock, on_readable, label="pin channel")
+                self.loop.add_reader(sock, server.on_readable, label="pin channel")
             return server
 
         self.server: PinChannelServer = self.loop.call(open_server, timeout=10.0)

@@ -267,7 +267,7 @@ class WorkerContext:
     def _apply_peer(self, event: ev.Event) -> Outcome | None:
         return self._apply(self.peers, event)
 
-    def _guard(self, req: str | None, fn: Callable[[Any], None], arg: Any) -> Exception | None:
+    def _guard(self, req: str | None, fn: Callable[[Any], object], arg: Any) -> Exception | None:
         """Run one request's handler; an exception fails that request only (and is returned)."""
         try:
             fn(arg)

@@ -171,18 +171,11 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
             self.pins = PinChannelServer(self.loop.context, self._on_pins,
                                          lambda fn, label: self.loop.post(fn, label=label))
             for sock in self.pins.sockets():
-                self.loop.add_reader(sock, self._on_pin_channel, label="pin channel")
+                self.loop.add_reader(sock, self.pins.on_readable, label="pin channel")
         if self.cfg.consumes:
             self.client = HandshakeClient(
                 self.compat, requester=f"{self.cfg.engine_id}/tp{self.tp_rank}", context=self.loop.context,
-                on_socket_added=self._watch_client_socket, on_socket_removed=self._forget_client_socket)
-
-    def _on_pin_channel(self) -> None:
-        assert self.pins is not None
-        self.pins.on_readable()
-
-    def _forget_client_socket(self, sock: Any) -> None:
-        self.loop.remove_reader(sock)
+                on_socket_added=self._watch_client_socket, on_socket_removed=self.loop.remove_reader)
 
     def _on_side_channel(self) -> None:
         """Serve what arrived, then count it by outcome for the stats (a few dict

@@ -193,9 +193,6 @@ class SendSide(WorkerContext):
         self.warn.warning("lease_expired", "lease of request %s expired unread; its %d blocks are freed",
                           req, len(o.block_ids))
 
-    def _apply_send_notif(self, event: ev.Event) -> None:
-        self._apply_send(event)
-
     # -- NIXL notifications -------------------------------------------------------------
 
     def _arm_notif_poll(self, *, soon: bool = False) -> None:
@@ -229,7 +226,7 @@ class SendSide(WorkerContext):
                 continue
             # After a release (the reader's abandon overtook its read's notification)
             # the table records it as stale; after expiry, as the violation it is.
-            self._guard(req, self._apply_send_notif, ev.ReadNotif(req=req, reader=peer))
+            self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer))
         if notifs or self.loop.now_ns() < self._notif_fast_until_ns:
             self._notif_interval_ns = self._notif_min_ns
         else:
