@@ -268,7 +268,9 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
     def _on_outcome(self, o: Outcome) -> None:
         if self.log is not None:
             self.log.record_outcome(o)
-        if o.violation is None and not o.stale:
+        if o.violation is not None:
+            self.warn.warning("violation", "%s", o.describe())
+        elif not o.stale:
             counts = self.state_counts.get(o.lifecycle)
             if counts is not None:
                 if o.src is not None:

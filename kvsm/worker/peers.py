@@ -79,9 +79,7 @@ class PeerSide(WorkerContext):
 
     def _step_peer(self, event: ev.Event) -> Outcome:
         o = self.peers.apply(event)
-        if o.violation is not None or o.stale:
-            if o.violation is not None:
-                self.warn.warning("violation", "%s", o.describe())
+        if not o.ok or o.stale:  # a violation (warned by _on_outcome) or a stale input: nothing to do
             return o
         peer = self._peer_io.get(o.req)
         if peer is None:

@@ -110,9 +110,7 @@ class RecvSide(WorkerContext):
 
     def _step_recv(self, event: ev.Event) -> Outcome:
         o = self.recv.apply(event)
-        if o.violation is not None or o.stale:
-            if o.violation is not None:
-                self.warn.warning("violation", "%s", o.describe())
+        if not o.ok or o.stale:  # a violation (warned by _on_outcome) or a stale input: nothing to do
             return o
         req = o.req
         io = self._recv_io.get(req)

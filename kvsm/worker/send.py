@@ -105,9 +105,7 @@ class SendSide(WorkerContext):
 
     def _step_send(self, event: ev.Event) -> Outcome:
         o = self.send.apply(event)
-        if o.violation is not None or o.stale:
-            if o.violation is not None:
-                self.warn.warning("violation", "%s", o.describe())
+        if not o.ok or o.stale:  # a violation (warned by _on_outcome) or a stale input: nothing to do
             return o
         req = o.req
         effects = self._send_effects
