@@ -173,6 +173,25 @@ def test_blocks_taken_twice_deep_in_a_large_log(large_logs: dict[str, list[bytes
     assert live_b["req"] in clash[0].detail
 
 
+def test_a_lifecycle_line_that_looks_like_a_diagnostic_one_replays_the_same(
+        large_logs: dict[str, list[bytes]], tmp_path: Path) -> None:
+    """The reader sends lines holding the bytes ``"kind":"log`` to the plain
+    decoder (diagnostic lines fit no per-event variant). A lifecycle record that
+    holds them inside its input takes that way too and must replay as before."""
+    decode = _log_named(large_logs, DECODE)
+    lines = large_logs[decode]
+    i = _deep(lines, b'"event":"matched"')
+    mutated = _rewrite(lines, i, lambda r: {**r, "input": {**r["input"], "note": {"kind": "log"}}})
+    assert b'"kind":"log"' in mutated[i]
+    for other, body in large_logs.items():
+        (tmp_path / other).write_bytes(b"".join(mutated if other == decode else body))
+    scan = scan_log(tmp_path / decode)
+    assert [type(r) for r in scan.plain] == [reader.Record] and scan.plain[0].line == i + 1
+    report = analyse(sorted(tmp_path.glob("*.jsonl")))
+    assert report.exit_code == 0, [str(f) for f in report.findings][:5]
+    assert report.num_records == sum(len(body) for body in large_logs.values())
+
+
 # --- the fast pieces against their references --------------------------------
 
 _STATES = sorted({s for spec in LIFECYCLES.values() for s in spec.states})

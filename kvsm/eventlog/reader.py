@@ -336,6 +336,8 @@ def _typed_decoder(stream: StreamKey | None) -> Callable[[bytes], Any]:
 _decode_typed = _typed_decoder(None)
 _stream_decoder = functools.lru_cache(maxsize=64)(_typed_decoder)
 _decode_record = msgspec.json.Decoder(Record).decode
+_LOG_MARKER = b'"kind":"log'  # as the writer spells it: log, log_start, log_overflow
+_MACHINE_KINDS = frozenset({"create", "transition", "violation"})
 
 
 def input_dict(value: Any) -> Any:
@@ -396,6 +398,20 @@ def scan_log(path: str | os.PathLike[str]) -> FileScan:
             continue
         break
     typed = _decode_typed if stream is None else _stream_decoder(stream)
+    plain = scan.plain
+
+    def decode(raw: bytes) -> Any:
+        # A diagnostic line fits no per-event variant (its ``event`` is free):
+        # tried there first, each would raise and restart the batch (~20 us a
+        # line). One that merely mentions the marker decodes as a plain
+        # ``Record``, listed in ``plain`` if it claims a machine kind.
+        if _LOG_MARKER in raw:
+            rec = _decode_record(raw)
+            if rec.kind in _MACHINE_KINDS:
+                plain.append(rec)
+            return rec
+        return typed(raw)
+
     items: list[Any] = []
     dirty = False
     n = len(lines)
@@ -404,7 +420,7 @@ def scan_log(path: str | os.PathLike[str]) -> FileScan:
         try:
             # extend() keeps what it decoded before a misfit raised; the misfit
             # itself was taken from ``rest``, which goes on after it.
-            items.extend(map(typed, rest))
+            items.extend(map(decode, rest))
         except msgspec.DecodeError:  # includes ValidationError
             dirty = True
             lineno = len(items) + 1
