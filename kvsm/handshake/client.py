@@ -203,6 +203,13 @@ class HandshakeClient:
             peer.pending.discard(request_id)
         return True
 
+    def disconnect(self, address: str) -> bool:
+        """Close the socket to ``address`` (a peer found dead): what is queued on
+        it for the dead process is discarded instead of reaching whatever listens
+        there next, and the next request connects afresh. Requests still pending
+        there keep their deadlines (they time out). False: no socket was open."""
+        return self._drop_peer(address) is not None
+
     # ---- loop interface
 
     def sockets(self) -> list[zmq.Socket]:

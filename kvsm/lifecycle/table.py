@@ -68,7 +68,8 @@ EFFECTS: Mapping[str, str] = {
     "arm_transfer_timer": "start the transfer timeout",
     "cancel_timers": "stop the request's timers",
     # peers
-    "drop_agent": "remove the peer's NIXL agent: every read from it settles, none can write afterwards",
+    "drop_agent": ("remove the peer's NIXL agent (every read from it settles, none can write afterwards) and close "
+                   "its side-channel socket (the next contact connects afresh)"),
     "fail_waiting": "fail every request that depends on the peer",
     "arm_backoff_timer": "end the back-off at the machine's dead_until_ns",
     "cancel_backoff_timer": "stop the back-off timer",

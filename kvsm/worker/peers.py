@@ -100,10 +100,15 @@ class PeerSide(WorkerContext):
 
     def _drop_agent(self, peer: PeerIO, o: Outcome) -> None:
         """Remove the dead peer's NIXL agent: that settles its reads, none can write
-        afterwards (and no read is posted to it: see PEER_READABLE_STATES)."""
+        afterwards (and no read is posted to it: see PEER_READABLE_STATES). Its
+        side-channel socket goes too: the probe after the back-off connects afresh
+        (an inproc peer that restarted is never reconnected to otherwise, and over
+        TCP what was queued for the dead process would reach its successor)."""
         m = self._peer_machine(peer)
         if m is not None and m.agent and self.transport is not None:
             self.transport.remove_peer(m.agent)
+        if self.client is not None:
+            self.client.disconnect(peer.address)
 
     def _fail_waiting(self, peer: PeerIO, o: Outcome) -> None:
         m = self._peer_machine(peer)
