@@ -119,7 +119,12 @@ class EventLog:
         batch_size: int = 1024,
         flush_interval_s: float = 0.05,
         processors: Sequence[Processor] = (),
+        pid: int | None = None,
     ) -> None:
+        # ``pid``: the process id the records carry (default: this process's). A
+        # harness that runs an engine's successive incarnations in one process
+        # gives each its own, as replay tells processes apart by it.
+        self._given_pid = pid
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if batch_size < 1:
@@ -155,7 +160,7 @@ class EventLog:
 
     def _init_process_state(self, parent_pid: int | None) -> None:
         """Everything that belongs to one process: lock, buffer, counters, writer."""
-        self._pid = os.getpid()
+        self._pid = self._given_pid if self._given_pid is not None and parent_pid is None else os.getpid()
         # Header with the per-process constants filled in; emit copies it.
         self._template: dict[str, Any] = dict.fromkeys(HEADER_FIELDS)
         self._template.update(schema=SCHEMA_VERSION, pid=self._pid, role=self._role,
