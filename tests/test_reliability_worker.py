@@ -827,10 +827,9 @@ def test_exception_in_the_claim_flush(peers: Peers, decode) -> None:
     same_step = _healthy(peers, d, "F", "flush-same-step", rng)
     _latency(d, warm)  # H's agent is loaded: claims to H go as heartbeats from now on
     fault = inject_fault(d.half, "client.heartbeat", victim=victim.remote_req, times=1)
-    t0 = d.submit(recv_start=[victim, same_step])  # H's claim is sent first
-    d.wait([victim.req, same_step.req], timeout=3.0)
+    d.submit(recv_start=[victim, same_step])  # H's claim is sent first
+    d.wait([victim.req, same_step.req], timeout=3.0)  # (at once, on virtual time: test_reliability_virtual)
     assert fault.fired == 1
-    assert d.recving[victim.req] - t0 < 0.3, f"the victim failed after {d.recving[victim.req] - t0:.3f} s"
     detail = f"InjectedFault: injected into client.heartbeat for {victim.remote_req}"
     assert _internal_errors(d, victim.req) == [{"where": "claim flush", "detail": detail}]
     assert same_step.req not in d.failed, d.failure(same_step.req)
@@ -923,12 +922,11 @@ def test_exception_in_the_read_poll_timer(peers: Peers, decode) -> None:
     first, second = (_healthy(peers, d, "H", f"pollreads-{r}", rng) for r in ("first", "second"))
     _slow_reads(d, {first.req: 3, second.req: 3})
     fault = inject_fault(d.half, "_poll_reads", times=1)
-    t0 = d.submit(recv_start=[first])
-    d.wait([first.req], timeout=3.0)
+    d.submit(recv_start=[first])
+    d.wait([first.req], timeout=3.0)  # (when exactly, on virtual time: test_reliability_virtual)
     assert fault.fired == 1
     assert _loop_errors(d.records())[0]["label"] == "poll reads"
     assert first.req not in d.failed, d.failure(first.req)
-    assert d.recving[first.req] - t0 < 0.5
     d.submit(recv_start=[second])
     d.wait([second.req], timeout=3.0)
     assert second.req not in d.failed, d.failure(second.req)
@@ -983,7 +981,8 @@ def test_exception_in_the_handshake_deadline_timer(peers: Peers, decode) -> None
         fault = inject_fault(d.half, "_expire_client", times=1)
         t0 = d.submit(recv_start=[victim, other])
         d.wait([victim.req, other.req], timeout=3.0)
-        assert victim.req in d.failed and 0.45 <= d.recving[victim.req] - t0 <= 1.0
+        # Not before its timeout (exactly at it: test_reliability_virtual).
+        assert victim.req in d.failed and d.recving[victim.req] - t0 >= 0.45
         assert other.req not in d.failed
         time.sleep(0.7)  # the abandon the failure sent falls due too
         assert fault.fired == 1 and d.alive()
@@ -1134,7 +1133,9 @@ def test_exception_in_the_prefill_notification_poll(peers: Peers, decode, prefil
     sent = peers.main.wait_sent("F", [victim.remote_req, other.remote_req], timeout=2.0)
     assert prefill_faults.fired("F") == {"transport.get_notifs": 1}
     late = {r: round(t - t0, 3) for r, t in sent.items() if r in (victim.remote_req, other.remote_req)}
-    assert max(late.values()) < 0.5, f"released only after {late} s (lease {LEASES['F']} s)"
+    # Before the lease would have (a poll interval after the read, on virtual time:
+    # test_reliability_virtual).
+    assert max(late.values()) < LEASES["F"], f"released only after {late} s (lease {LEASES['F']} s)"
     findings, finals, _ = replay(peers, [d], {victim.req, other.req, victim.remote_req, other.remote_req},
                                  [peers.log["F"]])
     assert findings == []

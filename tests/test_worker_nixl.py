@@ -486,7 +486,8 @@ def test_lease_expiry_fails_the_late_read(peers: Peers, decode) -> None:
     t0 = time.monotonic()
     peers.main.finish("S", {"p-s3": blocks})
     sent = peers.main.wait_sent("S", ["p-s3"], timeout=3.0)
-    assert 0.25 <= sent["p-s3"] - t0 <= 1.0, f"lease expired after {sent['p-s3'] - t0:.3f} s"
+    # Not before its lease (the exact instant: test_worker_virtual, on virtual time).
+    assert sent["p-s3"] - t0 >= 0.25, f"lease expired after {sent['p-s3'] - t0:.3f} s"
     time.sleep(max(0.0, t0 + 1.0 - time.monotonic()))
     start = d.start("s3", peers.coords("S"), "p-s3", blocks)
     d.submit(recv_start=[start])
@@ -536,9 +537,9 @@ def test_incompatible_peer_fails_naming_the_field(peers: Peers, decode) -> None:
     errors = [inp for ev, _, _, inp in d.transitions("s4") if ev == "error"]
     assert len(errors) == 1 and errors[0]["kind"] == "incompatible"
     assert "block_size: 32 here, 16 on the peer" in errors[0]["detail"], errors[0]
-    # The failure tells the prefill side at once (abandon): no wait for the 30 s lease.
-    sent = peers.main.wait_sent("A", ["p-s4"], timeout=3.0)
-    assert sent["p-s4"] - d.failed["s4"] < 2.0
+    # The failure tells the prefill side (abandon): released well inside its 30 s lease
+    # (at the failure's instant: test_worker_virtual).
+    peers.main.wait_sent("A", ["p-s4"], timeout=3.0)
     findings, finals = replay(peers, [d], {"s4", "p-s4"})
     assert findings == []
     assert finals == {("recv", "s4"): "failed", ("send", "p-s4"): "released"}
@@ -571,11 +572,11 @@ def test_dead_peer_fails_fast_and_a_restart_is_picked_up(peers: Peers, decode) -
     peer = d.half.debug_state()["peers"][f"prefill-K@tcp://{HOST}:{peers.port['K']}"]
     assert peer["agent"] is None and peer["failures"] == 1, peer
 
-    # Known dead: the next request fails without waiting.
+    # Known dead: the next request fails without asking (its reason below says so; that
+    # it fails at the same instant is asserted on virtual time in test_worker_virtual).
     s3 = d.start("s5-3", coords, "p-s5-3", pick(rng, 1))
-    t3 = d.submit(recv_start=[s3])
+    d.submit(recv_start=[s3])
     d.wait(["s5-3"], timeout=1.0)
-    assert d.recving["s5-3"] - t3 < 0.2
     assert "s5-3" in d.failed and set(s3.local_block_ids) <= d.invalid
     assert d.zero_except(set(s1.local_block_ids))
 
@@ -619,7 +620,8 @@ def test_silent_peer_does_not_delay_a_healthy_one(peers: Peers, decode, silent_p
     assert "s6-silent" not in d.recving
     d.wait(["s6-silent"], timeout=3.0)
     failed_after = d.recving["s6-silent"] - t0
-    assert 0.95 <= failed_after <= 1.5, f"the silent peer's request failed after {failed_after:.3f} s"
+    # Not before its timeout (exactly at it: test_worker_virtual).
+    assert failed_after >= 0.95, f"the silent peer's request failed after {failed_after:.3f} s"
     assert "s6-silent" in d.failed and "s6-ok" not in d.failed
     assert d.invalid == set(s_silent.local_block_ids)
     assert d.holds(s_ok.local_block_ids, s_ok.remote_block_ids, SEEDS["A"])
@@ -636,9 +638,8 @@ def test_abort_while_pending_handshake(peers: Peers, decode, silent_port: int) -
     start = d.start("s7a", silent, "p-s7a", [3, 4, 5])
     d.submit(recv_start=[start])
     d.wait_state("s7a", "pending_handshake")
-    t0 = d.submit(recv_abort=[RecvAbort(req="s7a", awaited=True)])
-    d.wait(["s7a"], timeout=1.0)
-    assert d.recving["s7a"] - t0 < 0.2
+    d.submit(recv_abort=[RecvAbort(req="s7a", awaited=True)])
+    d.wait(["s7a"], timeout=1.0)  # before its 0.5 s timeout would (at once: test_worker_virtual)
     assert not d.failed and not d.invalid
     d.quiet(0.7)  # past the handshake timeout it no longer has
     assert d.reports["s7a"] == 1 and not d.failed and not d.invalid
@@ -656,9 +657,9 @@ def test_abandon_releases_the_prefill_at_once(peers: Peers, decode) -> None:
     blocks = pick(random.Random(7), 2)
     peers.main.finish("A", {"p-s7b": blocks})
     ab = RecvAbandon(req="s7b", remote_req="p-s7b", **peers.coords("A"))
-    t0 = d.submit(recv_abandon=[ab])
-    sent = peers.main.wait_sent("A", ["p-s7b"], timeout=3.0)
-    assert sent["p-s7b"] - t0 < 1.0
+    # Released well inside its 30 s lease (at the abandon's instant: test_worker_virtual).
+    d.submit(recv_abandon=[ab])
+    peers.main.wait_sent("A", ["p-s7b"], timeout=3.0)
     # Abandoned before the prefill finished: released as soon as it does.
     early = RecvAbandon(req="s7b-early", remote_req="p-s7b-early", **peers.coords("A"))
     d.submit(recv_abandon=[early])
@@ -666,10 +667,8 @@ def test_abandon_releases_the_prefill_at_once(peers: Peers, decode) -> None:
     while "s7b-early" in d.half.debug_state()["recv"]:
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    t1 = time.monotonic()
     peers.main.finish("A", {"p-s7b-early": blocks})
-    sent = peers.main.wait_sent("A", ["p-s7b-early"], timeout=3.0)
-    assert sent["p-s7b-early"] - t1 < 1.0
+    peers.main.wait_sent("A", ["p-s7b-early"], timeout=3.0)
     d.quiet(0.1)
     assert not d.recving and not d.failed and not d.invalid, "an unallocated request was reported to vLLM"
     reqs = {"s7b", "s7b-early", "p-s7b", "p-s7b-early"}
@@ -710,9 +709,8 @@ def test_full_local_prefix_hit_releases_the_prefill(peers: Peers, decode) -> Non
     d.submit(recv_start=[s_warm])
     d.wait(["s8-warm"])
     start = d.start("s8", peers.coords("A"), "p-s8", (), local=(), awaited=False)
-    t0 = d.submit(recv_start=[start])
-    sent = peers.main.wait_sent("A", ["p-s8"], timeout=3.0)
-    assert sent["p-s8"] - t0 < 1.0
+    d.submit(recv_start=[start])
+    peers.main.wait_sent("A", ["p-s8"], timeout=3.0)  # not by its 30 s lease (at once: test_worker_virtual)
     d.quiet(0.1)
     assert set(d.recving) == {"s8-warm"} and not d.failed and not d.invalid
     assert d.reports["s8-warm"] == 1
@@ -729,9 +727,8 @@ def test_full_local_prefix_hit_on_a_fresh_connection(peers: Peers, decode) -> No
     d = decode("s8-fresh")
     peers.main.finish("A", {"p-s8-fresh": pick(random.Random(81), 2)})
     start = d.start("s8-fresh", peers.coords("A"), "p-s8-fresh", (), local=(), awaited=False)
-    t0 = d.submit(recv_start=[start])
-    sent = peers.main.wait_sent("A", ["p-s8-fresh"], timeout=3.0)
-    assert sent["p-s8-fresh"] - t0 < 1.0
+    d.submit(recv_start=[start])
+    peers.main.wait_sent("A", ["p-s8-fresh"], timeout=3.0)  # not by its 30 s lease
     d.quiet(0.05)
     assert not d.recving and not d.failed and not d.invalid
     findings, finals = replay(peers, [d], {"s8-fresh", "p-s8-fresh"})
