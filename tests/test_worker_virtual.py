@@ -63,6 +63,12 @@ def errors(vp: VirtualPair, req: str) -> list[dict[str, Any]]:
             and r["kind"] == "transition"]
 
 
+def failed_by(vp: VirtualPair, req: str) -> list[tuple[str, str]]:
+    """(event, from state) of each transition of ``req`` into ``failed``."""
+    return [(r["event"], r["src"]) for r in vp.records() if r.get("req") == req and r["kind"] == "transition"
+            and r["dst"] == "failed"]
+
+
 def test_happy_path_is_done_one_round_trip_and_one_read_after_the_start(pair: VirtualPair) -> None:
     pair.finish("A", {"p-1": (3, 5, 7)})
     t0 = pair.now_ns
@@ -212,8 +218,7 @@ def test_a_read_landing_after_the_lease_is_failed_not_delivered(pair: VirtualPai
     pair.run(until=lambda: "d-10" in pair.recving)
     assert pair.failed["d-10"] == polled(t0, int(0.4 * S))
     # The table's lease verdict on the completed read, not an error from the wire.
-    assert [(r["src"], r["dst"]) for r in pair.records() if r.get("req") == "d-10"
-            and r["event"] == "all_reads_done"] == [("transferring", "failed")]
+    assert failed_by(pair, "d-10") == [("all_reads_done", "transferring")]
     assert not errors(pair, "d-10")
     assert pair.sent("S")["p-10"] - t0 == int(0.3 * S)
     assert replayed(pair)[("recv", "d-10")] == "failed"
@@ -308,8 +313,7 @@ def test_reads_completing_in_the_lease_margin_fail_and_send_no_abandon(tmp_path:
     vp.start("d-15", "Y", "p-15", (1, 2))
     vp.run(until=lambda: "d-15" in vp.recving)
     assert vp.failed["d-15"] == polled(t0, int(1.6 * S))
-    assert [(r["event"], r["dst"]) for r in vp.records() if r.get("req") == "d-15" and r.get("dst") == "failed"] == [
-        ("all_reads_done", "failed")]
+    assert failed_by(vp, "d-15") == [("all_reads_done", "transferring")]
     vp.run(1.0)
     # By the read's notification (seen at the prefill's next poll, which backs off to
     # NOTIF_POLL_MAX_NS while nothing happens), not by the lease (2 s).
