@@ -132,3 +132,41 @@ def test_a_raising_prefill_notification_poll_still_releases_by_the_read(tmp_path
     assert max(late.values()) <= 2 * MS + 200_000, late
     finals = replayed(vp)
     assert finals[("send", "p-victim")] == finals[("send", "p-other")] == "released"
+
+
+def test_a_raising_claim_result_fails_its_victim_at_the_answer(tmp_path: Path) -> None:
+    vp = make(tmp_path, decode_cfg=FAST)
+    vp.finish("A", {"p-victim": (1, 2), "p-other": (3,), "p-after": (4,)})
+    fault = inject_fault(vp.decode, "_on_claim_result", victim="victim", times=1)
+    t0 = vp.now_ns
+    vp.start("victim", "A", "p-victim", (1, 2))
+    vp.start("other", "A", "p-other", (3,))
+    served(vp, "other")
+    assert fault.fired == 1 and vp.failed["victim"] == t0
+    detail = "InjectedFault: injected into _on_claim_result for victim"
+    assert internal_errors(vp, "victim") == [{"where": "claim result", "detail": detail}]
+    vp.start("after", "A", "p-after", (4,))
+    served(vp, "after")
+    vp.run(0.01)
+    assert vp.sent("A")["p-victim"] == t0  # its abandon, not the 30 s lease
+    assert replayed(vp)[("recv", "victim")] == "failed"
+
+
+def test_a_raising_prefill_claims_handler_fails_the_claim_at_once_and_the_lease_frees_it(tmp_path: Path) -> None:
+    vp = make(tmp_path, {"F": 1.0}, decode_cfg=FAST)
+    vp.finish("F", {"p-victim": (1, 2), "p-other": (3,)})
+    worker = vp.prefills["F"].worker
+    assert worker is not None and worker.server is not None
+    fault = inject_fault(worker, "server._on_claims", victim="p-victim")
+    t0 = vp.now_ns
+    vp.start("victim", "F", "p-victim", (1, 2))
+    vp.start("other", "F", "p-other", (3,))
+    served(vp, "other")
+    assert fault.fired >= 1 and vp.failed["victim"] == t0
+    [e] = [r["input"] for r in vp.records() if r.get("req") == "victim" and r["event"] == "error"]
+    assert e["kind"] == "handshake" and "injected into server._on_claims" in e["detail"], e
+    vp.run(2.0)
+    # Its abandon hits the same raising handler: the lease frees the blocks, at its end.
+    assert vp.sent("F")["p-victim"] - t0 == 1 * S
+    finals = replayed(vp)
+    assert finals[("send", "p-victim")] == "expired" and finals[("recv", "victim")] == "failed"

@@ -849,12 +849,11 @@ def test_exception_in_a_claim_result(peers: Peers, decode) -> None:
     rng = random.Random(72)
     victim, other, after = (_healthy(peers, d, "H", f"claimres-{r}", rng) for r in ("victim", "other", "after"))
     fault = inject_fault(d.half, "_on_claim_result", victim=victim.req, times=1)
-    t0 = d.submit(recv_start=[victim])
+    d.submit(recv_start=[victim])
     d.submit(recv_start=[other])
     d.wait([victim.req, other.req], timeout=3.0)
     assert fault.fired == 1
-    assert other.req not in d.failed, d.failure(other.req)
-    assert d.recving[victim.req] - t0 < 0.3, f"the victim failed after {d.recving[victim.req] - t0:.3f} s"
+    assert other.req not in d.failed, d.failure(other.req)  # (the victim at once: test_reliability_virtual)
     detail = f"InjectedFault: injected into _on_claim_result for {victim.req}"
     assert _internal_errors(d, victim.req) == [{"where": "claim result", "detail": detail}]
     _then_only_the_victim_failed(peers, d, victim, [other], after)
@@ -1037,7 +1036,7 @@ def test_exception_in_the_prefill_claims_handler(peers: Peers, decode, prefill_f
     t0 = d.submit(recv_start=[victim])
     starts = _read_from(peers, d, "F", ["onclaims-other"], rng)
     d.wait([victim.req])
-    assert victim.req in d.failed and d.recving[victim.req] - t0 < 0.3
+    assert victim.req in d.failed  # (at once, and freed at its lease's end: test_reliability_virtual)
     [(ev, inp)] = d.failure(victim.req)
     assert (ev, inp["kind"]) == ("error", "handshake") and "injected into server._on_claims" in inp["detail"], inp
     sent = peers.main.wait_sent("F", [victim.remote_req], timeout=3.0)
