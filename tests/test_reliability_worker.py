@@ -272,9 +272,8 @@ def _wait_until_usable(d: GDecode, key: str, since: float) -> None:
 
 def _next_request_fails_fast(d: GDecode, chain: Chain, req: str, rng: random.Random) -> None:
     start = d.start(req, chain.coords(), f"p-{req}", pick(rng, 2, d.geom["num_blocks"]))
-    t0 = d.submit(recv_start=[start])
-    d.wait([req], timeout=1.0)
-    assert d.recving[req] - t0 < 0.2, f"a known-dead peer took {d.recving[req] - t0:.3f} s to fail"
+    d.submit(recv_start=[start])
+    d.wait([req], timeout=1.0)  # before any timeout could (at once: test_worker_virtual, on virtual time)
     assert req in d.failed and set(start.local_block_ids) <= d.invalid and d.untouched(start.local_block_ids)
     assert d.failure(req) == [("peer_dead", {"peer": chain.peer_key(), "reason": "known_dead"})]
 
@@ -645,9 +644,9 @@ def test_unreachable_peer_fails_in_time_and_delays_nobody(peers: Peers, decode, 
         assert "no reply" in state["last_error"], state
     # Known dead now: the next request to it fails at once.
     nxt = d.start(f"u-{kind}-next", coords, f"p-u-{kind}-next", pick(rng, 1))
-    t0 = d.submit(recv_start=[nxt])
-    d.wait([nxt.req], timeout=1.0)
-    assert d.recving[nxt.req] - t0 < 0.2 and nxt.req in d.failed
+    d.submit(recv_start=[nxt])
+    d.wait([nxt.req], timeout=1.0)  # before any timeout could (at once: test_worker_virtual)
+    assert nxt.req in d.failed and [ev for ev, _ in d.failure(nxt.req)] == ["peer_dead"], d.failure(nxt.req)
     if kind != "closed":
         assert evidence() >= 1, f"the {kind} peer never saw the connection or the claim"
     served = [r for r in d.recving if r not in d.failed]
