@@ -40,6 +40,20 @@ class RecvStart(_RemoteRequest, frozen=True):
     # vLLM parked the request in WAITING_FOR_REMOTE_KVS and waits for it in
     # finished_recving; False for a full local hit (reporting it would be wrong).
     awaited: bool
+    # Several KV cache groups (vLLM's hybrid KV cache manager): the block ids above
+    # are that many of each group in turn, pairwise (the null block never among
+    # them). Empty: one group. Block ids are unique across groups (one block pool).
+    group_sizes: tuple[int, ...] = ()
+
+    def group_block_ids(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(local, remote) block ids of each KV cache group."""
+        if not self.group_sizes:
+            return [(self.local_block_ids, self.remote_block_ids)]
+        out, at = [], 0
+        for n in self.group_sizes:
+            out.append((self.local_block_ids[at:at + n], self.remote_block_ids[at:at + n]))
+            at += n
+        return out
 
 
 class RecvAbort(msgspec.Struct, frozen=True):

@@ -158,3 +158,54 @@ def test_layout_round_trips_through_msgpack():
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(lay), type=KVLayout)
     assert back == lay and back.signature() == lay.signature()
     assert back.block_descs([1, 2]) == lay.block_descs([1, 2])
+
+
+def hybrid_caches(nb: int = NB) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """Four layers in two KV cache groups (sliding window: 0 and 2; full: 1 and 3);
+    layers i and i+1 share one tensor, as vLLM's KVCacheTensor.shared_by makes them."""
+    buffers = [torch.zeros(nb, H, BS, 2 * D) for _ in range(2)]
+    caches = {f"model.layers.{i}.self_attn.attn": buffers[i // 2].view(nb, H, BS, 2 * D) for i in range(4)}
+    names = list(caches)
+    return caches, [[names[0], names[2]], [names[1], names[3]]]
+
+
+def test_kv_cache_groups_tag_regions_and_each_segment_reads_its_own_layers():
+    caches, groups = hybrid_caches()
+    lay = describe_kv_caches(caches, groups=groups)
+    assert lay.num_groups == 2
+    assert [r.group for r in lay.regions] == [0, 1, 0, 1]
+    assert lay.group_regions(0) == [0, 2] and lay.group_regions(1) == [1, 3]
+    # Two blocks of group 0, then one of group 1: group 0's only in regions 0 and 2.
+    idx = lay.desc_index_array([4, 7, 2], group_sizes=(2, 1)).tolist()
+    assert idx == [0 * NB + 4, 0 * NB + 7, 2 * NB + 4, 2 * NB + 7, 1 * NB + 2, 3 * NB + 2]
+    assert lay.num_descs(3, (2, 1)) == len(idx)
+    # Block 4 of group 0 in layer 0 is the same memory as block 4 of layer 1 (shared tensor).
+    descs = lay.all_block_descs()
+    assert int(descs[idx[0], 0]) == caches[groups[0][0]][4].data_ptr() == caches[groups[1][0]][4].data_ptr()
+    with pytest.raises(ValueError, match="add up to 2, not 3"):
+        lay.desc_index_array([4, 7, 2], group_sizes=(1, 1))
+    with pytest.raises(ValueError, match="1 KV cache groups of blocks for a layout of 2"):
+        lay.desc_index_array([4], group_sizes=(1,))
+
+
+def test_shared_tensors_are_registered_once():
+    caches, groups = hybrid_caches()
+    lay = describe_kv_caches(caches, groups=groups)
+    regs = lay.registration_descs()
+    assert len(regs) == 2  # two tensors, four layers
+    assert sorted(addr for addr, _, _ in regs) == sorted(t.data_ptr() for t in list(caches.values())[::2])
+    assert all(n == NB * H * BS * 2 * D * 4 for _, n, _ in regs)
+
+
+def test_group_layout_mismatches_are_named():
+    caches, groups = hybrid_caches()
+    two = describe_kv_caches(caches, groups=groups)
+    one = describe_kv_caches(caches)
+    assert one.mismatch(two) == "number of KV cache groups: local 1, remote 2"
+    swapped = describe_kv_caches(caches, groups=[groups[1], groups[0]])
+    assert two.mismatch(swapped) == ("KV cache group of region 0 (layer 'model.layers.0.self_attn.attn' part 0): "
+                                     "local 0, remote 1")
+    with pytest.raises(ValueError, match="layers in no group"):
+        describe_kv_caches(caches, groups=[groups[0]])
+    with pytest.raises(ValueError, match="in KV cache groups 0 and 1"):
+        describe_kv_caches(caches, groups=[groups[0], [*groups[1], groups[0][0]]])

@@ -91,9 +91,9 @@ class GatedAgent(InMemoryAgent):
     gate = threading.Event()
 
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int], notif: bytes,
-                  tag: str = "") -> XferHandle:
+                  tag: str = "", group_sizes: Sequence[int] = ()) -> XferHandle:
         with self.lock:
-            return super().post_read(peer, local_blocks, remote_blocks, notif, tag)
+            return super().post_read(peer, local_blocks, remote_blocks, notif, tag, group_sizes)
 
     def check(self, handle: XferHandle) -> TransferState:
         with self.lock:

@@ -357,19 +357,19 @@ def _kill_inside_post_read(d: GDecode, chain: Chain, victim: str, *, delay_s: fl
     proc = chain.current.proc
     seen: dict[str, Any] = {}
 
-    def post_read(peer: str, local: Any, remote: Any, notif: bytes, tag: str = "") -> Any:
+    def post_read(peer: str, local: Any, remote: Any, notif: bytes, tag: str = "", **kw: Any) -> Any:
         if tag != victim:
-            return real(peer, local, remote, notif, tag=tag)
+            return real(peer, local, remote, notif, tag=tag, **kw)
         d.transport.post_read = real  # once
         t0 = time.perf_counter()
         if delay_s is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=5)
-            h = real(peer, local, remote, notif, tag=tag)
+            h = real(peer, local, remote, notif, tag=tag, **kw)
         else:
             killer = threading.Timer(delay_s, proc.send_signal, args=(signal.SIGKILL,))
             killer.start()
-            h = real(peer, local, remote, notif, tag=tag)
+            h = real(peer, local, remote, notif, tag=tag, **kw)
             killer.join()
         seen.update(post_s=time.perf_counter() - t0, state=h.state.value, error=h.error)
         return h
@@ -673,12 +673,12 @@ def test_late_read_of_reused_blocks_is_not_delivered(peers: Peers, decode) -> No
     entered, gate = threading.Event(), threading.Event()
     real = d.transport.post_read
 
-    def stalled(peer: str, local: Any, remote: Any, notif: bytes, tag: str = "") -> Any:
+    def stalled(peer: str, local: Any, remote: Any, notif: bytes, tag: str = "", **kw: Any) -> Any:
         if tag == "reuse-late":
             d.transport.post_read = real
             entered.set()
             assert gate.wait(5.0), "the test never released the stalled read"
-        return real(peer, local, remote, notif, tag=tag)
+        return real(peer, local, remote, notif, tag=tag, **kw)
 
     d.transport.post_read = stalled
     late = d.start("reuse-late", peers.coords("R"), "p-reuse-old", blocks)

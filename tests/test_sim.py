@@ -26,11 +26,12 @@ fault_profiles = st.builds(
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1), faults=fault_profiles, n=st.integers(1, 60))
+@given(seed=st.integers(0, 2**32 - 1), faults=fault_profiles, n=st.integers(1, 60), groups=st.sampled_from([1, 2, 3]))
 def test_every_run_ends_terminal_clean_and_replays_exactly(tmp_path_factory: pytest.TempPathFactory, seed: int,
-                                                           faults: Faults, n: int) -> None:
+                                                           faults: Faults, n: int, groups: int) -> None:
+    """Any faults, any number of KV cache groups (vLLM's hybrid KV cache manager)."""
     log_dir = tmp_path_factory.mktemp("sim")
-    result = run_simulation(SimConfig(seed=seed, num_requests=n, faults=faults, log_dir=log_dir))
+    result = run_simulation(SimConfig(seed=seed, num_requests=n, faults=faults, log_dir=log_dir, kv_groups=groups))
     assert result.violations == []
     assert result.illegal_events == []
     # Every prefill request, and every decode request that came, ended in a terminal state.
@@ -162,3 +163,19 @@ def test_the_workers_emit_every_effect_of_the_table() -> None:
     for spec in (RECV, SEND):
         declared = {e for rules in spec.rules.values() for r in rules for e in r.effects}
         assert seen[spec.name] == declared, declared ^ seen[spec.name]
+
+
+def test_several_kv_cache_groups_deliver_every_group_and_a_split_mismatch_fails(tmp_path: Path) -> None:
+    """Three groups: every request is read group by group and delivered intact.
+    A decode engine whose KV cache has another number of groups than its facts
+    say fails each request as bad_params (never a read split wrongly)."""
+    result = run_simulation(SimConfig(seed=5, num_requests=40, kv_groups=3, max_blocks_per_request=9))
+    assert result.violations == [] and set(result.count("recv")) == {"done"}
+    sim = Simulation(SimConfig(seed=5, num_requests=10, kv_groups=2, log_dir=tmp_path))
+    sim.decode.agent.num_groups = 3  # the engine's layout disagrees with its scheduler's facts
+    bad = sim.run()
+    assert set(bad.count("recv")) == {"failed"}
+    errors = [orjson.loads(line) for p in bad.log_paths if p.name.startswith("decode")
+              for line in p.read_bytes().splitlines() if b'"event":"error"' in line]
+    assert errors and {e["input"]["kind"] for e in errors} == {"bad_params"}
+    assert "KV cache groups" in errors[0]["input"]["detail"]

@@ -813,10 +813,10 @@ def test_exception_in_a_loop_handler_fails_only_its_request(peers: Peers, decode
     peers.main.finish("A", {f"p-{r}": b for r, b in remote.items()})
     real = d.transport.post_read
 
-    def post_read(peer, local, remote_blocks, notif, tag=""):
+    def post_read(peer, local, remote_blocks, notif, tag="", **kw):
         if tag == "s10-victim":
             raise RuntimeError("injected failure")
-        return real(peer, local, remote_blocks, notif, tag=tag)
+        return real(peer, local, remote_blocks, notif, tag=tag, **kw)
 
     d.transport.post_read = post_read  # the loop calls it through the instance
     starts = {r: d.start(r, peers.coords("A"), f"p-{r}", b) for r, b in remote.items()}

@@ -58,6 +58,9 @@ class SimConfig:
     block_bytes: int = 32
     num_blocks: int = 2048
     max_blocks_per_request: int = 6
+    # KV cache groups (vLLM's hybrid KV cache manager): each request's blocks are
+    # split over them (``kvsm.sim.engines.group_split``), one pool for all.
+    kv_groups: int = 1
     arrival_gap_ns: int = 1 * MS
     lease_ns: int = 30 * S
     handshake_timeout_ns: int = 2 * S

@@ -86,6 +86,17 @@ class BlockPool:
         return len(self._free)
 
 
+def group_split(n: int, groups: int) -> tuple[int, ...]:
+    """How a request's ``n`` blocks fall into ``groups`` KV cache groups: the
+    first group (think sliding window) clipped to a third of them, the rest
+    spread evenly (a group may get none). One group: ``()``, the plain form."""
+    if groups <= 1:
+        return ()
+    first = n // 3
+    rest = n - first
+    return (first, *(rest // (groups - 1) + (1 if g < rest % (groups - 1) else 0) for g in range(groups - 1)))
+
+
 def block_pattern(req_index: int, block_index: int, size: int) -> bytes:
     """The bytes the prefill engine 'computes' for one block of one request."""
     unit = struct.pack("<II", req_index, block_index)
@@ -100,7 +111,7 @@ class _Engine:
         self.sim = sim
         self.engine_id = engine_id
         self.pool = BlockPool(engine_id, cfg.num_blocks, sim.rng)
-        self.agent = InMemoryAgent(sim.fabric, engine_id, cfg.num_blocks, cfg.block_bytes)
+        self.agent = InMemoryAgent(sim.fabric, engine_id, cfg.num_blocks, cfg.block_bytes, cfg.kv_groups)
         self.worker: WorkerHalf | None = None
         self._step = 0
         self.facts = StepFacts(0)
@@ -278,7 +289,8 @@ class DecodeEngine(_Engine):
         self.facts.recv_start.append(RecvStart(
             req=req, remote_engine=dr.remote_engine, remote_req=dr.remote_req, remote_host=dr.remote_host,
             remote_port=SIDE_CHANNEL_PORT, remote_tp_size=1, remote_block_ids=remote, local_block_ids=local,
-            num_tokens=len(local) * BLOCK_TOKENS, awaited=bool(local)))
+            num_tokens=len(local) * BLOCK_TOKENS, awaited=bool(local),
+            group_sizes=group_split(len(local), self.sim.config.kv_groups) if local else ()))
 
     def abort(self, req: str) -> None:
         """The client went away: request_finished for a decode request."""

@@ -36,6 +36,9 @@ class Transport(ABC):
     """A registered block pool that can read from peers' pools and notify them."""
 
     name: str
+    # KV cache groups of the registered pool (vLLM's hybrid KV cache manager);
+    # a read gives its blocks group by group (``post_read``'s ``group_sizes``).
+    num_groups: int = 1
 
     @abstractmethod
     def metadata(self) -> bytes:
@@ -51,9 +54,10 @@ class Transport(ABC):
 
     @abstractmethod
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                  notif: bytes, tag: str = "") -> XferHandle:
+                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = ()) -> XferHandle:
         """Read ``remote_blocks`` of ``peer`` into ``local_blocks``; ``notif`` reaches the
-        peer when the read completes."""
+        peer when the read completes. ``group_sizes``: the blocks are that many of
+        each KV cache group in turn (empty: one group)."""
 
     @abstractmethod
     def check(self, handle: XferHandle) -> TransferState:

@@ -23,6 +23,17 @@ blocks of *all* regions once (``all_block_descs``), so descriptor ``r *
 num_blocks + b`` is block ``b`` of region ``r``, and a transfer is two index
 lists.
 
+KV cache groups (vLLM's hybrid KV cache manager: full attention beside
+sliding window, Mamba state or another block size). Every group's blocks come
+from one block pool, so a block id means the same block in every layer, but a
+request has its own block ids *per group*, and they hold data only in that
+group's layers. ``describe_kv_caches(..., groups=[layer names, ...])`` tags
+each region with its group; a transfer then gives its block ids group after
+group with ``group_sizes`` (how many belong to each), and each segment is
+indexed in its own group's regions only. Layers of different groups may share
+memory (vLLM's ``KVCacheTensor.shared_by``): their regions alias, and
+``registration_descs`` registers each byte once.
+
 Pure Python plus numpy; torch is only read for tensor metadata (data_ptr,
 shape, stride, element_size, device). Nothing here imports NIXL.
 """
@@ -55,6 +66,7 @@ class Region(msgspec.Struct, frozen=True):
     block_bytes: int
     block_stride: int
     device_id: int
+    group: int = 0  # the KV cache group of its layer
 
     @property
     def span(self) -> int:
@@ -74,27 +86,43 @@ class KVLayout(msgspec.Struct, frozen=True):
     regions: tuple[Region, ...]
     mem_type: MemType
     num_blocks: int
+    num_groups: int = 1
 
     # -- compatibility ---------------------------------------------------------
 
-    def signature(self) -> tuple[tuple[str, int, int], ...]:
+    def signature(self) -> tuple[tuple[str, int, int, int], ...]:
         """What must match between peers: the regions in order, each as
-        ``(layer, part, block_bytes)``. Not addresses, strides, the number of
-        blocks or the memory type: those may differ between engines."""
-        return tuple((r.layer, r.part, r.block_bytes) for r in self.regions)
+        ``(layer, part, block_bytes, group)``. Not addresses, strides, the number
+        of blocks or the memory type: those may differ between engines."""
+        return tuple((r.layer, r.part, r.block_bytes, r.group) for r in self.regions)
 
     def mismatch(self, other: KVLayout) -> str | None:
         """The first difference between the two signatures, in words; None if compatible."""
+        if self.num_groups != other.num_groups:
+            return f"number of KV cache groups: local {self.num_groups}, remote {other.num_groups}"
         if len(self.regions) != len(other.regions):
             return f"number of regions: local {len(self.regions)}, remote {len(other.regions)}"
         for i, (a, b) in enumerate(zip(self.regions, other.regions)):
             if a.layer != b.layer or a.part != b.part:
                 return (f"region {i}: local is layer {a.layer!r} part {a.part}, "
                         f"remote is layer {b.layer!r} part {b.part}")
+            if a.group != b.group:
+                return (f"KV cache group of region {i} (layer {a.layer!r} part {a.part}): "
+                        f"local {a.group}, remote {b.group}")
             if a.block_bytes != b.block_bytes:
                 return (f"block_bytes of region {i} (layer {a.layer!r} part {a.part}): "
                         f"local {a.block_bytes}, remote {b.block_bytes}")
         return None
+
+    def group_regions(self, group: int) -> list[int]:
+        """Indices of the regions of KV cache group ``group``."""
+        return [i for i, r in enumerate(self.regions) if r.group == group]
+
+    def num_descs(self, num_blocks: int, group_sizes: Sequence[int] = ()) -> int:
+        """How many descriptors a transfer of ``num_blocks`` blocks takes."""
+        if not group_sizes:
+            return num_blocks * len(self.regions)
+        return sum(n * len(self.group_regions(g)) for g, n in enumerate(group_sizes))
 
     # -- descriptors -------------------------------------------------------------
 
@@ -104,8 +132,10 @@ class KVLayout(msgspec.Struct, frozen=True):
         ``len`` is the region's span, ``(num_blocks - 1) * block_stride +
         block_bytes``; equal to ``num_blocks * block_stride`` for dense
         blocks, and never past the last block when blocks are interleaved with
-        other data (a view of a larger buffer)."""
-        return [(r.base_addr, r.span, r.device_id) for r in self.regions]
+        other data (a view of a larger buffer). Regions of layers that share
+        one tensor (layers of different KV cache groups, vLLM's
+        ``KVCacheTensor.shared_by``) are the same memory: registered once."""
+        return list(dict.fromkeys((r.base_addr, r.span, r.device_id) for r in self.regions))
 
     def block_index(self, region_idx: int, block_id: int) -> int:
         """Index of block ``block_id`` of region ``region_idx`` in ``all_block_descs``."""
@@ -124,14 +154,31 @@ class KVLayout(msgspec.Struct, frozen=True):
                 raise ValueError(f"block id {bad} out of range: the layout has {self.num_blocks} blocks")
         return b
 
-    def desc_index_array(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """``desc_indices`` as an int32 numpy array (what NIXL takes fastest)."""
+    def desc_index_array(self, block_ids: Sequence[int] | np.ndarray,
+                         group_sizes: Sequence[int] = ()) -> np.ndarray:
+        """``desc_indices`` as an int32 numpy array (what NIXL takes fastest).
+
+        ``group_sizes``: ``block_ids`` hold that many blocks of each KV cache
+        group in turn, each indexed in its own group's regions (empty: every
+        block in every region)."""
         b = self._blocks(block_ids)
         n = len(self.regions) * self.num_blocks
         if n > _MAX_DESCS:
             raise ValueError(f"{n} descriptors do not fit NIXL's int32 indices")
-        starts = np.arange(len(self.regions), dtype=np.int64) * self.num_blocks
-        return (starts[:, None] + b[None, :]).reshape(-1).astype(np.int32)
+        if not group_sizes:
+            starts = np.arange(len(self.regions), dtype=np.int64) * self.num_blocks
+            return (starts[:, None] + b[None, :]).reshape(-1).astype(np.int32)
+        if len(group_sizes) != self.num_groups:
+            raise ValueError(f"{len(group_sizes)} KV cache groups of blocks for a layout of {self.num_groups}")
+        if sum(group_sizes) != b.size:
+            raise ValueError(f"group sizes {list(group_sizes)} add up to {sum(group_sizes)}, not {b.size} blocks")
+        parts = []
+        at = 0
+        for g, size in enumerate(group_sizes):
+            starts = np.asarray(self.group_regions(g), dtype=np.int64) * self.num_blocks
+            parts.append((starts[:, None] + b[None, at:at + size]).reshape(-1))
+            at += size
+        return np.concatenate(parts).astype(np.int32) if parts else np.empty(0, dtype=np.int32)
 
     def desc_indices(self, block_ids: Sequence[int]) -> list[int]:
         """Indices into ``all_block_descs`` of ``block_ids`` in every region,
@@ -204,17 +251,31 @@ def _find_block_dim(layer: str, shape: tuple[int, ...], num_blocks: int | None,
 
 
 def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int | None = None,
-                       block_dim: int | None = None) -> KVLayout:
+                       block_dim: int | None = None, groups: Sequence[Sequence[str]] | None = None) -> KVLayout:
     """Describe per-layer KV cache tensors as regions of blocks (see the module doc).
 
     ``kv_caches`` maps layer name to tensor, in layer order (the order is part
     of the signature, so both peers must pass their layers in the same order).
     Without ``num_blocks`` or ``block_dim`` the block dim is 0 (vLLM-CPU).
-    Raises ``ValueError`` naming the layer, its shape and strides when a
-    tensor cannot be described.
+    ``groups``: the layer names of each KV cache group (vLLM's
+    ``kv_cache_config.kv_cache_groups``), each layer in exactly one; None: one
+    group of every layer. Raises ``ValueError`` naming the layer, its shape
+    and strides when a tensor cannot be described.
     """
     if not kv_caches:
         raise ValueError("no KV cache tensors to describe")
+    group_of: dict[str, int] = {}
+    for g, names in enumerate(groups or ()):
+        for name in names:
+            if name in group_of:
+                raise ValueError(f"layer {name!r} is in KV cache groups {group_of[name]} and {g}")
+            group_of[name] = g
+    if groups is not None:
+        missing = [name for name in kv_caches if name not in group_of]
+        unknown = [name for name in group_of if name not in kv_caches]
+        if missing or unknown:
+            raise ValueError(f"KV cache groups do not match the KV cache tensors: layers in no group "
+                             f"{missing[:4]}, group layers without a tensor {unknown[:4]}")
     regions: list[Region] = []
     mem_type: MemType | None = None
     layout_blocks: int | None = None
@@ -258,9 +319,11 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int
         for part, idx in enumerate(itertools.product(*(range(s) for s in lead))):
             offset = sum(i * strides[j] for j, i in enumerate(idx)) * es
             regions.append(Region(layer=layer, part=part, base_addr=base + offset, num_blocks=nb,
-                                  block_bytes=block_bytes, block_stride=block_stride, device_id=dev))
+                                  block_bytes=block_bytes, block_stride=block_stride, device_id=dev,
+                                  group=group_of.get(layer, 0)))
     assert mem_type is not None and layout_blocks is not None
     if len(regions) * layout_blocks > _MAX_DESCS:
         raise ValueError(f"{len(regions)} regions x {layout_blocks} blocks do not fit NIXL's int32 "
                          f"descriptor indices")
-    return KVLayout(regions=tuple(regions), mem_type=mem_type, num_blocks=layout_blocks)
+    return KVLayout(regions=tuple(regions), mem_type=mem_type, num_blocks=layout_blocks,
+                    num_groups=max(1, len(groups or ())))

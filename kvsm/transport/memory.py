@@ -178,9 +178,12 @@ class InMemoryFabric:
 class InMemoryAgent(Transport):
     """One engine's registered block pool on an ``InMemoryFabric``."""
 
-    def __init__(self, fabric: InMemoryFabric, name: str, num_blocks: int, block_bytes: int) -> None:
+    def __init__(self, fabric: InMemoryFabric, name: str, num_blocks: int, block_bytes: int,
+                 num_groups: int = 1) -> None:
         self.fabric = fabric
         self.name = name
+        # Groups share the one pool (block ids are global): only the split of a read is checked.
+        self.num_groups = num_groups
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         self.memory = bytearray(num_blocks * block_bytes)
@@ -221,13 +224,16 @@ class InMemoryAgent(Transport):
         self.fabric._settle_from(self.name, peer, f"cancelled in flight: peer {peer!r} removed")
 
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                  notif: bytes, tag: str = "") -> MemoryXferHandle:
+                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = ()) -> MemoryXferHandle:
         if self.closed:
             raise RuntimeError(f"agent {self.name!r} is closed")
         if peer not in self.peers:
             raise ConnectionError(f"agent {self.name!r} has no peer {peer!r} (handshake first)")
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        if group_sizes and (sum(group_sizes) != len(local_blocks) or len(group_sizes) != self.num_groups):
+            raise ValueError(f"group sizes {list(group_sizes)} for {len(local_blocks)} blocks of "
+                             f"{self.num_groups} KV cache group(s)")
         handle = MemoryXferHandle(peer, local_blocks, remote_blocks, notif, tag)
         self.fabric._post(self.name, handle)
         return handle

@@ -122,6 +122,7 @@ class NixlTransport(Transport):
 
         self.name = name
         self.layout = layout
+        self.num_groups = layout.num_groups
         self._errors = _nixl_errors()
         self._peers: dict[str, _Peer] = {}
         self._closed = False
@@ -236,8 +237,9 @@ class NixlTransport(Transport):
     # -- reads -------------------------------------------------------------------
 
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                  notif: bytes, tag: str = "") -> NixlXferHandle:
-        """Post one NIXL READ of ``remote_blocks`` (every region) into ``local_blocks``.
+                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = ()) -> NixlXferHandle:
+        """Post one NIXL READ of ``remote_blocks`` (every region of their KV cache
+        group: ``group_sizes``, see ``KVLayout.desc_index_array``) into ``local_blocks``.
 
         Unknown peer: ``ConnectionError``; count mismatch or a block id out of
         range: ``ValueError``. A NIXL failure (e.g. the peer died:
@@ -251,8 +253,8 @@ class NixlTransport(Transport):
             raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
-        local_idx = self.layout.desc_index_array(local_blocks)
-        remote_idx = p.layout.desc_index_array(remote_blocks)
+        local_idx = self.layout.desc_index_array(local_blocks, group_sizes)
+        remote_idx = p.layout.desc_index_array(remote_blocks, group_sizes)
         h = NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag)
         if len(local_blocks) == 0:
             if notif and not self.send_notif(peer, notif):

@@ -70,6 +70,14 @@ class RecvSide(WorkerContext):
         if len(start.remote_block_ids) != len(start.local_block_ids):
             return ("bad_params", (f"{len(start.local_block_ids)} local blocks to fill but the prefill side "
                                    f"offers {len(start.remote_block_ids)} (remote_block_ids too short?)"))
+        groups = self.transport.num_groups if self.transport is not None else 1
+        if start.group_sizes and (len(start.group_sizes) != groups
+                                  or sum(start.group_sizes) != len(start.local_block_ids)):
+            return ("bad_params", (f"blocks of {len(start.group_sizes)} KV cache groups "
+                                   f"({list(start.group_sizes)}, {len(start.local_block_ids)} blocks) for a KV "
+                                   f"cache of {groups} group(s)"))
+        if not start.group_sizes and groups > 1 and start.local_block_ids:
+            return ("bad_params", f"block ids without their KV cache groups for a KV cache of {groups} groups")
         return None
 
     def _fail_untracked(self, args: tuple[RecvStart, Exception]) -> None:
@@ -241,11 +249,12 @@ class RecvSide(WorkerContext):
             self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason="no_agent"))
             return
         h = self.transport.post_read(agent, start.local_block_ids, start.remote_block_ids,
-                                     start.remote_req.encode(), tag=req)
+                                     start.remote_req.encode(), tag=req, group_sizes=start.group_sizes)
         io.handles.append(h)
         io.posted_ns = self.loop.now_ns()
         layout = getattr(self.transport, "layout", None)
-        num_descs = len(start.local_block_ids) * (len(layout.regions) if layout is not None else 1)
+        num_descs = (layout.num_descs(len(start.local_block_ids), start.group_sizes) if layout is not None
+                     else len(start.local_block_ids))
         self._apply_recv(ev.ReadsPosted(req=req, num_blocks=len(start.local_block_ids), num_descs=num_descs))
 
     def _settle(self, req: str) -> None:
@@ -325,8 +334,9 @@ class RecvSide(WorkerContext):
         layout = getattr(self.transport, "layout", None)
         if layout is None:
             return 0
-        per_block = sum(r.block_bytes for r in layout.regions)
-        return per_block * len(io.start.local_block_ids)
+        sizes = io.start.group_sizes or (len(io.start.local_block_ids),)
+        return sum(n * sum(r.block_bytes for r in layout.regions if r.group == g or not io.start.group_sizes)
+                   for g, n in enumerate(sizes))
 
     def _arm_poll(self) -> None:
         if self._poll_timer is None and self._polling:
