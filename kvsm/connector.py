@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -68,8 +69,59 @@ class KVSMWorkerChannel(KVConnectorHandshakeMetadata):
     target: PinTarget
 
 
-class KVSMConnector(KVConnectorBase_V1):
-    """Pull-mode prefill/decode KV transfer over NIXL with explicit lifecycles."""
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group of vLLM's KV cache config, as kvsm moves it."""
+
+    kind: str  # full, sliding_window, mla
+    block_size: int
+    layers: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"{self.kind}/{self.block_size}x{len(self.layers)}"
+
+
+def kv_groups_of(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
+    """The KV cache groups kvsm reads, or ValueError naming one it cannot.
+
+    Attention groups (full, MLA, sliding window) index their blocks by position
+    on both engines, and a position a group no longer needs holds the null
+    block: those move block for block. Any other kind (Mamba/GDN state, whose
+    last prompt token must be recomputed on the decode side, chunked local
+    attention, ...) is refused at start rather than transferred wrongly."""
+    if kv_cache_config is None:
+        return ()
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    groups = []
+    several = len(kv_cache_config.kv_cache_groups) > 1
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) is MLAAttentionSpec:
+            kind = "mla"
+        elif type(spec) is FullAttentionSpec:
+            kind = "full"
+        elif type(spec) is SlidingWindowSpec:
+            kind = f"sliding_window({spec.sliding_window})"
+        elif not several:  # one group: its blocks move whole, whatever its kind (as before groups existed)
+            kind = type(spec).__name__
+        else:
+            raise ValueError(f"KVSMConnector: KV cache group {g} is a {type(spec).__name__} (layers "
+                             f"{list(group.layer_names)[:3]}...); kvsm moves full, sliding-window and MLA "
+                             f"attention groups only (Mamba/GDN state is not supported yet)")
+        groups.append(KVGroup(kind, int(spec.block_size), tuple(group.layer_names)))
+    if getattr(kv_cache_config, "transfer_group_ids", tuple(range(len(groups)))) != tuple(range(len(groups))):
+        raise ValueError(f"KVSMConnector: vLLM transfers only KV cache groups "
+                         f"{kv_cache_config.transfer_group_ids} of {len(groups)}; kvsm moves every group")
+    return tuple(groups)
+
+
+class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
+    """Pull-mode prefill/decode KV transfer over NIXL with explicit lifecycles.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on (several KV
+    cache groups: full attention beside sliding window, ...), and calls
+    ``request_finished_all_groups`` with every group's blocks."""
 
     # Tokens this connector loads came from another engine over the network.
     _cache_hit_source = CacheHitSource.P2P
@@ -78,9 +130,7 @@ class KVSMConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = KVSMConfig.from_vllm(vllm_config)
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError(f"KVSMConnector supports models with one KV cache group; this one has "
-                             f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not supported)")
+        self.kv_groups = kv_groups_of(kv_cache_config)
         unknown = self.cfg.unknown_extra_keys(vllm_config)
         if unknown:
             log.warning("KVSMConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)
@@ -88,7 +138,8 @@ class KVSMConnector(KVConnectorBase_V1):
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.stats = StatsRecorder(source=f"{self.cfg.engine_id}/scheduler")
-            self._scheduler = SchedulerHalf(self.cfg, _open_log(self.cfg, "scheduler", 0))
+            self._scheduler = SchedulerHalf(self.cfg, _open_log(self.cfg, "scheduler", 0),
+                                            group_block_sizes=tuple(g.block_size for g in self.kv_groups))
         else:
             rank = _tp_rank()
             # One source per worker: vLLM adds their state counts up.
@@ -103,7 +154,12 @@ class KVSMConnector(KVConnectorBase_V1):
         from kvsm.transport.nixl import NixlTransport
 
         worker = self._require_worker()
-        layout = describe_kv_caches(kv_caches)
+        groups = self.kv_groups
+        if len(groups) > 1:
+            # Layers vLLM adds beside its groups (cross-layer KV sharing aliases) are not moved.
+            ours = {name for g in groups for name in g.layers}
+            kv_caches = {name: t for name, t in kv_caches.items() if name in ours}
+        layout = describe_kv_caches(kv_caches, groups=[g.layers for g in groups] if len(groups) > 1 else None)
         want = "VRAM" if self.cfg.kv_buffer_device == "cuda" else "DRAM"
         if layout.mem_type != want:
             raise ValueError(
@@ -122,6 +178,7 @@ class KVSMConnector(KVConnectorBase_V1):
             head_size=int(model_config.get_head_size()),
             block_size=self.cfg.block_size,
             kv_layout="block-major " + "x".join(str(d) for d in tuple(first.shape)[1:]),
+            kv_groups=" ".join(g.describe() for g in groups) if len(groups) > 1 else "",
         )
         worker.start(transport, compat)
 
@@ -151,7 +208,10 @@ class KVSMConnector(KVConnectorBase_V1):
         return results.finished_sending, results.finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._require_worker().take_invalid_blocks()
+        invalid = self._require_worker().take_invalid_blocks()
+        # vLLM refuses block-level load errors for a model of several KV cache
+        # groups (it raises): there the request is failed whole, by failed_recving.
+        return invalid if len(self.kv_groups) <= 1 else set()
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         target = self._require_worker().pin_target()
@@ -198,6 +258,16 @@ class KVSMConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._require_scheduler().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls (``SupportsHMA``), one list of blocks per KV cache group."""
+        return self._require_scheduler().request_finished_all_groups(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A load restores every group of the request (not only the prefix-cacheable
+        ones): vLLM must not zero any of the blocks kvsm reads into."""
+        return tuple(range(max(1, len(self.kv_groups))))
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """The workers' pin channels, handed over by vLLM once they all started."""

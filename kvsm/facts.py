@@ -44,6 +44,9 @@ class RecvStart(_RemoteRequest, frozen=True):
     # are that many of each group in turn, pairwise (the null block never among
     # them). Empty: one group. Block ids are unique across groups (one block pool).
     group_sizes: tuple[int, ...] = ()
+    # Non-empty: why these blocks cannot be read as asked (the scheduler saw it, e.g.
+    # a block to load that the prefill side no longer holds); the worker fails it.
+    problem: str = ""
 
     def group_block_ids(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(local, remote) block ids of each KV cache group."""
@@ -150,7 +153,7 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_host: str
     remote_port: int
     remote_tp_size: int
-    remote_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[tuple[int, ...], ...]  # one tuple per KV cache group, by position (0: none)
     remote_num_tokens: int | None
 
 
@@ -161,17 +164,16 @@ class BadTransferParams(ValueError):
 REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
-def _block_ids(value: Any) -> tuple[int, ...]:
-    """Upstream writes one list per KV cache group; a flat list is accepted too."""
+def _block_ids(value: Any) -> tuple[tuple[int, ...], ...]:
+    """One list per KV cache group, as upstream writes them (a flat list is one group)."""
     if not isinstance(value, (list, tuple)):
         raise BadTransferParams(f"remote_block_ids must be a list, got {type(value).__name__}")
-    if value and all(isinstance(g, (list, tuple)) for g in value):
-        if len(value) != 1:
-            raise BadTransferParams(f"remote_block_ids has {len(value)} KV cache groups; kvsm supports one")
-        value = value[0]
-    if not all(type(b) is int and b >= 0 for b in value):
-        raise BadTransferParams(f"remote_block_ids must be non-negative integers, got {list(value)[:8]!r}")
-    return tuple(value)
+    groups = value if value and all(isinstance(g, (list, tuple)) for g in value) else [value]
+    for g, ids in enumerate(groups):
+        if not all(type(b) is int and b >= 0 for b in ids):
+            where = f" (KV cache group {g})" if len(groups) > 1 else ""
+            raise BadTransferParams(f"remote_block_ids{where} must be non-negative integers, got {list(ids)[:8]!r}")
+    return tuple(tuple(ids) for ids in groups)
 
 
 def parse_remote_params(params: Mapping[str, Any]) -> RemoteParams:

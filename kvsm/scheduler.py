@@ -71,13 +71,26 @@ _NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
 PIN_VIA_STEP_ENV = "KVSM_PIN_VIA_STEP"
 
 
-class SchedulerHalf:
-    """Scheduler-side state of one engine's connector."""
+NULL_BLOCK = 0  # vLLM's null block (BlockPool's first): a position a group holds nothing at
 
-    def __init__(self, cfg: KVSMConfig, event_log: EventLog | None = None, *, clock: Clock = SYSTEM_CLOCK) -> None:
+
+class SchedulerHalf:
+    """Scheduler-side state of one engine's connector.
+
+    ``group_block_sizes``: the tokens per block of each KV cache group (vLLM's
+    ``kv_cache_config.kv_cache_groups``, in order); empty: one group of
+    ``cfg.block_size``. With several groups every block list is one per group,
+    indexed by position (block ``j`` of a group holds its tokens ``j * size``
+    on), and a group that keeps no block at a position (a sliding window's
+    past) has the null block there.
+    """
+
+    def __init__(self, cfg: KVSMConfig, event_log: EventLog | None = None, *, clock: Clock = SYSTEM_CLOCK,
+                 group_block_sizes: tuple[int, ...] = ()) -> None:
         self.cfg = cfg
         self.log = event_log
         self._clock = clock
+        self._group_block_sizes = group_block_sizes or (cfg.block_size,)
         self._pins: PinChannelClient | None = None
         self._pin_via_step = os.environ.get(PIN_VIA_STEP_ENV, "") not in ("", "0")
         self._warned_no_channel = False
@@ -156,6 +169,10 @@ class SchedulerHalf:
         except BadTransferParams as e:
             self._ignore(req, str(e))
             return
+        if len(remote.remote_block_ids) != len(self._group_block_sizes):
+            self._ignore(req, f"remote_block_ids has {len(remote.remote_block_ids)} KV cache group(s), this "
+                              f"engine's KV cache {len(self._group_block_sizes)} (another model or layout?)")
+            return
         self._remote[req] = remote
         key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
         self._claims[key].add(remote.remote_req)
@@ -187,7 +204,9 @@ class SchedulerHalf:
         available = request.num_prompt_tokens
         if remote.remote_num_tokens is not None:
             available = min(available, remote.remote_num_tokens)
-        available = min(available, len(remote.remote_block_ids) * self._block_size)
+        # What every group's blocks cover (by position, nulls included).
+        for ids, size in zip(remote.remote_block_ids, self._group_block_sizes, strict=True):
+            available = min(available, len(ids) * size)
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -203,13 +222,12 @@ class SchedulerHalf:
         if remote is None:
             return  # not a remote prefill, or already started (vLLM calls again after the load)
         self._stop_heartbeat(req)
+        sizes: tuple[int, ...] = ()
+        problem = ""
         if num_external_tokens > 0:
-            # ``blocks`` are the local prefix hits (hashed) followed by the new,
-            # unhashed blocks the remote KV is read into: read only the blocks
-            # the prefix cache did not cover.
-            local = tuple(blocks.get_unhashed_block_ids())
-            first = len(blocks.get_block_ids()[0]) - len(local)
-            remote_ids = remote.remote_block_ids[first:first + len(local)]
+            local, remote_ids, sizes, problem = _pair_blocks(blocks.blocks, remote.remote_block_ids)
+            if len(sizes) == 1:
+                sizes = ()  # one group: the plain form
         else:  # a full local prefix hit: nothing to read, but the prefill side must unpin
             local = remote_ids = ()
         awaited = num_external_tokens > 0
@@ -219,13 +237,19 @@ class SchedulerHalf:
             req=req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
             remote_host=remote.remote_host, remote_port=remote.remote_port,
             remote_tp_size=remote.remote_tp_size, remote_block_ids=remote_ids,
-            local_block_ids=local, num_tokens=num_external_tokens, awaited=awaited))
+            local_block_ids=local, num_tokens=num_external_tokens, awaited=awaited, group_sizes=sizes,
+            problem=problem))
         # Only one transfer per request (vLLM may call again once it is loaded).
         params["do_remote_prefill"] = False
 
     # -- prefill side and finishing -------------------------------------------
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """One KV cache group's form of ``request_finished_all_groups``."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         req = request.request_id
         self._bad.pop(req, None)
         params = request.kv_transfer_params
@@ -254,16 +278,18 @@ class SchedulerHalf:
             self._meta.recv_abort.append(RecvAbort(req=req, awaited=True))
             self._note("sched.finished_while_loading", req, status=request.status.name)
 
-    def _prefill_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _prefill_finished(self, request: Request,
+                          block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         req = request.request_id
         self._sending.discard(req)
         status = request.status.name
-        if status not in _NORMAL_FINISH or not block_ids:
+        # What is pinned: every block of every group, each once, never the null block.
+        blocks = tuple(dict.fromkeys(b for ids in block_ids for b in ids if b != NULL_BLOCK))
+        if status not in _NORMAL_FINISH or not blocks:
             # Nothing pinned: no hurry, but no step needed either.
             self._hand_to_workers([SendFinish(req=req, ok=False, reason=status)])
             self._note("sched.prefill_finished", req, ok=False, status=status, via=self._path())
             return False, None
-        blocks = tuple(block_ids)
         cfg = self.cfg
         pinned_ns = self._clock.monotonic_ns()
         # Handed over in one batch per step, by update_connector_output, which vLLM
@@ -278,7 +304,7 @@ class SchedulerHalf:
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [list(blocks)],
+            "remote_block_ids": [list(ids) for ids in block_ids],  # one list per group, by position
             "remote_engine_id": cfg.engine_id,
             "remote_request_id": req,
             "remote_host": cfg.side_channel_host,
@@ -337,3 +363,37 @@ class SchedulerHalf:
             self._pins = None
         if self.log is not None:
             self.log.close()
+
+
+def _pair_blocks(local_groups: Any, remote_groups: tuple[tuple[int, ...], ...],
+                 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], str]:
+    """Which local block each remote block is read into, group by group:
+    (local ids, remote ids, how many of each group, what cannot be read).
+
+    ``local_groups``: vLLM's blocks of the decode request per group (its
+    ``KVCacheBlocks.blocks``: local prefix hits, which are hashed, then the new
+    blocks; the null block where the group keeps nothing). Both sides index a
+    group's blocks by position, so block ``j`` is read from the prefill's block
+    ``j``: for every new, non-null local block. One the prefill side does not
+    hold (past its list, or null there: a sliding window that moved on) cannot
+    be filled, which fails the request rather than deliver a block of garbage.
+    """
+    local: list[int] = []
+    remote: list[int] = []
+    sizes: list[int] = []
+    problems: list[str] = []
+    for g, (blocks, theirs) in enumerate(zip(local_groups, remote_groups, strict=True)):
+        n = 0
+        for j, block in enumerate(blocks):
+            if block.is_null or block.block_hash is not None:
+                continue
+            if j >= len(theirs) or theirs[j] == NULL_BLOCK:
+                held = "past the end of its blocks" if j >= len(theirs) else "the null block there"
+                problems.append(f"KV cache group {g}: block {j} is to be loaded, but the prefill side has {held} "
+                                f"({len(theirs)} block ids)")
+                continue
+            local.append(block.block_id)
+            remote.append(theirs[j])
+            n += 1
+        sizes.append(n)
+    return tuple(local), tuple(remote), tuple(sizes), "; ".join(problems[:3])

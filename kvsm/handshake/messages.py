@@ -71,6 +71,9 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     block_size: Count
     kv_layout: ShortStr
     protocol_version: int = PROTOCOL_VERSION
+    # The KV cache groups (vLLM's hybrid KV cache manager), in order: each one's
+    # kind, block size and number of layers ("" for one plain group).
+    kv_groups: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 def compat_hash(info: CompatInfo) -> str:

@@ -618,6 +618,7 @@ def make_scheduler(
     kv_load_failure_policy: str = "fail",
     enable_prefix_caching: bool = True,
     log_stats: bool = True,
+    sliding_window: int | None = None,
 ) -> SchedulerHarness:
     """A real vLLM ``Scheduler`` for the tiny local model, built as the engine
     core builds it, with ``kv_connector`` (``None``: no connector at all;
@@ -628,7 +629,9 @@ def make_scheduler(
     As in the engine, ``num_blocks * block_size`` must hold one
     ``max_model_len`` request, or vLLM raises ``ValueError``.
     Synchronous scheduling (``async_scheduling=False``): one batch in flight,
-    so frees are never deferred.
+    so frees are never deferred. ``sliding_window``: every other layer is a
+    sliding-window layer of that many tokens, as Gemma 2's are: vLLM's hybrid
+    KV cache manager then makes two KV cache groups (sliding window, full).
     """
     from vllm.config import (
         CacheConfig,
@@ -648,7 +651,7 @@ def make_scheduler(
         resolve_kv_cache_block_sizes,
     )
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvsm.testing.tiny_model import build_tiny_model
@@ -707,7 +710,12 @@ def make_scheduler(
         dtype=model_config.dtype,
     )
     num_layers = model_config.get_num_layers(parallel_config)
-    layer_specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    layer_specs: dict[str, Any] = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    if sliding_window is not None:
+        window = SlidingWindowSpec(block_size=block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                                   dtype=spec.dtype, sliding_window=sliding_window)
+        for i in range(0, num_layers, 2):
+            layer_specs[f"model.layers.{i}.self_attn.attn"] = window
     available = spec.page_size_bytes * num_layers * num_blocks
     kv_cache_configs = get_kv_cache_configs(vllm_config, [layer_specs], [available])
     for cfg in kv_cache_configs:

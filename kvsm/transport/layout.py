@@ -132,10 +132,15 @@ class KVLayout(msgspec.Struct, frozen=True):
         ``len`` is the region's span, ``(num_blocks - 1) * block_stride +
         block_bytes``; equal to ``num_blocks * block_stride`` for dense
         blocks, and never past the last block when blocks are interleaved with
-        other data (a view of a larger buffer). Regions of layers that share
-        one tensor (layers of different KV cache groups, vLLM's
-        ``KVCacheTensor.shared_by``) are the same memory: registered once."""
-        return list(dict.fromkeys((r.base_addr, r.span, r.device_id) for r in self.regions))
+        other data (a view of a larger buffer). Layers of different KV cache
+        groups that share one buffer (vLLM aliases every group from byte 0 of
+        each ``KVCacheTensor``) start at the same address: registered once,
+        with the longest of their spans."""
+        spans: dict[tuple[int, int], int] = {}
+        for r in self.regions:
+            key = (r.base_addr, r.device_id)
+            spans[key] = max(spans.get(key, 0), r.span)
+        return [(addr, span, dev) for (addr, dev), span in spans.items()]
 
     def block_index(self, region_idx: int, block_id: int) -> int:
         """Index of block ``block_id`` of region ``region_idx`` in ``all_block_descs``."""

@@ -67,6 +67,8 @@ class RecvSide(WorkerContext):
         if start.remote_tp_size != self.cfg.tp_size:
             return ("tp_mismatch", (f"the prefill engine runs tensor parallel {start.remote_tp_size}, this "
                                     f"engine {self.cfg.tp_size}; kvsm needs equal sizes"))
+        if start.problem:
+            return ("bad_params", start.problem)
         if len(start.remote_block_ids) != len(start.local_block_ids):
             return ("bad_params", (f"{len(start.local_block_ids)} local blocks to fill but the prefill side "
                                    f"offers {len(start.remote_block_ids)} (remote_block_ids too short?)"))
