@@ -1,10 +1,17 @@
-"""A tiny random-weight Llama model, built locally, for tests that run vLLM.
+"""Tiny random-weight models, built locally, for tests that run vLLM.
 
 There is no network here (and none in CI) except package registries, so the
 tests never download a model: :func:`build_tiny_model` makes one on the spot.
+``build_tiny_model(cache_dir, seed=..., kind=...)`` builds one of
+:data:`KINDS`: ``"llama"`` (the default, and what every caller without
+``kind`` gets, unchanged), ``"gemma2"`` (sliding-window + full attention),
+``"deepseek_v2"`` (MLA) and ``"qwen3_next"`` (gated-delta-net linear attention,
+i.e. a Mamba-style state, + full attention). :func:`vllm_args` gives the
+``vllm.LLM`` arguments a kind needs on the CPU backend (dtype, block size,
+attention backend); pass them to :func:`kvsm.testing.engine.make_llm`.
 
-Recipe
-------
+Recipe (Llama)
+--------------
 * ``LlamaConfig``: hidden 128, 2 layers, 4 attention heads, 2 KV heads (head
   size 32: the CPU attention backend accepts only head sizes from a fixed list,
   32..512), MLP 256, ``max_position_embeddings`` 4096, float32.
@@ -13,7 +20,7 @@ Recipe
   ``<s>`` prepended to every encoding, ``</s>`` as EOS, ``<pad>``, ``<unk>``
   and role tokens ``<|system|>``/``<|user|>``/``<|assistant|>`` for a small
   chat template (so chat-completion tests can use it too). Byte-level means any
-  text tokenizes, and decoding never fails.
+  text tokenizes, and decoding never fails. Every kind has this tokenizer.
 * Random weights from a seeded ``torch.Generator`` (not transformers' own
   init, so the weights depend only on the recipe and the seed).
 
@@ -37,27 +44,112 @@ to layer, with gains chosen so that:
   gaps far above float32 noise, so greedy outputs are stable across batch
   shapes and runs, yet they change when the context's KV changes).
 
-``tests/test_tiny_model.py`` checks the consequences through vLLM: different
-prompts give different greedy continuations, continuations are not one repeated
-token, and changing one token at the start of a long prompt (i.e. one position
-of the KV cache) changes the continuation.
+``tests/test_tiny_model.py`` checks the consequences through vLLM, for every
+kind: different prompts give different greedy continuations, continuations are
+not one repeated token, changing one token at the start of a long prompt (i.e.
+one position of the KV cache) changes the continuation, and noise in the cached
+KV (for each KV cache group) changes it.
+
+The other kinds follow the same rules (fan-in scaling, score spread ~4, logit
+spread 4-8); what each needed on top is below. The layouts quoted are vLLM
+0.32's CPU backend with ``VLLM_CPU_KVCACHE_SPACE=1`` (1 GiB of KV cache), as
+measured by the tests.
+
+Gemma2 (``kind="gemma2"``)
+--------------------------
+4 layers alternating sliding-window (128) and full attention, 4 heads, 2 KV
+heads, head size 32, MLP 256 (GELU-tanh), float32. Under vLLM's hybrid KV cache
+manager: two KV cache groups, ``SlidingWindowSpec`` (layers 0, 2) and
+``FullAttentionSpec`` (layers 1, 3), both block 128, whose per-layer tensors
+overlay the same memory (layer 0 and layer 1 share one tensor, 2 and 3 the
+next; a block belongs to one group at a time).
+
+* vLLM always ties Gemma2's ``lm_head`` to the embedding, and Gemma scales the
+  embedding by ``sqrt(hidden)``. With every ``(1 + w)`` RMSNorm at ``w = 0``
+  the residual stream is mostly the current token's own embedding, so the
+  tied logits favour that token: greedy output repeats one token (measured:
+  BOS gave the same token 32 times, a long prompt 2 distinct of 32). The fix
+  is that the layers carry the stream: ``post_attention_layernorm`` and
+  ``post_feedforward_layernorm`` at ``w = 3`` (each sub-layer adds RMS 4)
+  against an embedding of RMS 1 (std ``1/sqrt(128)``, times ``sqrt(128)``).
+  At ``w = 2`` runs of 4-7 equal tokens remained.
+* Tied logits are ``final_norm(h) . embedding``: their spread is the final
+  norm's scale, so ``model.norm`` at ``w = 7`` (logit std ~7.5; the final
+  soft-capping at 30 compresses only the largest logits).
+* ``query_pre_attn_scalar`` 32 (= head size; the default 256 would flatten the
+  scores 2.8x) with ``q``/``k`` gain 2: score spread ~4, below
+  ``attn_logit_softcapping`` 50, which stays (and so stays exercised).
+* Long prompts must be longer than the window (the tests use 336 tokens) for
+  the full-attention group to be the only one that sees the start.
+
+DeepSeek-V2 (``kind="deepseek_v2"``)
+------------------------------------
+2 layers, 4 heads, MLA with ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64
+(the CPU MLA kernels support only a latent of 576; rank 64 + rope 32 is
+refused), ``qk_nope_head_dim`` = ``v_head_dim`` = 32, 2 routed experts but
+``first_k_dense_replace`` 2, so both layers are dense MLPs; float32. One
+``MLAAttentionSpec`` group (one 576-wide latent per token and layer, no
+heads), block 16, no prefix caching (vLLM turns it off for CPU MLA).
+
+* The Llama gains work as they are (``q_proj``, ``kv_a_proj_with_mqa``,
+  ``kv_b_proj`` gain 2: score spread ~4 over the 96-wide q/k heads).
+* RoPE is given as YaRN with factor 1, which is plain RoPE (same frequencies,
+  mscale 1) but makes vLLM use ``DeepseekScalingRotaryEmbedding``. With the
+  ``default`` type vLLM uses ``RotaryEmbedding``, whose CPU kernel
+  (``ops.rotary_embedding``) mis-rotates the 3-D ``[tokens, heads, 64]`` view
+  MLA hands it (it rotates the first rows of 64 as if each were a token):
+  prompt log-probs then differed from transformers' from position 1 on. Now
+  vLLM, transformers and a hand-written reference agree.
+* :func:`vllm_args` selects ``attention_backend="CPU_MLA"``: on an x86 CPU
+  with AMX vLLM would pick ``AMX_MLA``, which refuses float32 weights, and in
+  bfloat16 uses block 128 with prefix caching on: another layout on another
+  machine.
+
+Qwen3-Next (``kind="qwen3_next"``)
+----------------------------------
+4 layers alternating gated-delta-net linear attention (4 value / 2 key heads
+of 128) and full attention (4 heads, 2 KV heads, head size 32, output gate,
+partial RoPE), MoE of 2 experts (top-1) + a shared expert; bfloat16 (vLLM's
+CPU GDN kernels need it; vLLM keeps the SSM state in float32). Two groups:
+``MambaSpec`` (layers 0, 2: a conv state ``[3, 1024]`` bf16 and an SSM state
+``[4, 128, 128]`` float32 per request, in one padded page) and
+``FullAttentionSpec`` (layers 1, 3), both with block 1152 (vLLM sizes the
+attention block so that its page equals the Mamba page); the groups overlay
+the same memory like Gemma2's.
+
+* Its ``(1 + w)`` RMSNorms stay at ``w = 0``, except ``q_norm``/``k_norm``
+  at ``w = 1``: q and k are RMS-normalized per head, so the projection gains
+  do not set the score spread; a scale of 2 on each gives ~4.
+* ``A_log`` is fixed per value head to ``log([0.001, 0.01, 0.1, 1])``: per
+  token the state decays by ``exp(-A * softplus(a + 1))``, from ~0.999 to
+  ~0.3, so some heads remember a long prompt and some only the last tokens
+  (transformers draws A uniform in [0.01, 16]: mostly heads that forget at
+  once). ``dt_bias`` 1, the gated output norm (scale ``w``) 1.
+* bfloat16 rounding depends on the batch's shape: in a batch a prompt may
+  flip a near-tie, a dozen or so tokens in, that it does not flip alone
+  (measured: token 16 of the 336-token prompt). Greedy outputs are deterministic for the
+  same batch; compare a decode engine with a reference run of the same shape.
 
 Caching
 -------
-The model is built once into ``<cache_dir>/tiny-llama-<hash>`` where the hash
-covers the recipe (corpus, config, gains, seed, format version); a recipe
-change builds a new directory. The default cache dir is ``$KVSM_CACHE_DIR`` or
-``~/.cache/kvsm``. Building goes into a temporary sibling directory which is
-then renamed into place; ``rename`` of a directory onto an existing non-empty
-one fails, so when two processes race, one wins and the other discards its
-copy and uses the winner's. Building takes 4-7 s here (mostly importing
-torch/transformers); a cached call takes ~0.1 ms and imports neither.
+The model is built once into ``<cache_dir>/tiny-<kind>-<hash>`` (``tiny-llama``,
+``tiny-gemma2``, ``tiny-deepseek-v2``, ``tiny-qwen3-next``) where the hash
+covers the recipe (corpus, config, gains, seed, format version, and the kind
+for the new kinds: the Llama hash is what it was before there were kinds); a
+recipe change builds a new directory. The default cache dir is
+``$KVSM_CACHE_DIR`` or ``~/.cache/kvsm``. Building goes into a temporary
+sibling directory which is then renamed into place; ``rename`` of a directory
+onto an existing non-empty one fails, so when two processes race, one wins and
+the other discards its copy and uses the winner's. Building takes 4-7 s here
+(mostly importing torch/transformers; ~0.2 s per further kind in the same
+process); a cached call takes ~0.1 ms and imports neither.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -65,10 +157,14 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "KINDS",
     "RECIPE",
+    "RECIPES",
     "build_tiny_model",
     "default_cache_dir",
     "model_dir_for",
+    "model_dtype",
+    "vllm_args",
 ]
 
 # Bump when the way the recipe is turned into files changes (not its values:
@@ -143,6 +239,182 @@ RECIPE: dict[str, Any] = {
         "lm_head": 4.0,
     },
 }
+"""The Llama recipe (``kind="llama"``; kept under this name for old callers)."""
+
+# The tokenizer part of every recipe (the same tokenizer for every kind).
+_TOKENIZER_RECIPE = {
+    k: RECIPE[k] for k in ("format_version", "corpus_sha256", "special_tokens", "chat_template", "bpe_vocab_size")
+}
+
+# Recipes of the other kinds. "init" maps a parameter to its rule, looked up by
+# "<parent>.<leaf>" first, then "<leaf>" (leaf: the module name for a
+# ``.weight``, else the parameter's own name; parent: the module above it):
+#   a number g: normal, std = g / sqrt(fan_in), fan_in = the last dimension
+#               (in-features; for a depthwise conv, the kernel width);
+#   {"std": s}: normal, std = s;     {"fill": v}: every element = v;
+#   {"values": [...]}: exactly these values.
+RECIPES: dict[str, dict[str, Any]] = {
+    "llama": RECIPE,
+    "gemma2": {
+        **_TOKENIZER_RECIPE,
+        "architecture": "Gemma2ForCausalLM",
+        "dtype": "float32",
+        "config": {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "sliding_window": 128,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 32,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+        },
+        # Gemma's RMSNorm scales by (1 + w): "fill" is w, not the scale.
+        "init": {
+            "embed_tokens": {"std": 128**-0.5},
+            "q_proj": 2.0,
+            "k_proj": 2.0,
+            "v_proj": 1.0,
+            "o_proj": 1.0,
+            "gate_proj": 1.0,
+            "up_proj": 1.0,
+            "down_proj": 1.0,
+            "input_layernorm": {"fill": 0.0},
+            "pre_feedforward_layernorm": {"fill": 0.0},
+            "post_attention_layernorm": {"fill": 3.0},
+            "post_feedforward_layernorm": {"fill": 3.0},
+            "model.norm": {"fill": 7.0},
+        },
+    },
+    "deepseek_v2": {
+        **_TOKENIZER_RECIPE,
+        "architecture": "DeepseekV2ForCausalLM",
+        "dtype": "float32",
+        "config": {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "n_routed_experts": 2,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 1,
+            "first_k_dense_replace": 2,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            # YaRN with factor 1 is plain RoPE (same frequencies, mscale 1),
+            # but makes vLLM use DeepseekScalingRotaryEmbedding: the default
+            # RotaryEmbedding's CPU kernel mis-rotates MLA's 3-D q (see above).
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 1.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            "tie_word_embeddings": False,
+        },
+        "init": {
+            "embed_tokens": {"std": 1.0},
+            "q_proj": 2.0,
+            "kv_a_proj_with_mqa": 2.0,
+            "kv_b_proj": 2.0,
+            "o_proj": 1.0,
+            "gate_proj": 1.0,
+            "up_proj": 1.0,
+            "down_proj": 1.0,
+            "lm_head": 4.0,
+            "kv_a_layernorm": {"fill": 1.0},
+            "input_layernorm": {"fill": 1.0},
+            "post_attention_layernorm": {"fill": 1.0},
+            "norm": {"fill": 1.0},
+        },
+    },
+    "qwen3_next": {
+        **_TOKENIZER_RECIPE,
+        "architecture": "Qwen3NextForCausalLM",
+        "dtype": "bfloat16",
+        "config": {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "full_attention_interval": 2,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+        },
+        # Qwen3Next's RMSNorm scales by (1 + w) ("fill" is w), except the gated
+        # norm of the linear-attention output (linear_attn.norm), which scales
+        # by w.
+        "init": {
+            "embed_tokens": {"std": 1.0},
+            "q_proj": 1.0,
+            "k_proj": 1.0,
+            "v_proj": 1.0,
+            "o_proj": 1.0,
+            "q_norm": {"fill": 1.0},
+            "k_norm": {"fill": 1.0},
+            "in_proj_qkvz": 1.0,
+            "in_proj_ba": 1.0,
+            "conv1d": 1.0,
+            "out_proj": 1.0,
+            "linear_attn.norm": {"fill": 1.0},
+            "A_log": {"values": [math.log(a) for a in (0.001, 0.01, 0.1, 1.0)]},
+            "dt_bias": {"fill": 1.0},
+            "mlp.gate": 1.0,
+            "experts.gate_up_proj": 1.0,
+            "experts.down_proj": 1.0,
+            "gate_proj": 1.0,
+            "up_proj": 1.0,
+            "down_proj": 1.0,
+            "shared_expert_gate": 1.0,
+            "lm_head": 4.0,
+            "input_layernorm": {"fill": 0.0},
+            "post_attention_layernorm": {"fill": 0.0},
+            "norm": {"fill": 0.0},
+        },
+    },
+}
+
+KINDS: tuple[str, ...] = tuple(RECIPES)
+"""The model kinds :func:`build_tiny_model` can build."""
+
+# The directory name's prefix per kind.
+_DIR_PREFIX = {
+    "llama": "tiny-llama",
+    "gemma2": "tiny-gemma2",
+    "deepseek_v2": "tiny-deepseek-v2",
+    "qwen3_next": "tiny-qwen3-next",
+}
 
 
 def default_cache_dir() -> Path:
@@ -151,35 +423,82 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvsm"
 
 
-def _recipe_hash(seed: int) -> str:
-    blob = json.dumps({"recipe": RECIPE, "seed": seed}, sort_keys=True).encode()
+def _recipe(kind: str) -> dict[str, Any]:
+    try:
+        return RECIPES[kind]
+    except KeyError:
+        raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(KINDS)}") from None
+
+
+def _recipe_blob(kind: str, seed: int) -> dict[str, Any]:
+    # Llama's blob (and so its hash and directory) is what it was before there
+    # were other kinds.
+    if kind == "llama":
+        return {"recipe": RECIPE, "seed": seed}
+    return {"kind": kind, "recipe": _recipe(kind), "seed": seed}
+
+
+def _recipe_hash(seed: int, kind: str = "llama") -> str:
+    blob = json.dumps(_recipe_blob(kind, seed), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def model_dir_for(cache_dir: Path | None = None, *, seed: int = 0) -> Path:
+def model_dir_for(cache_dir: Path | None = None, *, seed: int = 0, kind: str = "llama") -> Path:
     """Where :func:`build_tiny_model` puts (or has put) the model."""
+    _recipe(kind)
     base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return base / f"tiny-llama-{_recipe_hash(seed)}"
+    return base / f"{_DIR_PREFIX[kind]}-{_recipe_hash(seed, kind)}"
+
+
+def model_dtype(kind: str = "llama") -> str:
+    """The dtype the model is saved in and is to be run in (``"float32"``, or
+    ``"bfloat16"`` for ``qwen3_next``: vLLM's CPU GDN kernels need BF16)."""
+    return str(_recipe(kind).get("dtype", "float32"))
+
+
+# What vLLM needs beyond the model directory (not part of the recipe hash).
+_VLLM_ARGS: dict[str, dict[str, Any]] = {
+    "llama": {"dtype": "float32"},
+    "gemma2": {"dtype": "float32"},
+    # The reference CPU MLA backend, float32, block 16. Without it an x86 CPU
+    # with AMX picks AMX_MLA, which needs bfloat16 weights, keeps prefix
+    # caching on, and so behaves differently from a CPU without AMX.
+    "deepseek_v2": {"dtype": "float32", "block_size": None, "attention_backend": "CPU_MLA"},
+    # block_size None: vLLM sizes the attention block (1152) so that an
+    # attention page is as large as a Mamba state page.
+    "qwen3_next": {"dtype": "bfloat16", "block_size": None},
+}
+
+
+def vllm_args(kind: str = "llama") -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` (or :func:`kvsm.testing.engine.make_llm`)
+    that the model of ``kind`` needs on vLLM's CPU backend (a fresh dict)."""
+    _recipe(kind)
+    return dict(_VLLM_ARGS[kind])
 
 
 _COMPLETE_MARKER = "kvsm-tiny-model.json"
 
 
-def build_tiny_model(cache_dir: Path | None = None, *, seed: int = 0) -> Path:
-    """Build (once) the tiny model and return its directory.
+def build_tiny_model(cache_dir: Path | None = None, *, seed: int = 0, kind: str = "llama") -> Path:
+    """Build (once) the tiny model of ``kind`` (one of :data:`KINDS`) and
+    return its directory.
 
     Safe to call from several processes at once; a cached complete build is
     returned without importing torch or transformers.
     """
-    final = model_dir_for(cache_dir, seed=seed)
+    final = model_dir_for(cache_dir, seed=seed, kind=kind)
     if (final / _COMPLETE_MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _build_into(tmp, seed)
+        if kind == "llama":
+            _build_into(tmp, seed)
+        else:
+            _build_kind_into(tmp, seed, kind)
         (tmp / _COMPLETE_MARKER).write_text(
-            json.dumps({"recipe": RECIPE, "seed": seed}, indent=1, sort_keys=True)
+            json.dumps(_recipe_blob(kind, seed), indent=1, sort_keys=True)
         )
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
@@ -261,7 +580,7 @@ def _init_weights(model, seed: int) -> None:
 
 def _build_into(out_dir: Path, seed: int) -> None:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_tok = _train_tokenizer(out_dir)
     cfg = LlamaConfig(
@@ -280,6 +599,12 @@ def _build_into(out_dir: Path, seed: int) -> None:
     _init_weights(model, seed)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
+    _save_generation_config(out_dir, hf_tok)
+
+
+def _save_generation_config(out_dir: Path, hf_tok) -> None:
+    from transformers import GenerationConfig
+
     GenerationConfig(
         bos_token_id=hf_tok.bos_token_id,
         eos_token_id=hf_tok.eos_token_id,
@@ -288,7 +613,67 @@ def _build_into(out_dir: Path, seed: int) -> None:
     ).save_pretrained(out_dir)
 
 
+def _init_rule(rules: dict[str, Any], name: str) -> Any:
+    parts = name.split(".")
+    leaf_at = len(parts) - 2 if parts[-1] == "weight" else len(parts) - 1
+    leaf, parent = parts[leaf_at], parts[leaf_at - 1] if leaf_at else ""
+    for key in (f"{parent}.{leaf}", leaf):
+        if key in rules:
+            return rules[key]
+    raise RuntimeError(f"tiny model recipe does not know {name}")
+
+
+def _init_kind_weights(model, seed: int, rules: dict[str, Any]) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            rule = _init_rule(rules, name)
+            if isinstance(rule, (int, float)):
+                std = rule / param.shape[-1] ** 0.5
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+            elif "std" in rule:
+                param.copy_(torch.randn(param.shape, generator=gen) * rule["std"])
+            elif "fill" in rule:
+                param.fill_(rule["fill"])
+            else:
+                param.copy_(torch.tensor(rule["values"], dtype=torch.float64).reshape(param.shape))
+
+
+def _build_kind_into(out_dir: Path, seed: int, kind: str) -> None:
+    import torch
+    import transformers
+
+    recipe = _recipe(kind)
+    arch = recipe["architecture"]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    model_cls = getattr(transformers, arch)
+    hf_tok = _train_tokenizer(out_dir)
+    cfg = config_cls(
+        vocab_size=len(hf_tok),
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+        **recipe["config"],
+    )
+    dtype = getattr(torch, recipe["dtype"])
+    cfg.dtype = recipe["dtype"]
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32)
+    _init_kind_weights(model, seed, recipe["init"])
+    model = model.to(dtype).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_generation_config(out_dir, hf_tok)
+
+
 if __name__ == "__main__":  # pragma: no cover
     import sys
 
-    print(build_tiny_model(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+    # python -m kvsm.testing.tiny_model [CACHE_DIR [KIND]]
+    print(
+        build_tiny_model(
+            Path(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] else None,
+            kind=sys.argv[2] if len(sys.argv) > 2 else "llama",
+        )
+    )
