@@ -409,7 +409,9 @@ def _timed_engine(args: argparse.Namespace):
     from vllm import LLM  # noqa: F401  (import timed apart from engine start)
 
     t1 = time.perf_counter()
-    llm = make_llm(args.model, max_model_len=args.max_model_len, block_size=args.block_size)
+    kw = {"max_model_len": args.max_model_len, "block_size": args.block_size,
+          **(json.loads(args.llm_kwargs) if args.llm_kwargs else {})}
+    llm = make_llm(args.model, **kw)
     t2 = time.perf_counter()
     return llm, {"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3)}
 
@@ -500,6 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd.add_argument("--out", required=True, help="where to write the JSON result")
         cmd.add_argument("--max-model-len", type=int, default=512)
         cmd.add_argument("--block-size", type=int, default=128)
+        cmd.add_argument("--llm-kwargs", help="JSON: more vllm.LLM arguments (dtype, block_size, ...)")
     args = parser.parse_args(argv)
     return {"reference": _cli_reference, "probe": _cli_probe}[args.cmd](args)
 

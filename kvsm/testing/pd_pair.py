@@ -67,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
     extra = json.loads(args.extra) if args.extra else None
     kv = kvsm_transfer_config(args.kv_role, port=args.port, log_dir=args.log_dir, engine_id=args.engine_id,
                               extra=extra)
-    llm = make_llm(args.model, kv_transfer_config=kv, max_model_len=args.max_model_len)
+    llm_kwargs = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
+    llm = make_llm(args.model, kv_transfer_config=kv, **{"max_model_len": args.max_model_len, **llm_kwargs})
     engine = llm.llm_engine
 
     def connector_halves() -> tuple[Any, Any, Any]:
@@ -158,7 +159,8 @@ class PDEngine:
 
     def __init__(self, name: str, kv_role: str, *, model: str | os.PathLike[str], port: int, engine_id: str,
                  log_dir: str | os.PathLike[str] | None, workdir: str | os.PathLike[str], cpu: int | None = None,
-                 extra: dict[str, Any] | None = None, max_model_len: int = 512, start_timeout: float = 240.0) -> None:
+                 extra: dict[str, Any] | None = None, max_model_len: int = 512, start_timeout: float = 240.0,
+                 llm_kwargs: dict[str, Any] | None = None) -> None:
         self.name = name
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -178,6 +180,8 @@ class PDEngine:
             cmd += ["--cpu", str(cpu)]
         if extra:
             cmd += ["--extra", json.dumps(extra)]
+        if llm_kwargs:
+            cmd += ["--llm-kwargs", json.dumps(llm_kwargs)]
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(cmd, env=env, cwd=str(workdir), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, text=True, bufsize=1)
@@ -252,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cpu", type=int, help="pin this process to one core")
     parser.add_argument("--extra", help="JSON: more kv_connector_extra_config")
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--llm-kwargs", help="JSON: more vllm.LLM arguments (dtype, block_size, ...)")
     return _serve(parser.parse_args(argv))
 
 

@@ -1,0 +1,159 @@
+"""Offline prefill -> decode pairs of other model kinds, checked against one engine.
+
+Each kind is a tiny random-weight model built here (``kvsm.testing.tiny_model``,
+tuned so that a wrong KV cache changes its greedy output), served by two vLLM
+engines with KVSMConnector in two processes, as ``test_pd_offline.py`` does
+for the Llama:
+
+* ``gemma2``: sliding-window and full-attention layers, two KV cache groups
+  under vLLM's hybrid KV cache manager (which kvsm keeps on: ``SupportsHMA``);
+  prompts longer than the window, so the sliding-window group's early blocks
+  are null on both sides and only the window is read.
+* ``deepseek_v2``: multi-head latent attention, one ``MLAAttentionSpec``
+  group (block 16; vLLM turns prefix caching off for CPU MLA).
+
+For each: the decode outputs equal a single engine's, the prompt's KV came by
+transfer (``num_cached_tokens`` and the decode worker's ``matched`` records), a
+corrupted and a swapped transfer change the outputs, and the replay of both
+engines' logs is clean. The prefill engine never steps after its ``generate``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import require
+
+require("vllm")
+
+from kvsm.replay import analyse
+from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
+from kvsm.testing.pd_pair import PDEngine
+from kvsm.testing.ports import free_port_run
+from kvsm.testing.reliability import wait_until
+from kvsm.testing.tiny_model import build_tiny_model, vllm_args
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 10
+# vllm.LLM arguments per kind (both engines and the reference alike): the recipe's
+# own (dtype, attention backend: CPU_MLA, float32, block 16, on any CPU).
+LLM_KWARGS: dict[str, dict[str, Any]] = {kind: vllm_args(kind) for kind in ("gemma2", "deepseek_v2")}
+RNG = random.Random(20261201)
+
+
+def _prompt(n: int) -> list[int]:
+    return [RNG.randrange(10, 1100) for _ in range(n)]
+
+
+# Lengths: under one block, around the window (128), several blocks.
+PROMPTS = {kind: [_prompt(n) for n in (40, 150, 300, 260)] for kind in LLM_KWARGS}
+SENSITIVE = {kind: [_prompt(200), _prompt(200), _prompt(200)] for kind in LLM_KWARGS}
+
+
+class KindPair:
+    def __init__(self, kind: str, tmp: Path) -> None:
+        self.kind = kind
+        self.model = build_tiny_model(kind=kind)
+        self.logs = tmp / "logs"
+        kw = LLM_KWARGS[kind]
+        prompts = PROMPTS[kind] + SENSITIVE[kind]
+        base = free_port_run(4)
+        self.ref_proc = run_engine_subprocess("reference", self.model, prompts, MAX_TOKENS, workdir=tmp / "ref",
+                                              extra_args=["--llm-kwargs", json.dumps(kw)])
+        self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id=f"prefill-{kind}",
+                                log_dir=self.logs, workdir=tmp, cpu=0, llm_kwargs=kw)
+        self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2,
+                               engine_id=f"decode-{kind}", log_dir=self.logs, workdir=tmp, cpu=1, llm_kwargs=kw)
+        self.reference = dict(zip(map(tuple, prompts), wait_engine_subprocess(self.ref_proc)["outputs"], strict=True))
+
+    def prefill_params(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        outs = self.prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+        params = []
+        for o in outs:
+            p = dict(o["kv_transfer_params"])
+            p.pop("remote_prefill_cached_tokens", None)
+            params.append(p)
+        return params
+
+    def matched(self, remote_reqs: list[str]) -> dict[str, int]:
+        import orjson
+
+        def probe() -> dict[str, int] | None:
+            out: dict[str, int] = {}
+            for f in self.logs.glob(f"decode-{self.kind}.worker*.jsonl"):
+                data = f.read_bytes()
+                for line in data[:data.rfind(b"\n") + 1].splitlines():
+                    r = orjson.loads(line)
+                    if r.get("event") == "matched" and r.get("kind") == "transition":
+                        out[r["input"]["remote_req"]] = r["input"]["num_tokens"]
+            return out if all(q in out for q in remote_reqs) else None
+
+        return wait_until(probe, 10, f"the decode worker's matched records of {remote_reqs}")
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+@pytest.fixture(scope="module", params=sorted(LLM_KWARGS))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindPair]:
+    p = KindPair(request.param, tmp_path_factory.mktemp(f"pd-{request.param}"))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_outputs_equal_a_single_engine_and_the_prompt_kv_comes_by_transfer(pair: KindPair) -> None:
+    prompts = PROMPTS[pair.kind]
+    params = pair.prefill_params(prompts)
+    if pair.kind == "gemma2":
+        # Two groups; the sliding-window one holds nothing (the null block) before its window.
+        assert all(len(p["remote_block_ids"]) == 2 for p in params)
+        assert any(0 in ids for p in params for ids in p["remote_block_ids"])
+    outs = pair.decode.generate(prompts, MAX_TOKENS, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["token_ids"] == pair.reference[tuple(prompt)], f"{pair.kind}: {len(prompt)}-token prompt"
+    remote = [p["remote_request_id"] for p in params]
+    matched = pair.matched(remote)
+    assert [matched[q] for q in remote] == [len(p) for p in prompts]
+    if pair.kind != "deepseek_v2":  # (vLLM counts no cached tokens without prefix caching)
+        assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in prompts]
+
+
+def test_a_corrupted_transfer_changes_the_output(pair: KindPair) -> None:
+    prompt = SENSITIVE[pair.kind][0]
+    (params,) = pair.prefill_params([prompt])
+    blocks = sorted({b for ids in params["remote_block_ids"] for b in ids if b})
+    pair.prefill.request({"op": "corrupt", "block_ids": blocks})
+    (out,) = pair.decode.generate([prompt], MAX_TOKENS, [params])
+    assert out["token_ids"] != pair.reference[tuple(prompt)], "a corrupted transfer went unnoticed"
+
+
+def test_a_swapped_transfer_changes_the_outputs(pair: KindPair) -> None:
+    a, b = SENSITIVE[pair.kind][1:]
+    pa, pb = pair.prefill_params([a, b])
+    pa["remote_block_ids"], pb["remote_block_ids"] = pb["remote_block_ids"], pa["remote_block_ids"]
+    outs = pair.decode.generate([a, b], MAX_TOKENS, [pa, pb])
+    assert outs[0]["token_ids"] != pair.reference[tuple(a)]
+    assert outs[1]["token_ids"] != pair.reference[tuple(b)]
+
+
+def test_replay_of_both_engines_is_clean(pair: KindPair) -> None:
+    def settled() -> bool:
+        return (pair.prefill.request({"op": "state"})["worker"]["send"] == {}
+                and pair.decode.request({"op": "state"})["worker"]["recv"] == {})
+
+    wait_until(settled, 10, "no live machine on either side")
+    pair.close()
+    report = analyse(sorted(pair.logs.glob("*.jsonl")))
+    assert not report.findings, [str(f) for f in report.findings]
+    recv = {m.final_state for m in report.machines if m.lifecycle == "recv"}
+    assert recv == {"done"}
