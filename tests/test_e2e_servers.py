@@ -57,6 +57,24 @@ def test_the_demo_runs_green(tmp_path: Path) -> None:
             s.connect(("127.0.0.1", port))
 
 
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("kind", ["gemma2", "deepseek_v2"])
+def test_the_demo_runs_green_with_other_model_kinds(tmp_path: Path, kind: str) -> None:
+    """Two API servers and the router serving Gemma 2 (sliding window + full attention:
+    two KV cache groups) and DeepSeek-V2 (MLA): every output equal to a single
+    engine's, every request's prompt KV by transfer, replay clean."""
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "pd_demo.py"), "--model", kind, "--requests", "4",
+                          "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900, check=False)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    rows = [ln for ln in out.stdout.splitlines() if re.search(r"\s(yes|NO|ERROR)\b", ln)]
+    assert len(rows) == 11 and all(ln.rstrip().endswith("yes") for ln in rows), "\n".join(rows)
+    for row in rows:  # every prompt token by transfer, but the locally cached blocks of the repeat
+        prompt, by_transfer = (int(x) for x in row.split()[-6:-4])  # columns: prompt, by transfer, TTFT, ...
+        assert by_transfer == prompt or row.startswith("prefix-cache repeat"), row
+    assert "no violations" in out.stdout
+
+
 class Pair:
     def __init__(self, tmp: Path) -> None:
         self.model = str(build_tiny_model())

@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where logs go (default: a fresh temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the servers' logs after a clean run")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--model", default="llama", choices=["llama", "gemma2", "deepseek_v2"],
+                        help="the tiny local model's kind: llama (one KV cache group), gemma2 (sliding window + "
+                             "full attention: two groups), deepseek_v2 (MLA); default llama")
     args = parser.parse_args(argv)
 
     from kvsm.replay import analyse
@@ -216,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = workdir / "event-logs"
     say(f"kvsm prefill/decode demo; logs in {workdir}")
     say("building the tiny local model (cached after the first run)...")
-    model = str(build_tiny_model())
+    model = str(build_tiny_model(kind=args.model))
     vocab = 1100
 
-    specs = pd_specs(event_log_dir=str(log_dir))
+    specs = pd_specs(event_log_dir=str(log_dir), model_kind=args.model)
     servers = [VLLMServer(s, model, workdir) for s in specs]
     prefill, decode = servers
     router_port = free_port()

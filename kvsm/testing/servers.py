@@ -65,7 +65,8 @@ class ServerSpec:
     event_log_dir: str | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
     max_model_len: int = 512
-    block_size: int = 128
+    block_size: int | None = 128  # None: vLLM's choice (CPU MLA forces 16)
+    dtype: str = "float32"
     log_stats: bool = False  # vLLM's stats (and so /metrics) cost CPU; on for metric checks
     extra_args: Sequence[str] = ()
     # vLLM's kv_load_failure_policy ("fail" | "recompute"); None leaves vLLM's default ("fail").
@@ -88,12 +89,31 @@ class ServerSpec:
         return cfg
 
 
+def model_kind_spec(kind: str) -> dict[str, Any]:
+    """``ServerSpec`` fields that serve the tiny model of ``kind`` (its
+    ``kvsm.testing.tiny_model.vllm_args``, as API-server flags)."""
+    from kvsm.testing.tiny_model import vllm_args
+
+    args = dict(vllm_args(kind))
+    fields: dict[str, Any] = {"dtype": args.pop("dtype", "float32")}
+    if "block_size" in args:
+        fields["block_size"] = args.pop("block_size")
+    extra: list[str] = []
+    if "attention_backend" in args:
+        extra += ["--attention-backend", str(args.pop("attention_backend"))]
+    if args:
+        raise ValueError(f"model kind {kind!r}: no API-server flag for {sorted(args)}")
+    fields["extra_args"] = tuple(extra)
+    return fields
+
+
 def pd_specs(*, connector: str = "KVSMConnector", event_log_dir: str | None = None,
-             extra_config: dict[str, Any] | None = None) -> tuple[ServerSpec, ServerSpec]:
-    """A prefill (core 0) and a decode (core 1) server on free ports."""
+             extra_config: dict[str, Any] | None = None, model_kind: str = "llama") -> tuple[ServerSpec, ServerSpec]:
+    """A prefill (core 0) and a decode (core 1) server on free ports, serving
+    the tiny model of ``model_kind``."""
     http_p, http_d, side_p, side_d = free_ports(4)
     common: dict[str, Any] = {"connector": connector, "event_log_dir": event_log_dir,
-                              "extra_config": dict(extra_config or {})}
+                              "extra_config": dict(extra_config or {}), **model_kind_spec(model_kind)}
     return (ServerSpec("prefill", "kv_producer", http_p, side_p, "prefill", cpu=0, **common),
             ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", cpu=1, **common))
 
@@ -120,8 +140,9 @@ class VLLMServer:
     def command(self) -> list[str]:
         spec = self.spec
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "float32", "--enforce-eager",
-               "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
+               "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", spec.dtype, "--enforce-eager",
+               "--max-model-len", str(spec.max_model_len),
+               *(["--block-size", str(spec.block_size)] if spec.block_size is not None else []),
                "--kv-transfer-config", json.dumps(spec.kv_transfer_config()),
                *([] if spec.log_stats else ["--disable-log-stats"]), *spec.extra_args]
         ncpu = os.cpu_count() or 1
