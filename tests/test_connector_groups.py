@@ -125,3 +125,39 @@ def test_params_of_another_number_of_groups_run_the_request_locally(remote: list
         assert not meta_of(s).recv_start and "d-4" in s.scheduled  # computed here, nothing read
         assert (f"request d-4 will not use KV transfer: remote_block_ids has {len(remote)} KV cache group(s), "
                 f"this engine's KV cache 2") in caplog.text
+
+
+def test_a_mamba_state_group_is_refused_at_start_naming_it() -> None:
+    """Qwen3-Next's groups (gated-delta-net state beside full attention): refused
+    when the connector starts, never transferred block for block (its state's
+    last prompt token is not handled yet)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvsm.connector import kv_groups_of
+
+    mamba = MambaSpec(block_size=1152, shapes=((3, 1024), (4, 128, 128)), dtypes=(torch.bfloat16, torch.float32))
+    full = FullAttentionSpec(block_size=1152, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"], mamba),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"], full)])
+    with pytest.raises(ValueError, match=r"KV cache group 0 is a MambaSpec \(layers \['model.layers.0.linear_attn'"
+                                         r".*Mamba/GDN state is not supported yet"):
+        kv_groups_of(config)
+    # One group of any kind moves whole, as before groups existed.
+    alone = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full)])
+    assert [(g.kind, g.block_size) for g in kv_groups_of(alone)] == [("full", 1152)]
+
+
+def test_the_compatibility_info_names_a_differing_group_layout() -> None:
+    from kvsm.handshake import CompatInfo
+    from kvsm.handshake.messages import compat_hash, compat_mismatch
+
+    base = {"model": "m", "dtype": "float32", "num_layers": 4, "num_kv_heads": 2, "head_size": 32,
+            "block_size": 128, "kv_layout": "block-major 2x128x64"}
+    mine = CompatInfo(**base, kv_groups="sliding_window(128)/128x2 full/128x2")
+    theirs = CompatInfo(**base, kv_groups="full/128x4")
+    assert compat_hash(mine) != compat_hash(theirs)
+    assert compat_mismatch(mine, theirs) == [
+        "kv_groups: 'sliding_window(128)/128x2 full/128x2' here, 'full/128x4' on the peer"]
