@@ -169,8 +169,15 @@ def test_several_kv_cache_groups_deliver_every_group_and_a_split_mismatch_fails(
     """Three groups: every request is read group by group and delivered intact.
     A decode engine whose KV cache has another number of groups than its facts
     say fails each request as bad_params (never a read split wrongly)."""
-    result = run_simulation(SimConfig(seed=5, num_requests=40, kv_groups=3, max_blocks_per_request=9))
+    result = run_simulation(SimConfig(seed=5, num_requests=40, kv_groups=3, max_blocks_per_request=9,
+                                      log_dir=tmp_path / "three"))
     assert result.violations == [] and set(result.count("recv")) == {"done"}
+    # The decode log says how many blocks of each group every request read, and replays clean.
+    allocated = [orjson.loads(line)["input"] for p in result.log_paths if p.name.startswith("decode")
+                 for line in p.read_bytes().splitlines() if b'"event":"allocated"' in line]
+    assert len(allocated) == 40
+    assert all(len(a["group_sizes"]) == 3 and sum(a["group_sizes"]) == len(a["block_ids"]) for a in allocated)
+    assert analyse(result.log_paths).exit_code == 0
     sim = Simulation(SimConfig(seed=5, num_requests=10, kv_groups=2, log_dir=tmp_path))
     sim.decode.agent.num_groups = 3  # the engine's layout disagrees with its scheduler's facts
     bad = sim.run()

@@ -51,6 +51,9 @@ class Allocated(Event, frozen=True, tag="allocated"):
 
     block_ids: tuple[int, ...] = ()
     num_external_tokens: int = 0
+    # Several KV cache groups: that many of ``block_ids`` belong to each, in turn
+    # (empty: one group). Logged, so replay shows the blocks of each group.
+    group_sizes: tuple[int, ...] = ()
 
 
 class HandshakeOk(Event, frozen=True, tag="handshake_ok"):

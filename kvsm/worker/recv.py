@@ -60,7 +60,7 @@ class RecvSide(WorkerContext):
             self._apply_recv(ev.Error(req=req, kind=kind, detail=detail))
             return
         self._apply_recv(ev.Allocated(req=req, block_ids=start.local_block_ids,
-                                      num_external_tokens=start.num_tokens))
+                                      num_external_tokens=start.num_tokens, group_sizes=start.group_sizes))
 
     def _unreadable(self, start: RecvStart) -> tuple[str, str] | None:
         """Why this request cannot be read at all, before any I/O."""
