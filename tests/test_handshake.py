@@ -248,7 +248,8 @@ def recv_reply(sock: zmq.Socket, timeout_ms: int = 2000) -> Any:
 def test_compat_hash_is_stable_and_covers_every_field() -> None:
     assert compat_hash(COMPAT) == compat_hash(msgspec.structs.replace(COMPAT))
     changed = {"model": "other", "dtype": "bfloat16", "num_layers": 3, "num_kv_heads": 4,
-               "head_size": 128, "block_size": 128, "kv_layout": "HND", "protocol_version": 2}
+               "head_size": 128, "block_size": 128, "kv_layout": "HND", "protocol_version": 2,
+               "kv_groups": "sliding_window(128)/128x2 full/128x2"}
     assert set(changed) == set(CompatInfo.__struct_fields__)
     hashes = {compat_hash(msgspec.structs.replace(COMPAT, **{k: v})) for k, v in changed.items()}
     assert len(hashes) == len(changed) and HASH not in hashes
