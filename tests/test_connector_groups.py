@@ -161,3 +161,27 @@ def test_the_compatibility_info_names_a_differing_group_layout() -> None:
     assert compat_hash(mine) != compat_hash(theirs)
     assert compat_mismatch(mine, theirs) == [
         "kv_groups: 'sliding_window(128)/128x2 full/128x2' here, 'full/128x4' on the peer"]
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_load_of_several_groups_fails_the_request_whole(policy: str) -> None:
+    """With several groups vLLM refuses block-level load errors (it raises): the
+    worker reports the request in failed_recving (and finished_recving) only, and
+    the engine's policy decides; the connector withholds the blocks it would have
+    reported (``get_block_ids_with_load_errors`` is empty for several groups)."""
+    with harness("kv_consumer", kv_load_failure_policy=policy) as h:
+        free0 = h.free_blocks()
+        remote = [[101, 102, 103], [201, 202, 203]]
+        params = remote_prefill_params(remote_block_ids=remote, remote_request_id="p-f", remote_num_tokens=40)
+        h.add_request(40, kv_transfer_params=params, max_tokens=2, request_id="d-f")
+        h.step()
+        results = [h.step(finished_recving={"d-f"}, failed_recving={"d-f"})]
+        results += h.run_until_idle()
+        finished = {rid: out for r in results for rid, out in r.finished.items()}
+        assert finished["d-f"].finish_reason.name == ("LENGTH" if policy == "recompute" else "ERROR")
+        assert h.free_blocks() == free0
+        with pytest.raises(RuntimeError, match="multiple KV cache groups"):  # what block ids would do
+            h.add_request(40, kv_transfer_params=dict(params, remote_request_id="p-g"), max_tokens=2,
+                          request_id="d-g")
+            h.step()
+            h.step(finished_recving={"d-g"}, failed_recving={"d-g"}, invalid_block_ids=set(h.block_ids("d-g")[0]))
