@@ -86,12 +86,14 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
 
     Attention groups (full, MLA, sliding window) index their blocks by position
     on both engines, and a position a group no longer needs holds the null
-    block: those move block for block. Any other kind (Mamba/GDN state, whose
-    last prompt token must be recomputed on the decode side, chunked local
-    attention, ...) is refused at start rather than transferred wrongly."""
+    block: those move block for block. A Mamba/GDN state group (no speculative
+    slots) moves its state block the same way, with the prompt's last token held
+    back on the prefill side (``SchedulerHalf``'s ``hold_back_tokens``). Any
+    other kind (chunked local attention, speculative state slots, ...) is
+    refused at start rather than transferred wrongly."""
     if kv_cache_config is None:
         return ()
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     groups = []
     several = len(kv_cache_config.kv_cache_groups) > 1
@@ -103,12 +105,15 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
             kind = "full"
         elif type(spec) is SlidingWindowSpec:
             kind = f"sliding_window({spec.sliding_window})"
+        elif type(spec) is MambaSpec and not spec.num_speculative_blocks:
+            # One state per request position; its conv-state layout must agree (vLLM picks it per host).
+            kind = f"mamba({os.environ.get('VLLM_SSM_CONV_STATE_LAYOUT', '')})"
         elif not several:  # one group: its blocks move whole, whatever its kind (as before groups existed)
             kind = type(spec).__name__
         else:
             raise ValueError(f"KVSMConnector: KV cache group {g} is a {type(spec).__name__} (layers "
                              f"{list(group.layer_names)[:3]}...); kvsm moves full, sliding-window and MLA "
-                             f"attention groups only (Mamba/GDN state is not supported yet)")
+                             f"attention groups and Mamba/GDN state without speculative slots only")
         groups.append(KVGroup(kind, int(spec.block_size), tuple(group.layer_names)))
     if getattr(kv_cache_config, "transfer_group_ids", tuple(range(len(groups)))) != tuple(range(len(groups))):
         raise ValueError(f"KVSMConnector: vLLM transfers only KV cache groups "
@@ -139,7 +144,9 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.stats = StatsRecorder(source=f"{self.cfg.engine_id}/scheduler")
             self._scheduler = SchedulerHalf(self.cfg, _open_log(self.cfg, "scheduler", 0),
-                                            group_block_sizes=tuple(g.block_size for g in self.kv_groups))
+                                            group_block_sizes=tuple(g.block_size for g in self.kv_groups),
+                                            hold_back_tokens=int(any(g.kind.startswith("mamba")
+                                                                     for g in self.kv_groups)))
         else:
             rank = _tp_rank()
             # One source per worker: vLLM adds their state counts up.

@@ -72,6 +72,7 @@ PIN_VIA_STEP_ENV = "KVSM_PIN_VIA_STEP"
 
 
 NULL_BLOCK = 0  # vLLM's null block (BlockPool's first): a position a group holds nothing at
+HELD_BACK_KEY = "_kvsm_held_back"  # in a prefill request's kv_transfer_params: tokens held back
 
 
 class SchedulerHalf:
@@ -86,11 +87,15 @@ class SchedulerHalf:
     """
 
     def __init__(self, cfg: KVSMConfig, event_log: EventLog | None = None, *, clock: Clock = SYSTEM_CLOCK,
-                 group_block_sizes: tuple[int, ...] = ()) -> None:
+                 group_block_sizes: tuple[int, ...] = (), hold_back_tokens: int = 0) -> None:
         self.cfg = cfg
         self.log = event_log
         self._clock = clock
         self._group_block_sizes = group_block_sizes or (cfg.block_size,)
+        # Prompt tokens the prefill side leaves for the decode side to compute (1 with
+        # a Mamba/GDN state group: the state moved is that of the prompt but its
+        # last token, which the decode engine then feeds once, as vLLM needs).
+        self._hold_back = hold_back_tokens
         self._pins: PinChannelClient | None = None
         self._pin_via_step = os.environ.get(PIN_VIA_STEP_ENV, "") not in ("", "0")
         self._warned_no_channel = False
@@ -158,6 +163,8 @@ class SchedulerHalf:
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.cfg.produces and self._hold_back:
+            self._hold_back_last_tokens(request, params)
         if not params or not params.get("do_remote_prefill"):
             return
         req = request.request_id
@@ -177,6 +184,20 @@ class SchedulerHalf:
         key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
         self._claims[key].add(remote.remote_req)
         self._claim_key[req] = (key, remote.remote_req)
+
+    def _hold_back_last_tokens(self, request: Request, params: dict[str, Any]) -> None:
+        """Prefill only ``num_prompt_tokens - hold_back`` tokens: the state a
+        Mamba/GDN group leaves is then the one the decode side needs before it
+        computes the last prompt token itself (vLLM always computes at least one).
+        Once per request (a preempted request comes back here)."""
+        n = self._hold_back
+        if params.get(HELD_BACK_KEY) or request.num_prompt_tokens <= n or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-n:]
+        del request._all_token_ids[-n:]
+        request.num_prompt_tokens -= n
+        params[HELD_BACK_KEY] = n
+        self._note("sched.held_back", request.request_id, tokens=n, prompt_tokens=request.num_prompt_tokens)
 
     def _ignore(self, req: str, why: str) -> None:
         """Bad kv_transfer_params: the request runs as a plain local one (as upstream

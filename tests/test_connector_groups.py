@@ -127,27 +127,27 @@ def test_params_of_another_number_of_groups_run_the_request_locally(remote: list
                 f"this engine's KV cache 2") in caplog.text
 
 
-def test_a_mamba_state_group_is_refused_at_start_naming_it() -> None:
-    """Qwen3-Next's groups (gated-delta-net state beside full attention): refused
-    when the connector starts, never transferred block for block (its state's
-    last prompt token is not handled yet)."""
+def test_a_mamba_state_group_is_described_and_one_with_speculative_slots_refused() -> None:
+    """Qwen3-Next's groups (gated-delta-net state beside full attention): the state
+    group moves (the prefill side then holds the last prompt token back); one with
+    speculative state slots is refused when the connector starts, naming it."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     from kvsm.connector import kv_groups_of
 
-    mamba = MambaSpec(block_size=1152, shapes=((3, 1024), (4, 128, 128)), dtypes=(torch.bfloat16, torch.float32))
-    full = FullAttentionSpec(block_size=1152, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
-    config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"], mamba),
-        KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"], full)])
+    def config(mamba: MambaSpec) -> KVCacheConfig:
+        full = FullAttentionSpec(block_size=1152, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+        return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"], mamba),
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"], full)])
+
+    shapes, dtypes = ((3, 1024), (4, 128, 128)), (torch.bfloat16, torch.float32)
+    groups = kv_groups_of(config(MambaSpec(block_size=1152, shapes=shapes, dtypes=dtypes)))
+    assert [g.kind.split("(")[0] for g in groups] == ["mamba", "full"]
     with pytest.raises(ValueError, match=r"KV cache group 0 is a MambaSpec \(layers \['model.layers.0.linear_attn'"
-                                         r".*Mamba/GDN state is not supported yet"):
-        kv_groups_of(config)
-    # One group of any kind moves whole, as before groups existed.
-    alone = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full)])
-    assert [(g.kind, g.block_size) for g in kv_groups_of(alone)] == [("full", 1152)]
+                                         r".*without speculative slots only"):
+        kv_groups_of(config(MambaSpec(block_size=1152, shapes=shapes, dtypes=dtypes, num_speculative_blocks=1)))
 
 
 def test_the_compatibility_info_names_a_differing_group_layout() -> None:

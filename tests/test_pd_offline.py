@@ -36,7 +36,7 @@ require("vllm")
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
 from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
-from kvsm.testing.pd_pair import PDEngine
+from kvsm.testing.pd_pair import PDEngine, matched_tokens
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
 
@@ -98,16 +98,8 @@ class Pair:
         self.record([prompt], reads=1, blocks=len(params["remote_block_ids"][0]))
 
     def prefill_params(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        # As a user does it: after generate returns, nothing steps the prefill
-        # engine again; its worker must have the blocks pinned all the same.
-        outs = self.prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
-        params = []
-        for o in outs:
-            p = dict(o["kv_transfer_params"])
-            # Else the decode engine reports the prefill side's cache hits as its own.
-            p.pop("remote_prefill_cached_tokens", None)
-            params.append(p)
-        return params
+        # As a user does it: after generate returns, nothing steps the prefill engine again.
+        return self.prefill.prefill_params(prompts)
 
     def close(self) -> None:
         if not self.closed:
@@ -126,22 +118,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
 
 
 def _matched_tokens(logs: Path, remote_reqs: list[str], timeout: float = 10.0) -> dict[str, int]:
-    """remote (prefill) request -> tokens its decode request read remotely, from the
-    decode worker's event log, once it holds every one of ``remote_reqs`` (the log's
-    writer flushes every 50 ms)."""
-    import orjson
-
-    def probe() -> dict[str, int] | None:
-        out: dict[str, int] = {}
-        for f in logs.glob("decode-pd.worker*.jsonl"):
-            data = f.read_bytes()
-            for line in data[:data.rfind(b"\n") + 1].splitlines():  # whole lines only
-                r = orjson.loads(line)
-                if r.get("event") == "matched" and r.get("kind") == "transition":
-                    out[r["input"]["remote_req"]] = r["input"]["num_tokens"]
-        return out if all(q in out for q in remote_reqs) else None
-
-    return wait_until(probe, timeout, f"the decode worker's matched records of {remote_reqs}")
+    return matched_tokens(logs, "decode-pd", remote_reqs, timeout)
 
 
 def test_outputs_equal_a_single_engine_and_prompts_come_from_the_transfer(pair: Pair) -> None:

@@ -420,7 +420,10 @@ def _cli_reference(args: argparse.Namespace) -> int:
     prompts = json.loads(Path(args.prompts_json).read_text())
     llm, timings = _timed_engine(args)
     t0 = time.perf_counter()
-    outputs = greedy(llm, prompts, args.max_tokens)
+    if args.one_by_one:  # a batch of one each: outputs that depend on batch shape (bfloat16) compare
+        outputs = [greedy(llm, [p], args.max_tokens)[0] for p in prompts]
+    else:
+        outputs = greedy(llm, prompts, args.max_tokens)
     timings["generate_s"] = round(time.perf_counter() - t0, 3)
     Path(args.out).write_text(json.dumps({"outputs": outputs, "timings": timings}))
     _shutdown(llm)
@@ -503,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd.add_argument("--max-model-len", type=int, default=512)
         cmd.add_argument("--block-size", type=int, default=128)
         cmd.add_argument("--llm-kwargs", help="JSON: more vllm.LLM arguments (dtype, block_size, ...)")
+        cmd.add_argument("--one-by-one", action="store_true", help="one generate call per prompt")
     args = parser.parse_args(argv)
     return {"reference": _cli_reference, "probe": _cli_probe}[args.cmd](args)
 

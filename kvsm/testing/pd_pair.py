@@ -109,9 +109,11 @@ def _serve(args: argparse.Namespace) -> int:
 
                 ids = torch.tensor(cmd["block_ids"], dtype=torch.long)
                 gen = torch.Generator().manual_seed(int(cmd.get("seed", 0)))
-                for t in kv_cache_tensors(llm):
-                    scale = float(t[ids].std()) or 1.0
-                    t[ids] = torch.randn((len(ids), *t.shape[1:]), generator=gen) * scale
+                for layer in kv_cache_tensors(llm):
+                    # A Mamba layer's cache is a tuple of state views (conv, ssm).
+                    for t in layer if isinstance(layer, (list, tuple)) else (layer,):
+                        scale = float(t[ids].float().std()) or 1.0
+                        t[ids] = (torch.randn((len(ids), *t.shape[1:]), generator=gen) * scale).to(t.dtype)
                 reply({"corrupted": cmd["block_ids"]})
             elif op == "state":
                 worker, sched, core = connector_halves()
@@ -224,6 +226,19 @@ class PDEngine:
         return self.request({"op": "generate", "prompts": list(prompts), "max_tokens": max_tokens,
                              "params": list(params) if params is not None else None}, timeout)["outputs"]
 
+    def prefill_params(self, prompts: Sequence[Any]) -> list[dict[str, Any]]:
+        """A prefill engine's ``kv_transfer_params`` for ``prompts`` (one token
+        generated each), as a router forwards them. Nothing steps this engine
+        afterwards, as for a user's: its worker must have the blocks pinned."""
+        outs = self.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+        params = []
+        for o in outs:
+            p = dict(o["kv_transfer_params"])
+            # Else the decode engine reports the prefill side's cache hits as its own.
+            p.pop("remote_prefill_cached_tokens", None)
+            params.append(p)
+        return params
+
     def tail(self) -> str:
         try:
             err = self.stderr_path.read_text(errors="replace")[-6000:]
@@ -244,6 +259,27 @@ class PDEngine:
                 self.proc.wait()
         self._stderr.close()
         return self.proc.returncode
+
+
+def matched_tokens(logs: Path, engine_id: str, remote_reqs: Sequence[str], timeout: float = 10.0) -> dict[str, int]:
+    """remote (prefill) request -> tokens its decode request read remotely, from
+    decode engine ``engine_id``'s worker event logs in ``logs``, once they hold
+    every one of ``remote_reqs`` (the log's writer flushes every 50 ms)."""
+    import orjson
+
+    from kvsm.testing.reliability import wait_until
+
+    def probe() -> dict[str, int] | None:
+        out: dict[str, int] = {}
+        for f in logs.glob(f"{engine_id}.worker*.jsonl"):
+            data = f.read_bytes()
+            for line in data[:data.rfind(b"\n") + 1].splitlines():  # whole lines only
+                r = orjson.loads(line)
+                if r.get("event") == "matched" and r.get("kind") == "transition":
+                    out[r["input"]["remote_req"]] = r["input"]["num_tokens"]
+        return out if all(q in out for q in remote_reqs) else None
+
+    return wait_until(probe, timeout, f"the decode worker's matched records of {list(remote_reqs)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
