@@ -179,6 +179,8 @@ def test_kv_cache_groups_tag_regions_and_each_segment_reads_its_own_layers():
     idx = lay.desc_index_array([4, 7, 2], group_sizes=(2, 1)).tolist()
     assert idx == [0 * NB + 4, 0 * NB + 7, 2 * NB + 4, 2 * NB + 7, 1 * NB + 2, 3 * NB + 2]
     assert lay.num_descs(3, (2, 1)) == len(idx)
+    assert lay.num_bytes(3, (2, 1)) == len(idx) * lay.regions[0].block_bytes
+    assert lay.num_bytes(3) == 3 * 4 * lay.regions[0].block_bytes
     # Block 4 of group 0 in layer 0 is the same memory as block 4 of layer 1 (shared tensor).
     descs = lay.all_block_descs()
     assert int(descs[idx[0], 0]) == caches[groups[0][0]][4].data_ptr() == caches[groups[1][0]][4].data_ptr()

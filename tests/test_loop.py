@@ -70,21 +70,14 @@ def make_virtual_loop(make_loop: MakeLoop) -> MakeLoop:
 
 
 @pytest.fixture
-def make_driven() -> Iterator[Callable[..., EventLoop]]:
-    """Driven loops (no thread; this thread runs them), always stopped."""
-    loops: list[EventLoop] = []
+def make_driven(make_loop: MakeLoop) -> MakeLoop:
+    """Driven loops (no thread; this thread runs them) on a fresh VirtualClock, always stopped."""
 
     def make(name: str = "d", **kwargs: object) -> EventLoop:
         kwargs.setdefault("clock", VirtualClock())
-        loop = EventLoop(name, mode="driven", **kwargs)  # type: ignore[arg-type]
-        loops.append(loop)
-        return loop.start()
+        return make_loop(name, mode="driven", **kwargs)
 
-    yield make
-    stopped = [loop.stop(timeout=WAIT_S) for loop in loops]
-    assert all(stopped), "a loop thread did not stop"
-    leaked = [loop.thread for loop in loops if loop.thread is not None and loop.thread.is_alive()]
-    assert not leaked
+    return make
 
 
 class ErrorSink:

@@ -124,6 +124,13 @@ class KVLayout(msgspec.Struct, frozen=True):
             return num_blocks * len(self.regions)
         return sum(n * len(self.group_regions(g)) for g, n in enumerate(group_sizes))
 
+    def num_bytes(self, num_blocks: int, group_sizes: Sequence[int] = ()) -> int:
+        """How many bytes a transfer of ``num_blocks`` blocks moves."""
+        if not group_sizes:
+            return num_blocks * sum(r.block_bytes for r in self.regions)
+        return sum(n * sum(self.regions[i].block_bytes for i in self.group_regions(g))
+                   for g, n in enumerate(group_sizes))
+
     # -- descriptors -------------------------------------------------------------
 
     def registration_descs(self) -> list[tuple[int, int, int]]:

@@ -336,9 +336,7 @@ class RecvSide(WorkerContext):
         layout = getattr(self.transport, "layout", None)
         if layout is None:
             return 0
-        sizes = io.start.group_sizes or (len(io.start.local_block_ids),)
-        return sum(n * sum(r.block_bytes for r in layout.regions if r.group == g or not io.start.group_sizes)
-                   for g, n in enumerate(sizes))
+        return layout.num_bytes(len(io.start.local_block_ids), io.start.group_sizes)
 
     def _arm_poll(self) -> None:
         if self._poll_timer is None and self._polling:
