@@ -101,7 +101,6 @@ class SchedulerHalf:
         self._warned_no_channel = False
         self._warned_late_flush = False
         self._pending_pins: list[SendFinish] = []
-        self._block_size = cfg.block_size
         self._remote: dict[str, RemoteParams] = {}
         self._awaited: set[str] = set()
         self._sending: set[str] = set()
