@@ -44,6 +44,13 @@ def _positive(key: str, value: Any) -> float:
     return number
 
 
+def _total_kv_heads(vllm_config: Any) -> int:
+    try:
+        return max(1, int(vllm_config.model_config.get_total_num_kv_heads()))
+    except (AttributeError, TypeError, ValueError):
+        return 1
+
+
 def _port(where: str, value: Any) -> int:
     try:
         port = int(value)
@@ -78,6 +85,11 @@ class KVSMConfig:
     dcp_size: int
     block_size: int
     kv_load_failure_policy: str
+    # The model's KV heads (all ranks together), and how a tensor parallel rank
+    # holds them: "heads" (split, heads-major blocks), "replicated" (MLA's latent:
+    # every rank all of it), or "none: <why>" (no reading across TP sizes).
+    kv_heads: int = 1
+    tp_share: str = "heads"
 
     @property
     def produces(self) -> bool:
@@ -157,6 +169,8 @@ class KVSMConfig:
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
             block_size=int(vllm_config.cache_config.block_size),
             kv_load_failure_policy=str(getattr(kvt, "kv_load_failure_policy", "fail")),
+            kv_heads=_total_kv_heads(vllm_config),
+            tp_share="replicated" if getattr(vllm_config.model_config, "use_mla", False) else "heads",
         )
 
     def unknown_extra_keys(self, vllm_config: Any) -> list[str]:

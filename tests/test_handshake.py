@@ -86,7 +86,7 @@ class FakePrefill:
             return None
         return f"prefill-agent-tp{tp_rank}", self.metadata, b"layout:" + bytes([tp_rank]), self.version
 
-    def on_claims(self, kind: str, requester: str, claims: list[str]) -> dict[str, str]:
+    def on_claims(self, kind: str, requester: str, claims: list[str], readers: int = 1) -> dict[str, str]:
         self.calls.append((kind, requester, list(claims)))
         return {c: self.leases.get(c, "unknown") for c in claims}
 
@@ -248,7 +248,7 @@ def recv_reply(sock: zmq.Socket, timeout_ms: int = 2000) -> Any:
 def test_compat_hash_is_stable_and_covers_every_field() -> None:
     assert compat_hash(COMPAT) == compat_hash(msgspec.structs.replace(COMPAT))
     changed = {"model": "other", "dtype": "bfloat16", "num_layers": 3, "num_kv_heads": 4,
-               "head_size": 128, "block_size": 128, "kv_layout": "HND", "protocol_version": 2,
+               "head_size": 128, "block_size": 128, "kv_layout": "HND", "protocol_version": PROTOCOL_VERSION + 1,
                "kv_groups": "sliding_window(128)/128x2 full/128x2"}
     assert set(changed) == set(CompatInfo.__struct_fields__)
     hashes = {compat_hash(msgspec.structs.replace(COMPAT, **{k: v})) for k, v in changed.items()}
@@ -277,16 +277,16 @@ def test_largest_valid_request_fits_the_size_limits() -> None:
     (b"\xc1", "malformed", "not valid msgpack"),
     (mp([1, 2]), "malformed", "not a msgpack map"),
     (mp({"type": "metadata"}), "malformed", "type 'metadata'"),
-    (mp({"type": "heartbeat", "protocol": 2, "requester": "r", "claims": []}),
-     "unsupported_protocol", "protocol 2 is not supported"),
-    (mp({"type": "heartbeat", "protocol": 1, "requester": "r"}), "malformed", "`claims`"),
-    (mp({"type": "heartbeat", "protocol": 1, "requester": "r", "claims": [], "x": 1}),
+    (mp({"type": "heartbeat", "protocol": PROTOCOL_VERSION + 1, "requester": "r", "claims": []}),
+     "unsupported_protocol", f"protocol {PROTOCOL_VERSION + 1} is not supported"),
+    (mp({"type": "heartbeat", "protocol": PROTOCOL_VERSION, "requester": "r"}), "malformed", "`claims`"),
+    (mp({"type": "heartbeat", "protocol": PROTOCOL_VERSION, "requester": "r", "claims": [], "x": 1}),
      "malformed", "unknown field `x`"),
-    (mp({"type": "heartbeat", "protocol": 1, "requester": 5, "claims": []}),
+    (mp({"type": "heartbeat", "protocol": PROTOCOL_VERSION, "requester": 5, "claims": []}),
      "malformed", "Expected `str`, got `int` - at `$.requester`"),
-    (mp({"type": "abandon", "protocol": 1, "requester": "r", "claims": ["c"] * (MAX_CLAIMS + 1)}),
+    (mp({"type": "abandon", "protocol": PROTOCOL_VERSION, "requester": "r", "claims": ["c"] * (MAX_CLAIMS + 1)}),
      "malformed", f"length <= {MAX_CLAIMS} - at `$.claims`"),
-    (mp({"type": "abandon", "protocol": 1, "requester": "r", "claims": ["c" * (MAX_ID_LENGTH + 1)]}),
+    (mp({"type": "abandon", "protocol": PROTOCOL_VERSION, "requester": "r", "claims": ["c" * (MAX_ID_LENGTH + 1)]}),
      "malformed", "at `$.claims[0]`"),
     (b"\x91" * 100_000, "malformed", "msgpack map"),
     (b"\x00" * (MAX_REQUEST_BYTES + 1), "oversized", f"exceeds the {MAX_REQUEST_BYTES}-byte limit"),
@@ -419,7 +419,7 @@ def outcome_of(reply: Any) -> str:
 
 
 def valid_request(nonce: int, **changes: Any) -> dict:
-    request = {"type": "metadata_req", "protocol": 1, "nonce": nonce, "requester": "attacker",
+    request = {"type": "metadata_req", "protocol": PROTOCOL_VERSION, "nonce": nonce, "requester": "attacker",
                "tp_rank": 0, "pp_rank": 0, "compat_hash": HASH, "claims": []}
     request.update(changes)
     return {k: v for k, v in request.items() if v is not ...}
@@ -444,10 +444,10 @@ DETERMINISTIC_CASES: list[tuple[list[bytes], str, int]] = [
     ([mp(valid_request(19, type="metadata"))], "malformed", 19),
     ([mp(valid_request(20, type="nope"))], "malformed", 20),
     ([mp(valid_request(21, type=["nope"]))], "malformed", 21),
-    ([mp(valid_request(22, protocol=1.0))], "malformed", 22),
+    ([mp(valid_request(22, protocol=float(PROTOCOL_VERSION)))], "malformed", 22),
     ([mp(valid_request(2**64 - 1))], "malformed", 0),  # nonce out of range
     ([b"\x91" * 50_000 + b"\x00"], "malformed", 0),  # nested too deeply
-    ([mp(valid_request(23, protocol=2))], "unsupported_protocol", 23),
+    ([mp(valid_request(23, protocol=PROTOCOL_VERSION + 1))], "unsupported_protocol", 23),
     ([mp({"type": "heartbeat", "protocol": 0, "nonce": 24})], "unsupported_protocol", 24),
     ([mp(valid_request(25, tp_rank=7))], "unknown_rank", 25),
     ([mp(valid_request(26, compat_hash="0" * 64))], "incompatible", 26),
@@ -455,7 +455,7 @@ DETERMINISTIC_CASES: list[tuple[list[bytes], str, int]] = [
     ([b"a", b"b"], "malformed", 0),  # frame count
     ([b"a", b"b", b"c", b"d", b"e", b"f"], "malformed", 0),
     ([b"", b""], "malformed", 0),  # REQ-style framing, empty payload
-    ([mp({"type": "heartbeat", "protocol": 1, "nonce": 28, "requester": "a", "claims": ["req-a"]})],
+    ([mp({"type": "heartbeat", "protocol": PROTOCOL_VERSION, "nonce": 28, "requester": "a", "claims": ["req-a"]})],
      "served", 28),
 ]
 
@@ -580,7 +580,7 @@ def test_callback_failures_are_answered_internal_and_serving_continues(client: H
             raise failure
         return failure if failure is not None else fake.provide(tp_rank, pp_rank)
 
-    def on_claims(kind: str, requester: str, claims: list[str]) -> dict[str, str]:
+    def on_claims(kind: str, requester: str, claims: list[str], readers: int = 1) -> dict[str, str]:
         if kind == "heartbeat":
             raise KeyError("lifecycle table lost req-a")
         if kind == "abandon":

@@ -75,7 +75,8 @@ def test_lifecycles_of_design() -> None:
     s.create("r")
     assert s.apply(SAMPLE_EVENTS["finished_ok"]).effects == ("pin_blocks", "arm_lease")
     assert s.apply(SAMPLE_EVENTS["read_notif"]).dst == "awaiting_pull"  # 1 of 2 readers
-    out = s.apply(SAMPLE_EVENTS["read_notif"])
+    assert s.apply(SAMPLE_EVENTS["read_notif"]).dst == "awaiting_pull"  # the same reader again: still 1
+    out = s.apply(ev.ReadNotif(req="r", reader="d1"))
     assert (out.dst, out.effects) == ("released", ("cancel_lease", "free_blocks"))
 
 

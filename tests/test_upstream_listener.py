@@ -130,7 +130,7 @@ def test_kvsm_server_on_the_loop_keeps_answering(ctx: zmq.Context) -> None:
     try:
         def open_server() -> HandshakeServer:
             server = HandshakeServer("prefill", compat, lambda tp, pp: ("agent", b"meta", b"", 1) if (tp, pp) == (0, 0)
-                                     else None, lambda kind, who, claims: dict.fromkeys(claims, "unknown"),
+                                     else None, lambda kind, who, claims, readers=1: dict.fromkeys(claims, "unknown"),
                                      host=HOST, port=0, context=loop.context)
             for sock in server.sockets():
                 loop.add_reader(sock, server.on_readable, label="handshake server")

@@ -314,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         router_log.close()
 
     match_ids(cases + lat_cases, transferred_tokens(log_dir))
+    with open(workdir / "outputs.jsonl", "w") as f:  # what each request returned, beside its reference
+        for c in cases + lat_cases:
+            f.write(json.dumps({"name": c.name, "request_id": c.request_id, "prompt_len": len(c.prompt),
+                                "text": c.text, "reference": c.reference, "error": c.error}) + "\n")
     print_table(cases)
     bad = [c for c in cases + lat_cases if not c.match]
     if bad:

@@ -136,23 +136,26 @@ class HandshakeClient:
 
     def fetch_metadata(self, peer: str, tp_rank: int, pp_rank: int = 0,
                        claims: Iterable[str] = (), *, deadline_ns: int,
-                       expected_engine_id: str | None = None) -> int:
+                       expected_engine_id: str | None = None, readers: int = 1) -> int:
         """Ask ``peer`` for the agent of (tp_rank, pp_rank) and claim ``claims``.
         With ``expected_engine_id``, a reply from another engine (the prefill engine
         restarted on the same port) is an error, not a silent switch."""
         request = MetadataRequest(protocol=PROTOCOL_VERSION, requester=self.requester,
                                   tp_rank=tp_rank, pp_rank=pp_rank,
-                                  compat_hash=self.compat_hash, claims=list(claims))
+                                  compat_hash=self.compat_hash, claims=list(claims), readers=readers)
         return self.send(peer, request, deadline_ns, expected_engine_id=expected_engine_id)
 
-    def heartbeat(self, peer: str, claims: Iterable[str], *, deadline_ns: int) -> int:
+    def heartbeat(self, peer: str, claims: Iterable[str], *, deadline_ns: int, readers: int = 1) -> int:
         """Extend the leases of ``claims`` on ``peer``."""
-        request = Heartbeat(protocol=PROTOCOL_VERSION, requester=self.requester, claims=list(claims))
+        request = Heartbeat(protocol=PROTOCOL_VERSION, requester=self.requester, claims=list(claims),
+                            readers=readers)
         return self.send(peer, request, deadline_ns)
 
-    def abandon(self, peer: str, claims: Iterable[str], *, deadline_ns: int) -> int:
-        """Tell ``peer`` these requests will never be read."""
-        request = Abandon(protocol=PROTOCOL_VERSION, requester=self.requester, claims=list(claims))
+    def abandon(self, peer: str, claims: Iterable[str], *, deadline_ns: int, readers: int = 1) -> int:
+        """Tell ``peer`` these requests will never be read (by us: ``readers`` ranks of
+        our engine have business with them there)."""
+        request = Abandon(protocol=PROTOCOL_VERSION, requester=self.requester, claims=list(claims),
+                          readers=readers)
         return self.send(peer, request, deadline_ns)
 
     def send(self, peer: str, request: Request, deadline_ns: int, *,

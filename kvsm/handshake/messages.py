@@ -30,7 +30,7 @@ from typing import Annotated, Literal, NamedTuple, TypeAlias
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Bounds. The largest valid request (MAX_CLAIMS ids of MAX_ID_LENGTH bytes) is about
 # 1.04 MiB, so it fits MAX_REQUEST_BYTES with room to spare (a test checks it).
@@ -52,6 +52,7 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
 Nonce = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Claims = Annotated[list[Id], msgspec.Meta(max_length=MAX_CLAIMS)]
+Readers = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 ClaimStatus = Literal["ok", "expired", "unknown"]
 ClaimAnswers = Annotated[dict[Id, ClaimStatus], msgspec.Meta(max_length=MAX_CLAIMS)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=64)]
@@ -108,6 +109,9 @@ class MetadataRequest(_Message, tag="metadata_req", kw_only=True, frozen=True):
     pp_rank: Rank = 0
     compat_hash: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     claims: Claims = []
+    # How many ranks of the requester's engine have business with these claims
+    # on this rank (tensor parallel sizes that differ); its blocks go once all are through.
+    readers: Readers = 1
 
 
 class Heartbeat(_Message, tag="heartbeat", kw_only=True, frozen=True):
@@ -117,15 +121,18 @@ class Heartbeat(_Message, tag="heartbeat", kw_only=True, frozen=True):
     nonce: Nonce = 0
     requester: Id
     claims: Claims
+    readers: Readers = 1
 
 
 class Abandon(_Message, tag="abandon", kw_only=True, frozen=True):
-    """The requester will never read these requests: the server may free them now."""
+    """The requester will never read these requests: the server may free them now
+    (once the other ``readers`` are through too)."""
 
     protocol: int
     nonce: Nonce = 0
     requester: Id
     claims: Claims
+    readers: Readers = 1
 
 
 class MetadataReply(_Message, tag="metadata", kw_only=True, frozen=True):

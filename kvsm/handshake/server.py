@@ -40,9 +40,10 @@ MetadataProvider = Callable[[int, int], "tuple[str, bytes, bytes, int] | None"]
 for a rank this engine does not have. Called per request: a re-registered agent
 is served from the next request on."""
 
-ClaimsHandler = Callable[[str, str, list[str]], dict[str, str]]
-"""(kind, requester, claims) -> {claim: "ok" | "expired" | "unknown"} for every
-claim; kind is "claim" (with a metadata request), "heartbeat" or "abandon"."""
+ClaimsHandler = Callable[[str, str, list[str], int], dict[str, str]]
+"""(kind, requester, claims, readers) -> {claim: "ok" | "expired" | "unknown"} for
+every claim; kind is "claim" (with a metadata request), "heartbeat" or "abandon";
+readers: how many ranks of the requester's engine have business with them here."""
 
 _CLAIM_KIND = {MetadataRequest: "claim", Heartbeat: "heartbeat", Abandon: "abandon"}
 _MONITOR_EVENTS: dict[int, str] = {
@@ -292,7 +293,7 @@ class HandshakeServer:
     def _claims(self, kind: str, request: Request) -> dict[str, ClaimStatus]:
         if not request.claims:
             return {}
-        answers = self._on_claims(kind, request.requester, list(request.claims))
+        answers = self._on_claims(kind, request.requester, list(request.claims), request.readers)
         if not isinstance(answers, dict):
             raise TypeError(f"on_claims returned {type(answers).__name__}, expected a dict")
         missing = [c for c in request.claims if c not in answers]

@@ -32,6 +32,9 @@ class RequestMachine:
         "num_tokens",
         "reads_expected",
         "reads_seen",
+        "readers_done",
+        "claims_needed",
+        "claims_granted",
         "lease_deadline_ns",
         "claim_granted_ns",
         "lease_window_ns",
@@ -52,6 +55,11 @@ class RequestMachine:
         self.num_tokens = 0
         self.reads_expected = 0
         self.reads_seen = 0
+        # Prefill side: the decode ranks through with this request (read or abandoned).
+        self.readers_done: frozenset[str] = frozenset()
+        # Decode side: prefill ranks to claim, and a bit per rank that granted its claim.
+        self.claims_needed = 1
+        self.claims_granted = 0
         self.lease_deadline_ns = 0
         # Decode side: when the granting claim left, how long it pins the blocks,
         # and how late (ns, > 0) the reads completed against that lease.

@@ -44,6 +44,10 @@ class Matched(Event, frozen=True, tag="matched"):
     remote_port: int = 0
     remote_blocks: int = 0
     remote_expiry_ns: int = 0
+    # Prefill ranks whose claims must all be granted before the reads (tensor
+    # parallel sizes that differ: see kvsm.worker.tp_map), and the plan in words.
+    sources: int = 1
+    plan: str = ""
 
 
 class Allocated(Event, frozen=True, tag="allocated"):
@@ -64,6 +68,7 @@ class HandshakeOk(Event, frozen=True, tag="handshake_ok"):
     remote_engine: str = ""
     claim_sent_ns: int = 0
     lease_window_ns: int = 0
+    source: int = 0  # which of the request's prefill ranks granted it (its index in the plan)
 
 
 class ReadsPosted(Event, frozen=True, tag="reads_posted"):
@@ -159,6 +164,7 @@ class ReadNotif(Event, frozen=True, tag="read_notif"):
     """One decode reader says it has finished reading our blocks."""
 
     reader: str = ""
+    readers: int = 1  # decode ranks that read (or tell) this rank, the reader says
 
 
 class LeaseExpired(Event, frozen=True, tag="lease_expired"):
@@ -169,6 +175,8 @@ class RemoteAbandoned(Event, frozen=True, tag="remote_abandoned"):
     """The decode side says it will never read (it aborted or failed early)."""
 
     reason: str = ""
+    reader: str = ""
+    readers: int = 1
 
 
 class AbandonExpired(Event, frozen=True, tag="abandon_expired"):

@@ -96,6 +96,7 @@ def _take_remote(m: RequestMachine, ev: Any, now_ns: int) -> None:
     m.remote_req = ev.remote_req
     m.num_tokens = ev.num_tokens
     m.lease_deadline_ns = ev.remote_expiry_ns
+    m.claims_needed = max(1, ev.sources)
 
 
 def _hold_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
@@ -104,8 +105,7 @@ def _hold_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
 
 def _pin_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
     m.block_ids = tuple(ev.block_ids)
-    m.reads_expected = ev.expected_reads
-    m.reads_seen = 0
+    m.reads_expected = max(m.reads_expected, ev.expected_reads)
     # The lease runs from the scheduler's decision, never from later: a worker
     # that hears of the pin late must not hold the blocks longer than promised.
     start = min(ev.pinned_ns, now_ns) if ev.pinned_ns > 0 else now_ns
@@ -117,12 +117,25 @@ def _extend_lease(m: RequestMachine, ev: Any, now_ns: int) -> None:
 
 
 def _count_read(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    m.reads_seen += 1
+    """A decode rank is through (its read's notification, or its abandon). Each
+    counts once; how many there are, each of them says (tensor parallel sizes may
+    differ: several decode ranks read one prefill rank)."""
+    m.reads_expected = max(m.reads_expected, ev.readers)
+    if ev.reader not in m.readers_done:
+        m.readers_done = m.readers_done | {ev.reader}
+        m.reads_seen += 1
 
 
 def _note_grant(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    m.claim_granted_ns = ev.claim_sent_ns
-    m.lease_window_ns = ev.lease_window_ns
+    """A prefill rank granted its claim. With several, the reads must complete
+    within the earliest lease of all: the first grant's window, from the first claim."""
+    bit = 1 << ev.source
+    if m.claims_granted & bit:
+        return  # a second answer of that rank: its first grant stands
+    if not m.claims_granted or ev.claim_sent_ns + ev.lease_window_ns < m.claim_granted_ns + m.lease_window_ns:
+        m.claim_granted_ns = ev.claim_sent_ns
+        m.lease_window_ns = ev.lease_window_ns
+    m.claims_granted |= bit
 
 
 def _check_lease(m: RequestMachine, ev: Any, now_ns: int) -> None:
@@ -187,6 +200,10 @@ def _all_reads_in(m: RequestMachine, ev: Any) -> bool:
     return m.reads_seen >= m.reads_expected
 
 
+def _all_claims_granted(m: RequestMachine, ev: Any) -> bool:
+    return m.claims_granted == (1 << m.claims_needed) - 1
+
+
 def _within_lease(m: RequestMachine, ev: Any) -> bool:
     return m.late_ns <= 0
 
@@ -207,6 +224,7 @@ def _outdated(m: PeerMachine, ev: Any) -> bool:
 
 CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "all_reads_in": _all_reads_in,
+    "all_claims_granted": _all_claims_granted,
     "within_lease": _within_lease,
     "a_read_completed": _a_read_completed,
     "peer_gone": _peer_gone,
@@ -243,8 +261,11 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "matched", "source": "new", "dest": "awaiting_blocks", "prepare": "take_remote"},
     {"trigger": "allocated", "source": "awaiting_blocks", "dest": "pending_handshake",
      "prepare": "hold_blocks", "after": ["take_blocks", "arm_handshake_timer", "start_handshake"]},
+    # Every prefill rank the request reads from (one, unless the tensor parallel
+    # sizes differ) must grant its claim before any read is posted.
     {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "remote_known", "prepare": "note_grant",
-     "after": ["cancel_handshake_timer", "post_reads"]},
+     "conditions": "all_claims_granted", "after": ["cancel_handshake_timer", "post_reads"]},
+    {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "="},
     {"trigger": "reads_posted", "source": "remote_known", "dest": "transferring", "after": "arm_transfer_timer"},
     # Full local prefix hit: nothing to read, but the prefill side must unpin.
     {"trigger": "nothing_to_read", "source": "remote_known", "dest": "done",
@@ -314,8 +335,11 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "read_notif", "source": "awaiting_pull", "dest": "released", "prepare": "count_read",
      "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
     {"trigger": "read_notif", "source": "awaiting_pull", "dest": "="},
-    {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "released",
-     "after": ["cancel_lease", "free_blocks"]},
+    # Each decode rank that has business with these blocks is through once (its
+    # read's notification or its abandon); the blocks go once all are.
+    {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "released", "prepare": "count_read",
+     "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "="},
     {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "expired",
      "after": ["count_expired_lease", "free_blocks"]},
     # The decode side gave up before this worker heard of the prefill's end

@@ -11,6 +11,10 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+# Heads ``(start, count, of)``: a run of a block's heads (a tensor parallel
+# rank's share); None: the whole block.
+Heads = tuple[int, int, int]
+
 
 class TransferState(enum.Enum):
     PENDING = "pending"
@@ -54,10 +58,13 @@ class Transport(ABC):
 
     @abstractmethod
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = ()) -> XferHandle:
+                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
+                  local_heads: Heads | None = None, remote_heads: Heads | None = None) -> XferHandle:
         """Read ``remote_blocks`` of ``peer`` into ``local_blocks``; ``notif`` reaches the
         peer when the read completes. ``group_sizes``: the blocks are that many of
-        each KV cache group in turn (empty: one group)."""
+        each KV cache group in turn (empty: one group). ``remote_heads`` /
+        ``local_heads``: only that run of each block's heads, on either side
+        (tensor parallel sizes that differ); the two runs hold as many heads."""
 
     @abstractmethod
     def check(self, handle: XferHandle) -> TransferState:

@@ -67,6 +67,16 @@ class Region(msgspec.Struct, frozen=True):
     block_stride: int
     device_id: int
     group: int = 0  # the KV cache group of its layer
+    # KV heads in a block, outermost (vLLM-CPU's [heads, tokens, 2 * head_size]):
+    # a run of heads is then one contiguous byte range, and tensor parallel
+    # engines of different sizes can read each other's (``sliced``). 0: the
+    # block cannot be cut by heads (MLA's latent, Mamba state, a tokens-major layout).
+    heads: int = 0
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one head of a block (of the whole block when it has no heads)."""
+        return self.block_bytes // self.heads if self.heads else self.block_bytes
 
     @property
     def span(self) -> int:
@@ -109,10 +119,36 @@ class KVLayout(msgspec.Struct, frozen=True):
             if a.group != b.group:
                 return (f"KV cache group of region {i} (layer {a.layer!r} part {a.part}): "
                         f"local {a.group}, remote {b.group}")
-            if a.block_bytes != b.block_bytes:
+            if bool(a.heads) != bool(b.heads) or a.unit_bytes != b.unit_bytes:
+                # Head counts may differ (tensor parallel sizes differ): a head may not.
+                if not (a.heads or b.heads):
+                    return (f"block_bytes of region {i} (layer {a.layer!r} part {a.part}): "
+                            f"local {a.block_bytes}, remote {b.block_bytes}")
                 return (f"block_bytes of region {i} (layer {a.layer!r} part {a.part}): "
-                        f"local {a.block_bytes}, remote {b.block_bytes}")
+                        f"local {a.block_bytes} ({a.heads or 'no'} heads), "
+                        f"remote {b.block_bytes} ({b.heads or 'no'} heads)")
         return None
+
+    def sliced(self, start: int, count: int, of: int) -> KVLayout:
+        """The same blocks cut down to heads ``[start, start + count)`` of ``of``
+        in every region that holds ``of`` heads (what one tensor parallel rank
+        reads of another's blocks). A region without heads (MLA's latent, Mamba
+        state) is only ever read whole; asking to cut it, or a region of another
+        head count, is a ``ValueError`` naming it."""
+        if start == 0 and count == of:
+            return self
+        if not (0 <= start and 0 < count and start + count <= of):
+            raise ValueError(f"heads {start}..{start + count - 1} are not within a block of {of} heads")
+        out = []
+        for r in self.regions:
+            if r.heads != of:
+                raise ValueError(f"layer {r.layer!r} part {r.part}: its blocks hold "
+                                 f"{r.heads or 'no'} heads, so heads {start}..{start + count - 1} of {of} "
+                                 f"cannot be cut out of them")
+            unit = r.unit_bytes
+            out.append(msgspec.structs.replace(r, base_addr=r.base_addr + start * unit,
+                                               block_bytes=count * unit, heads=count))
+        return msgspec.structs.replace(self, regions=tuple(out))
 
     def group_regions(self, group: int) -> list[int]:
         """Indices of the regions of KV cache group ``group``."""
@@ -263,7 +299,8 @@ def _find_block_dim(layer: str, shape: tuple[int, ...], num_blocks: int | None,
 
 
 def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int | None = None,
-                       block_dim: int | None = None, groups: Sequence[Sequence[str]] | None = None) -> KVLayout:
+                       block_dim: int | None = None, groups: Sequence[Sequence[str]] | None = None,
+                       heads: Mapping[str, int] | None = None) -> KVLayout:
     """Describe per-layer KV cache tensors as regions of blocks (see the module doc).
 
     ``kv_caches`` maps layer name to tensor, in layer order (the order is part
@@ -327,12 +364,15 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int
         if nb <= 1:
             block_stride = max(block_stride, block_bytes)
         base = t.data_ptr()
+        n_heads = (heads or {}).get(layer, 0)
+        if n_heads < 1 or len(shape) < bd + 3 or shape[bd + 1] != n_heads:
+            n_heads = 0  # not heads-major (or not an attention layer): read whole only
         lead = shape[:bd]
         for part, idx in enumerate(itertools.product(*(range(s) for s in lead))):
             offset = sum(i * strides[j] for j, i in enumerate(idx)) * es
             regions.append(Region(layer=layer, part=part, base_addr=base + offset, num_blocks=nb,
                                   block_bytes=block_bytes, block_stride=block_stride, device_id=dev,
-                                  group=group_of.get(layer, 0)))
+                                  group=group_of.get(layer, 0), heads=n_heads))
     assert mem_type is not None and layout_blocks is not None
     if len(regions) * layout_blocks > _MAX_DESCS:
         raise ValueError(f"{len(regions)} regions x {layout_blocks} blocks do not fit NIXL's int32 "

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvsm.lifecycle.clock import Clock
-from kvsm.transport.base import TransferState, Transport, XferHandle
+from kvsm.transport.base import Heads, TransferState, Transport, XferHandle
 
 
 class Fault(enum.Enum):
@@ -47,12 +47,15 @@ DISCONNECT_ERROR = "nixlRemoteDisconnectError: the peer's agent disconnected"
 class MemoryXferHandle(XferHandle):
     """A posted in-memory read; ``error`` says why it ended in ERROR."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "local_heads", "remote_heads")
 
     def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                 notif: bytes, tag: str = "") -> None:
+                 notif: bytes, tag: str = "", local_heads: Heads | None = None,
+                 remote_heads: Heads | None = None) -> None:
         super().__init__(peer, local_blocks, remote_blocks, notif, tag)
         self.error = ""
+        self.local_heads = local_heads
+        self.remote_heads = remote_heads
 
 
 @dataclass(eq=False)
@@ -121,8 +124,18 @@ class InMemoryFabric:
             sender.on_read(h.remote_blocks, h.tag)
         if reader.on_write is not None:
             reader.on_write(h.local_blocks, h.tag)
-        for lb, rb in zip(h.local_blocks, h.remote_blocks):
-            reader.write_block(lb, sender.read_block(rb))
+        if h.local_heads is None and h.remote_heads is None:
+            for lb, rb in zip(h.local_blocks, h.remote_blocks):
+                reader.write_block(lb, sender.read_block(rb))
+        else:
+            lo, ln = _byte_run(reader.block_bytes, h.local_heads)
+            ro, rn = _byte_run(sender.block_bytes, h.remote_heads)
+            if ln != rn:
+                self._fail(t, f"NIXL reported ERR: {rn} remote bytes per block for {ln} local ones")
+                return
+            for lb, rb in zip(h.local_blocks, h.remote_blocks):
+                at = lb * reader.block_bytes + lo
+                reader.memory[at:at + ln] = sender.memory[rb * sender.block_bytes + ro:][:rn]
         if t.fault is Fault.CORRUPT and h.local_blocks:
             reader.memory[h.local_blocks[0] * reader.block_bytes] ^= 0xFF
         t.state = TransferState.DONE
@@ -175,6 +188,15 @@ class InMemoryFabric:
         return sum(1 for t in self._transfers.values() if t.state is TransferState.PENDING)
 
 
+def _byte_run(block_bytes: int, heads: Heads | None) -> tuple[int, int]:
+    """(offset, length) of a run of heads within a block (the whole block: None)."""
+    if heads is None:
+        return 0, block_bytes
+    start, count, of = heads
+    unit = block_bytes // of
+    return start * unit, count * unit
+
+
 class InMemoryAgent(Transport):
     """One engine's registered block pool on an ``InMemoryFabric``."""
 
@@ -224,7 +246,8 @@ class InMemoryAgent(Transport):
         self.fabric._settle_from(self.name, peer, f"cancelled in flight: peer {peer!r} removed")
 
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = ()) -> MemoryXferHandle:
+                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
+                  local_heads: Heads | None = None, remote_heads: Heads | None = None) -> MemoryXferHandle:
         if self.closed:
             raise RuntimeError(f"agent {self.name!r} is closed")
         if peer not in self.peers:
@@ -234,7 +257,12 @@ class InMemoryAgent(Transport):
         if group_sizes and (sum(group_sizes) != len(local_blocks) or len(group_sizes) != self.num_groups):
             raise ValueError(f"group sizes {list(group_sizes)} for {len(local_blocks)} blocks of "
                              f"{self.num_groups} KV cache group(s)")
-        handle = MemoryXferHandle(peer, local_blocks, remote_blocks, notif, tag)
+        for heads in (local_heads, remote_heads):
+            if heads is not None and not (0 <= heads[0] and 0 < heads[1] and heads[0] + heads[1] <= heads[2]):
+                raise ValueError(f"heads {heads}: not a run of a block's heads")
+        if local_heads is not None and remote_heads is not None and local_heads[1] != remote_heads[1]:
+            raise ValueError(f"heads {local_heads} here and {remote_heads} on {peer!r}: the runs differ in size")
+        handle = MemoryXferHandle(peer, local_blocks, remote_blocks, notif, tag, local_heads, remote_heads)
         self.fabric._post(self.name, handle)
         return handle
 

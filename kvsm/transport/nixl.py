@@ -60,7 +60,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvsm.transport.base import TransferState, Transport, XferHandle
+from kvsm.transport.base import Heads, TransferState, Transport, XferHandle
 from kvsm.transport.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class _Peer:
     layout: KVLayout
     dlist: Any  # nixl_prepped_dlist_handle of all its blocks
     handles: set[NixlXferHandle] = field(default_factory=set)
+    cuts: dict[Heads, Any] = field(default_factory=dict)  # prepped lists of runs of heads
 
 
 class NixlTransport(Transport):
@@ -128,6 +129,7 @@ class NixlTransport(Transport):
         self._closed = False
         self._reg = None
         self._local = None
+        self._local_cuts: dict[Heads, Any] = {}
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                    backends=list(backends))
         self._agent = nixl_agent(name, config)
@@ -225,6 +227,9 @@ class NixlTransport(Transport):
             self._free(h)
         p.handles.clear()
         del self._peers[p.name]
+        for cut in p.cuts.values():
+            cut.release()
+        p.cuts.clear()
         try:
             p.dlist.release()
         except self._errors as e:
@@ -236,8 +241,17 @@ class NixlTransport(Transport):
 
     # -- reads -------------------------------------------------------------------
 
+    def _cut(self, cuts: dict[Heads, Any], agent: str, layout: KVLayout, heads: Heads) -> Any:
+        """The prepped descriptor list of run ``heads`` of every block (prepped once)."""
+        dlist = cuts.get(heads)
+        if dlist is None:
+            dlist = cuts[heads] = self._agent.prep_xfer_dlist(agent, layout.sliced(*heads).all_block_descs(),
+                                                              layout.mem_type)
+        return dlist
+
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = ()) -> NixlXferHandle:
+                  notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
+                  local_heads: Heads | None = None, remote_heads: Heads | None = None) -> NixlXferHandle:
         """Post one NIXL READ of ``remote_blocks`` (every region of their KV cache
         group: ``group_sizes``, see ``KVLayout.desc_index_array``) into ``local_blocks``.
 
@@ -245,7 +259,8 @@ class NixlTransport(Transport):
         range: ``ValueError``. A NIXL failure (e.g. the peer died:
         ``nixlRemoteDisconnectError``) does not raise: the handle comes back in
         ERROR with the reason in ``handle.error``. Zero blocks: nothing to read,
-        the notification is sent at once and the handle is DONE.
+        the notification is sent at once and the handle is DONE. Runs of heads
+        that cannot be cut out of the blocks, or differ in size: ``ValueError``.
         """
         self._check_open()
         p = self._peers.get(peer)
@@ -253,6 +268,13 @@ class NixlTransport(Transport):
             raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        local_list, remote_list = self._local, p.dlist
+        if local_heads is not None and remote_heads is not None and local_heads[1] != remote_heads[1]:
+            raise ValueError(f"heads {local_heads} here and {remote_heads} on {peer!r}: the runs differ in size")
+        if local_heads is not None and local_heads[1] != local_heads[2]:
+            local_list = self._cut(self._local_cuts, "NIXL_INIT_AGENT", self.layout, local_heads)
+        if remote_heads is not None and remote_heads[1] != remote_heads[2]:
+            remote_list = self._cut(p.cuts, p.name, p.layout, remote_heads)
         local_idx = self.layout.desc_index_array(local_blocks, group_sizes)
         remote_idx = p.layout.desc_index_array(remote_blocks, group_sizes)
         h = NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag)
@@ -263,7 +285,7 @@ class NixlTransport(Transport):
                 h.state = TransferState.DONE
             return h
         try:
-            h._nixl = self._agent.make_prepped_xfer("READ", self._local, local_idx, p.dlist,
+            h._nixl = self._agent.make_prepped_xfer("READ", local_list, local_idx, remote_list,
                                                      remote_idx, notif_msg=notif)
             st = self._agent.transfer(h._nixl)
         except self._errors as e:
@@ -380,6 +402,9 @@ class NixlTransport(Transport):
             return
         for p in list(self._peers.values()):
             self._drop_peer(p)
+        for cut in self._local_cuts.values():
+            cut.release()
+        self._local_cuts.clear()
         if self._local is not None:
             self._local.release()
             self._local = None

@@ -34,6 +34,7 @@ from kvsm.loop import EventLoop, LoopError, TimerHandle
 from kvsm.pin_channel import PinChannelServer
 from kvsm.stats import StatsRecorder
 from kvsm.transport.base import Transport, XferHandle
+from kvsm.worker.tp_map import ReadPlan, Source
 
 log = logging.getLogger("kvsm.worker")
 
@@ -128,11 +129,26 @@ class PeerIO:
 
 
 @dataclass(slots=True)
+class Link:
+    """One prefill rank a decode request deals with: a read of ``source``'s heads,
+    or (``source`` None) only the word that nobody reads it (``tp_map``)."""
+
+    peer: PeerIO
+    rank: int
+    readers: int = 1  # decode ranks that prefill rank waits for (told with every message)
+    source: Source | None = None
+    handle: XferHandle | None = None
+    done: bool = False  # its read completed: its notification told the prefill rank
+
+
+@dataclass(slots=True)
 class RecvIO:
-    """The I/O side of one decode request: what its effects need."""
+    """The I/O side of one decode request: what its effects need. ``peer`` is the
+    first prefill rank it reads (the only one unless tensor parallel sizes differ)."""
 
     start: RecvStart
     peer: PeerIO
+    links: list[Link] = field(default_factory=list)
     handles: list[XferHandle] = field(default_factory=list)
     completed: int = 0  # reads that completed before they were released
     handshake_timer: TimerHandle | None = None
@@ -144,6 +160,14 @@ class RecvIO:
 
     def timers(self) -> tuple[TimerHandle | None, ...]:
         return (self.handshake_timer, self.transfer_timer, self.retry_timer, self.settle_timer)
+
+    @property
+    def reads(self) -> list[Link]:
+        """The links it reads through, in plan order (a claim's ``source`` index)."""
+        return [link for link in self.links if link.source is not None]
+
+    def deals_with(self, peer: PeerIO) -> bool:
+        return any(link.peer is peer for link in self.links)
 
 
 @dataclass(slots=True)
@@ -190,6 +214,7 @@ class WorkerContext:
     _recv_io: dict[str, RecvIO]
     _send_io: dict[str, SendIO]
     _peer_io: dict[str, PeerIO]
+    _peer_ranks: dict[str, int]  # peer key -> the prefill rank behind it
     _claims: dict[int, Claim]
     _claim_queue: dict[str, list[str]]
     _retry_flush: TimerHandle | None
@@ -212,6 +237,7 @@ class WorkerContext:
         self._recv_io = {}
         self._send_io = {}
         self._peer_io = {}
+        self._peer_ranks = {}
         self._claims = {}
         self._claim_queue = {}
         self._retry_flush = None
@@ -294,16 +320,19 @@ class WorkerContext:
     def _on_loop_error(self, err: LoopError) -> None:
         raise NotImplementedError
 
-    def _peer(self, engine: str, host: str, port: int) -> PeerIO:
+    def _peer(self, engine: str, host: str, port: int, rank: int | None = None) -> PeerIO:
         raise NotImplementedError
 
     def _peer_state(self, peer: PeerIO) -> str:
         raise NotImplementedError
 
+    def _read_plan(self, remote_tp: int) -> ReadPlan | None:
+        raise NotImplementedError
+
     def _peer_agent(self, peer: PeerIO) -> str:
         raise NotImplementedError
 
-    def _tell_abandon(self, peer: PeerIO, remote_reqs: list[str]) -> None:
+    def _tell_abandon(self, peer: PeerIO, remote_reqs: list[str], readers: int = 1) -> None:
         raise NotImplementedError
 
     def _mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:

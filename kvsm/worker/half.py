@@ -174,7 +174,10 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
                 self.loop.add_reader(sock, self.pins.on_readable, label="pin channel")
         if self.cfg.consumes:
             self.client = HandshakeClient(
-                self.compat, requester=f"{self.cfg.engine_id}/tp{self.tp_rank}", context=self.loop.context,
+                # Named as our NIXL agent: the prefill side counts each decode rank once,
+                # by this name in its abandons and by the agent in its reads' notifications.
+                self.compat, requester=self.agent_name or f"{self.cfg.engine_id}/tp{self.tp_rank}",
+                context=self.loop.context,
                 on_socket_added=self._watch_client_socket, on_socket_removed=self.loop.remove_reader)
 
     def _on_side_channel(self) -> None:

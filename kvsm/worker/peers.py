@@ -56,12 +56,15 @@ class PeerSide(WorkerContext):
 
     # -- the peer machines -------------------------------------------------------------
 
-    def _peer(self, engine: str, host: str, port: int) -> PeerIO:
-        address = peer_address(host, port + self.tp_rank)
+    def _peer(self, engine: str, host: str, port: int, rank: int | None = None) -> PeerIO:
+        """Prefill rank ``rank`` (default: ours) of the engine whose side channel
+        starts at ``port``."""
+        address = peer_address(host, port + (self.tp_rank if rank is None else rank))
         key = f"{engine}@{address}"
         peer = self._peer_io.get(key)
         if peer is None:
             peer = self._peer_io[key] = PeerIO(key, engine, address)
+            self._peer_ranks[key] = self.tp_rank if rank is None else rank
             self.peers.create(key)
         return peer
 
@@ -89,6 +92,7 @@ class PeerSide(WorkerContext):
             effects[name](peer, o)
         if o.dst in PEER.terminal:
             self._peer_io.pop(o.req, None)
+            self._peer_ranks.pop(o.req, None)
         return o
 
     def _mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:
@@ -121,7 +125,7 @@ class PeerSide(WorkerContext):
                           peer.address, peer.engine, m.last_error, (m.dead_until_ns - self.loop.now_ns()) / S)
         kind = f"peer_{reason}" if reason else "peer_dead"
         for req, io in list(self._recv_io.items()):
-            if io.peer is peer and req in self.recv:
+            if io.deals_with(peer) and req in self.recv:
                 self.stats.failure(kind)
                 self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason=reason))
 
@@ -166,28 +170,38 @@ class PeerSide(WorkerContext):
         assert self.client is not None
         peer = self._peer_io[key]
         pairs = []
+        readers = 1
         for req in reqs:
             io = self._recv_io.get(req)
             if io is None:  # ended while queued
                 continue
             pairs.append((req, io.start.remote_req))
+            readers = next((link.readers for link in io.links if link.peer is peer), readers)
         fetch = self._peer_state(peer) in PEER_FETCH_STATES
         for at in range(0, len(pairs), MAX_CLAIMS):
             chunk = pairs[at:at + MAX_CLAIMS]
             claims = [remote for _, remote in chunk]
             if fetch:  # every chunk asks: whichever reply comes first adds the agent
-                rid = self.client.fetch_metadata(peer.address, self.tp_rank, 0, claims, deadline_ns=deadline,
-                                                 expected_engine_id=peer.engine)
+                rid = self.client.fetch_metadata(peer.address, self._rank_at(peer), 0, claims, deadline_ns=deadline,
+                                                 expected_engine_id=peer.engine, readers=readers)
             else:
-                rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline)
+                rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline, readers=readers)
             self._claims[rid] = Claim(peer, now, chunk, fetch)
+
+    def _rank_at(self, peer: PeerIO) -> int:
+        """The prefill rank behind ``peer`` (its tp_rank in a metadata request)."""
+        return self._peer_ranks.get(peer.key, self.tp_rank)
 
     def _retry_claim(self, req: str) -> None:
         io = self._recv_io.get(req)
         if io is None:
             return
         io.retry_timer = None
-        self._claim_queue.setdefault(io.peer.key, []).append(req)
+        m = self.recv.get(req)
+        granted = m.claims_granted if m is not None else 0
+        for i, link in enumerate(io.reads):
+            if not granted & (1 << i):  # the ranks that granted it already are not asked again
+                self._claim_queue.setdefault(link.peer.key, []).append(req)
         if self._retry_flush is None:  # one flush for every retry due now (a timer: it cannot be dropped)
             self._retry_flush = self.loop.call_later(0, self._flush_retries, label="claim retry flush")
 
@@ -260,8 +274,9 @@ class PeerSide(WorkerContext):
             status = outcome.claims.get(remote_req, "unknown")
             io.answers[status] = io.answers.get(status, 0) + 1  # logged when the claim phase ends
             if status == "ok":
+                source = next((i for i, link in enumerate(io.reads) if link.peer is peer), 0)
                 self._apply_recv(ev.HandshakeOk(req=req, remote_engine=peer.engine, claim_sent_ns=claim.sent_ns,
-                                                lease_window_ns=window))
+                                                lease_window_ns=window, source=source))
             elif status == ANSWER_EXPIRED:
                 self.stats.failure("lease_expired")
                 self._apply_recv(ev.Error(req=req, kind="lease_expired", detail=(
@@ -280,13 +295,14 @@ class PeerSide(WorkerContext):
 
     # -- one-way messages: abandons and heartbeats ------------------------------------------
 
-    def _tell_abandon(self, peer: PeerIO, remote_reqs: list[str]) -> None:
+    def _tell_abandon(self, peer: PeerIO, remote_reqs: list[str], readers: int = 1) -> None:
         """Tell the prefill side we will never read these (so it can unpin now);
         nobody to tell when the peer is unreachable: its lease frees the blocks."""
         if self.client is None or self._peer_state(peer) in PEER_UNREACHABLE_STATES:
             return
         now = self.loop.now_ns()
-        rid = self.client.abandon(peer.address, remote_reqs, deadline_ns=now + int(self.cfg.handshake_timeout_s * S))
+        rid = self.client.abandon(peer.address, remote_reqs, deadline_ns=now + int(self.cfg.handshake_timeout_s * S),
+                                  readers=readers)
         self._oneway[rid] = (peer, now)
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
@@ -294,15 +310,22 @@ class PeerSide(WorkerContext):
     def _send_heartbeat(self, target: HeartbeatTarget) -> None:
         if self.client is None or not target.claims:
             return
-        peer = self._peer(target.remote_engine, target.remote_host, target.remote_port)
-        if self._peer_state(peer) in PEER_UNREACHABLE_STATES:
-            return
+        try:
+            plan = self._read_plan(target.remote_tp_size)
+        except ValueError:
+            return  # its requests fail (tp_mismatch): nothing of theirs to keep pinned
+        ranks = [(None, 1)] if plan is None else [(s.rank, plan.completions[s.rank]) for s in plan.sources]
         now = self.loop.now_ns()
         deadline = now + int(self.cfg.handshake_timeout_s * S)
         claims = list(target.claims)
-        for at in range(0, len(claims), MAX_CLAIMS):  # the server refuses longer messages
-            rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline)
-            self._oneway[rid] = (peer, now)
+        for rank, readers in ranks:
+            peer = self._peer(target.remote_engine, target.remote_host, target.remote_port, rank)
+            if self._peer_state(peer) in PEER_UNREACHABLE_STATES:
+                continue
+            for at in range(0, len(claims), MAX_CLAIMS):  # the server refuses longer messages
+                rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline,
+                                            readers=readers)
+                self._oneway[rid] = (peer, now)
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
 

@@ -16,8 +16,13 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import PEER_UNREACHABLE_STATES, RECV
 from kvsm.loop import LoopError
-from kvsm.transport.base import TransferState
-from kvsm.worker.context import RecvEffect, RecvIO, S, WorkerContext
+from kvsm.transport.base import TransferState, XferHandle
+from kvsm.worker.context import Link, PeerIO, RecvEffect, RecvIO, S, WorkerContext
+from kvsm.worker.send import notif_of
+from kvsm.worker.tp_map import HeadRun, ReadPlan, Source, read_plan
+
+# Equal tensor parallel sizes: the same rank's whole blocks.
+FULL_SOURCE = Source(0, HeadRun(0, 1, 1), HeadRun(0, 1, 1))
 
 
 class RecvSide(WorkerContext):
@@ -49,11 +54,21 @@ class RecvSide(WorkerContext):
         if req in self.recv:
             self._note("worker.duplicate_recv_start", req)
             return
-        self._recv_io[req] = RecvIO(start, self._peer(start.remote_engine, start.remote_host, start.remote_port))
+        plan: ReadPlan | None = None
+        plan_problem = ""
+        try:
+            plan = self._read_plan(start.remote_tp_size)
+        except ValueError as e:
+            plan_problem = str(e)
+        io = self._recv_io[req] = self._recv_io_of(start, plan)
         self.recv.create(req)
         self._apply_recv(ev.Matched(req=req, num_tokens=start.num_tokens, remote_engine=start.remote_engine,
                                     remote_req=start.remote_req, remote_host=start.remote_host,
-                                    remote_port=start.remote_port, remote_blocks=len(start.remote_block_ids)))
+                                    remote_port=start.remote_port, remote_blocks=len(start.remote_block_ids),
+                                    sources=len(io.reads), plan=plan.describe() if plan is not None else ""))
+        if plan_problem:
+            self._apply_recv(ev.Error(req=req, kind="tp_mismatch", detail=plan_problem))
+            return
         problem = self._unreadable(start)
         if problem is not None:
             kind, detail = problem
@@ -62,11 +77,37 @@ class RecvSide(WorkerContext):
         self._apply_recv(ev.Allocated(req=req, block_ids=start.local_block_ids,
                                       num_external_tokens=start.num_tokens, group_sizes=start.group_sizes))
 
+    def _read_plan(self, remote_tp: int) -> ReadPlan | None:
+        """Which prefill ranks this rank reads, and which of their heads (None: the
+        same rank, whole blocks: tensor parallel sizes are equal). ``ValueError``
+        saying why when the sizes differ and the KV cache cannot be read across them."""
+        if remote_tp == self.cfg.tp_size:
+            return None
+        share = self.cfg.tp_share
+        if share not in ("heads", "replicated"):
+            raise ValueError(f"the prefill engine runs tensor parallel {remote_tp}, this engine "
+                             f"{self.cfg.tp_size}, and this model's KV cache cannot be read across "
+                             f"different sizes ({share.removeprefix('none: ')})")
+        try:
+            return read_plan(self.tp_rank, self.cfg.tp_size, remote_tp, self.cfg.kv_heads,
+                             replicated_layout=share == "replicated")
+        except ValueError as e:
+            raise ValueError(f"the prefill engine runs tensor parallel {remote_tp}, this engine "
+                             f"{self.cfg.tp_size}: {e}") from None
+
+    def _recv_io_of(self, start: RecvStart, plan: ReadPlan | None) -> RecvIO:
+        """The request's links: one per prefill rank it deals with."""
+        engine, host, port = start.remote_engine, start.remote_host, start.remote_port
+        if plan is None:
+            peer = self._peer(engine, host, port)
+            return RecvIO(start, peer, [Link(peer, self.tp_rank, 1, FULL_SOURCE)])
+        links = [Link(self._peer(engine, host, port, s.rank), s.rank, plan.completions[s.rank], s)
+                 for s in plan.sources]
+        links += [Link(self._peer(engine, host, port, k), k, plan.completions[k]) for k in plan.notify_only]
+        return RecvIO(start, links[0].peer, links)
+
     def _unreadable(self, start: RecvStart) -> tuple[str, str] | None:
         """Why this request cannot be read at all, before any I/O."""
-        if start.remote_tp_size != self.cfg.tp_size:
-            return ("tp_mismatch", (f"the prefill engine runs tensor parallel {start.remote_tp_size}, this "
-                                    f"engine {self.cfg.tp_size}; kvsm needs equal sizes"))
         if start.problem:
             return ("bad_params", start.problem)
         if len(start.remote_block_ids) != len(start.local_block_ids):
@@ -89,8 +130,7 @@ class RecvSide(WorkerContext):
         start, exc = args
         req = start.req
         if req not in self._recv_io:
-            self._recv_io[req] = RecvIO(start, self._peer(start.remote_engine, start.remote_host,
-                                                          start.remote_port))
+            self._recv_io[req] = self._recv_io_of(start, self._plan_or_none(start.remote_tp_size))
         self.recv.create(req)
         self._apply_recv(ev.InternalError(req=req, where="_on_recv_start", detail=f"{type(exc).__name__}: {exc}"))
 
@@ -103,13 +143,18 @@ class RecvSide(WorkerContext):
                               remote_host=abandon.remote_host, remote_port=abandon.remote_port,
                               remote_tp_size=abandon.remote_tp_size, remote_block_ids=(), local_block_ids=(),
                               num_tokens=0, awaited=False)
-            self._recv_io[req] = RecvIO(start, self._peer(abandon.remote_engine, abandon.remote_host,
-                                                          abandon.remote_port))
+            self._recv_io[req] = self._recv_io_of(start, self._plan_or_none(abandon.remote_tp_size))
             self.recv.create(req)
             self._apply_recv(ev.Matched(req=req, num_tokens=0, remote_engine=abandon.remote_engine,
                                         remote_req=abandon.remote_req, remote_host=abandon.remote_host,
                                         remote_port=abandon.remote_port))
         self._apply_recv(ev.Abort(req=req))
+
+    def _plan_or_none(self, remote_tp: int) -> ReadPlan | None:
+        try:
+            return self._read_plan(remote_tp)
+        except ValueError:
+            return None
 
     def _on_recv_abort(self, abort: RecvAbort) -> None:
         # After the end (the transfer was reported before vLLM's abort came) the
@@ -225,13 +270,17 @@ class RecvSide(WorkerContext):
 
     def _start_handshake(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         assert io is not None
-        peer = io.peer
-        if self._peer_state(peer) in PEER_UNREACHABLE_STATES:
-            # Known dead: fail now rather than wait out another timeout.
-            self.stats.failure("peer_dead")
-            self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason="known_dead"))
-            return
-        self._claim_queue.setdefault(peer.key, []).append(req)
+        for link in io.reads:
+            if self._peer_state(link.peer) in PEER_UNREACHABLE_STATES:
+                # Known dead: fail now rather than wait out another timeout.
+                self.stats.failure("peer_dead")
+                self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="known_dead"))
+                return
+        for link in io.links:
+            if link.source is not None:
+                self._claim_queue.setdefault(link.peer.key, []).append(req)
+            else:  # a prefill rank nobody of ours reads: it may unpin its share now
+                self._tell_abandon(link.peer, [io.start.remote_req], link.readers)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -243,20 +292,27 @@ class RecvSide(WorkerContext):
         if not start.local_block_ids:
             self._apply_recv(ev.NothingToRead(req=req))
             return
-        peer = io.peer
-        agent = self._peer_agent(peer)
         assert self.transport is not None
-        if not agent:  # dropped meanwhile (found dead)
-            self.stats.failure("peer_dead")
-            self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason="no_agent"))
-            return
-        h = self.transport.post_read(agent, start.local_block_ids, start.remote_block_ids,
-                                     start.remote_req.encode(), tag=req, group_sizes=start.group_sizes)
-        io.handles.append(h)
+        reads = io.reads
+        agents = [self._peer_agent(link.peer) for link in reads]
+        for link, agent in zip(reads, agents):
+            if not agent:  # dropped meanwhile (found dead)
+                self.stats.failure("peer_dead")
+                self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="no_agent"))
+                return
         io.posted_ns = self.loop.now_ns()
+        for link, agent in zip(reads, agents):
+            src = link.source
+            assert src is not None
+            link.handle = self.transport.post_read(
+                agent, start.local_block_ids, start.remote_block_ids, notif_of(start.remote_req, link.readers),
+                tag=req, group_sizes=start.group_sizes,
+                local_heads=None if src.local.whole else (src.local.start, src.local.count, src.local.of),
+                remote_heads=None if src.remote.whole else (src.remote.start, src.remote.count, src.remote.of))
+            io.handles.append(link.handle)
         layout = getattr(self.transport, "layout", None)
-        num_descs = (layout.num_descs(len(start.local_block_ids), start.group_sizes) if layout is not None
-                     else len(start.local_block_ids))
+        num_descs = len(reads) * (layout.num_descs(len(start.local_block_ids), start.group_sizes)
+                                  if layout is not None else len(start.local_block_ids))
         self._apply_recv(ev.ReadsPosted(req=req, num_blocks=len(start.local_block_ids), num_descs=num_descs))
 
     def _settle(self, req: str) -> None:
@@ -271,18 +327,27 @@ class RecvSide(WorkerContext):
             self._watch(req)
             return
         self._polling.pop(req, None)
-        errors = [getattr(h, "error", "") or "NIXL reported an error" for h, s in zip(io.handles, states)
-                  if s is TransferState.ERROR]
-        if errors:
+        for link in io.reads:
+            if link.handle is not None and states[io.handles.index(link.handle)] is TransferState.DONE:
+                link.done = True
+        failed = [(self._peer_of_handle(io, h), getattr(h, "error", "") or "NIXL reported an error")
+                  for h, s in zip(io.handles, states) if s is TransferState.ERROR]
+        if failed:
             self.stats.failure("transfer")
+            errors = [e for _, e in failed]
             gone = any("Disconnect" in e for e in errors)
             self._apply_recv(ev.Error(req=req, kind="transfer", detail="; ".join(errors)[:500], peer_gone=gone))
-            if gone:
-                self._mark_dead(io.peer, errors[0], "disconnected")
-            else:
-                self._apply_peer(ev.ReadFailed(req=io.peer.key, why=errors[0][:200]))
+            for peer, error in failed:
+                if "Disconnect" in error:
+                    self._mark_dead(peer, error, "disconnected")
+                else:
+                    self._apply_peer(ev.ReadFailed(req=peer.key, why=error[:200]))
             return
         self._apply_recv(ev.AllReadsDone(req=req, num_bytes=self._bytes_of(io)))
+
+    @staticmethod
+    def _peer_of_handle(io: RecvIO, handle: XferHandle) -> PeerIO:
+        return next((link.peer for link in io.links if link.handle is handle), io.peer)
 
     def _watch(self, req: str) -> None:
         self._polling[req] = None
@@ -307,6 +372,9 @@ class RecvSide(WorkerContext):
         for h in io.handles:
             if self.transport.check(h) is TransferState.DONE:
                 io.completed += 1
+                for link in io.links:
+                    if link.handle is h:
+                        link.done = True
             if not self.transport.release(h):
                 keep.append(h)
         io.handles = keep
@@ -328,8 +396,9 @@ class RecvSide(WorkerContext):
             return
         io.settle_timer = None
         if io.handles:
-            self._mark_dead(io.peer, f"reads of {req} did not settle within {self.cfg.transfer_timeout_s} s "
-                                     f"after the request gave up on them", "unsettled")
+            for peer in {id(self._peer_of_handle(io, h)): self._peer_of_handle(io, h) for h in io.handles}.values():
+                self._mark_dead(peer, f"reads of {req} did not settle within {self.cfg.transfer_timeout_s} s "
+                                      f"after the request gave up on them", "unsettled")
             self._settle(req)
 
     def _bytes_of(self, io: RecvIO) -> int:
@@ -356,11 +425,18 @@ class RecvSide(WorkerContext):
         and unlike a NIXL notification on an idle agent it does not wait for our next
         NIXL call to leave)."""
         assert io is not None
-        self._tell_abandon(io.peer, [io.start.remote_req])
+        self._abandon_links(io)
 
     def _notify_abandon(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         assert io is not None
-        self._tell_abandon(io.peer, [io.start.remote_req])
+        self._abandon_links(io)
+
+    def _abandon_links(self, io: RecvIO) -> None:
+        """Tell every prefill rank we read nothing (more) from that it may unpin its
+        share; a rank whose read completed was told by the read's notification."""
+        for link in io.links:
+            if link.source is not None and not link.done:
+                self._tell_abandon(link.peer, [io.start.remote_req], link.readers)
 
     def _deliver_blocks(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         assert io is not None

@@ -18,6 +18,27 @@ from kvsm.lifecycle.table import CLAIM_ANSWERS, SEND, SEND_NEW_AFTER_END
 from kvsm.loop import LoopError
 from kvsm.worker.context import NOTIF_FAST_WINDOW_NS, NOTIF_POLL_MAX_NS, SendEffect, SendIO, WorkerContext
 
+# A read's notification: the prefill request id, and when several decode ranks
+# read this rank, how many (``<req>\x1f<readers>``; a bare id: one).
+NOTIF_READERS_SEP = "\x1f"
+
+
+def notif_of(remote_req: str, readers: int) -> bytes:
+    """The notification a read carries to the prefill rank it reads."""
+    return (remote_req if readers == 1 else f"{remote_req}{NOTIF_READERS_SEP}{readers}").encode()
+
+
+def parse_notif(msg: bytes) -> tuple[str, int]:
+    """(prefill request id, readers) of a read's notification."""
+    text = msg.decode()
+    req, sep, n = text.rpartition(NOTIF_READERS_SEP)
+    if not sep:
+        return text, 1
+    if not n.isdigit() or not 1 <= int(n) <= 1024 or not req:
+        raise ValueError(f"malformed notification {text[:80]!r}")
+    return req, int(n)
+
+
 # At most this many abandons may wait for a prefill this worker has not heard
 # finish (each is a small machine, alive for at most a lease).
 MAX_EARLY_ABANDONS = 4096
@@ -47,8 +68,9 @@ class SendSide(WorkerContext):
         self._arm_notif_poll(soon=True)  # a new reader connects: its first read needs us
         return self.agent_name, self.transport.metadata(), b"", 1
 
-    def _on_claims(self, kind: str, requester: str, claims: list[str]) -> dict[str, str]:
-        """Answer a decode worker's claims, heartbeats and abandons."""
+    def _on_claims(self, kind: str, requester: str, claims: list[str], readers: int = 1) -> dict[str, str]:
+        """Answer a decode worker's claims, heartbeats and abandons (``readers``: the
+        decode ranks that have business with these blocks here, the requester one of them)."""
         answers: dict[str, str] = {}
         for req in claims:
             if kind == "abandon":
@@ -62,7 +84,8 @@ class SendSide(WorkerContext):
                         answers[req] = "ok"
                         continue
                     self.send.create(req)  # not heard of yet: the machine waits for its finish
-                self._apply_send(ev.RemoteAbandoned(req=req, reason=f"abandoned by {requester}"))
+                self._apply_send(ev.RemoteAbandoned(req=req, reason=f"abandoned by {requester}", reader=requester,
+                                                    readers=readers))
                 answers[req] = "ok"
                 continue
             answer = CLAIM_ANSWERS.get(self._send_state(req), "unknown")
@@ -218,13 +241,13 @@ class SendSide(WorkerContext):
         notifs = self.transport.get_notifs()
         for peer, msg in notifs:
             try:
-                req = msg.decode()
-            except UnicodeDecodeError:
+                req, readers = parse_notif(msg)
+            except (UnicodeDecodeError, ValueError):
                 self._note("worker.bad_notification", None, peer=peer, size=len(msg))
                 continue
             # After a release (the reader's abandon overtook its read's notification)
             # the table records it as stale; after expiry, as the violation it is.
-            self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer))
+            self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer, readers=readers))
         if notifs or self.loop.now_ns() < self._notif_fast_until_ns:
             self._notif_interval_ns = self._notif_min_ns
         else:
