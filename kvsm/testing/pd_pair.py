@@ -55,6 +55,22 @@ def kvsm_transfer_config(role: str, *, port: int, log_dir: str | None, engine_id
 # ----------------------------------------------------------------- the child
 
 
+def corrupt_blocks(worker: Any, block_ids: list[int], seed: int) -> int:
+    """Overwrite ``block_ids`` of every layer of ``worker``'s KV cache with noise of
+    the data's own scale (runs inside each vLLM worker: ``LLM.collective_rpc``)."""
+    import torch
+
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
+    for layer in runner.kv_caches:
+        # A Mamba layer's cache is a tuple of state views (conv, ssm).
+        for t in layer if isinstance(layer, (list, tuple)) else (layer,):
+            scale = float(t[ids].float().std()) or 1.0
+            t[ids] = (torch.randn((len(ids), *t.shape[1:]), generator=gen) * scale).to(t.dtype)
+    return len(block_ids)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kvsm.testing.engine import apply_engine_env
 
@@ -62,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
     ncpu = os.cpu_count()
     if args.cpu is not None and hasattr(os, "sched_setaffinity") and ncpu and ncpu > 1:
         os.sched_setaffinity(0, {args.cpu % ncpu})
-    from kvsm.testing.engine import kv_cache_tensors, make_llm
+    from kvsm.testing.engine import make_llm
 
     extra = json.loads(args.extra) if args.extra else None
     kv = kvsm_transfer_config(args.kv_role, port=args.port, log_dir=args.log_dir, engine_id=args.engine_id,
@@ -72,9 +88,9 @@ def _serve(args: argparse.Namespace) -> int:
     engine = llm.llm_engine
 
     def connector_halves() -> tuple[Any, Any, Any]:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-        worker = get_kv_transfer_group().worker_half
+        worker = get_kv_transfer_group().worker_half if has_kv_transfer_group() else None
         core = getattr(engine, "engine_core", None)
         core = getattr(core, "engine_core", core)
         sched = getattr(getattr(core, "scheduler", None), "connector", None)
@@ -105,17 +121,10 @@ def _serve(args: argparse.Namespace) -> int:
                     "finish_reason": o.outputs[0].finish_reason,
                 } for o in outs]})
             elif op == "corrupt":
-                import torch
-
-                ids = torch.tensor(cmd["block_ids"], dtype=torch.long)
-                gen = torch.Generator().manual_seed(int(cmd.get("seed", 0)))
-                for layer in kv_cache_tensors(llm):
-                    # A Mamba layer's cache is a tuple of state views (conv, ssm).
-                    for t in layer if isinstance(layer, (list, tuple)) else (layer,):
-                        scale = float(t[ids].float().std()) or 1.0
-                        t[ids] = (torch.randn((len(ids), *t.shape[1:]), generator=gen) * scale).to(t.dtype)
+                # On every worker (a tensor parallel engine's run in processes of their own).
+                llm.collective_rpc(corrupt_blocks, args=(list(cmd["block_ids"]), int(cmd.get("seed", 0))))
                 reply({"corrupted": cmd["block_ids"]})
-            elif op == "state":
+            elif op == "state":  # (a tensor parallel engine's workers are elsewhere: worker None)
                 worker, sched, core = connector_halves()
                 pool = core.scheduler.kv_cache_manager.block_pool
                 reply({"worker": worker.debug_state() if worker else None,
@@ -162,15 +171,17 @@ class PDEngine:
     def __init__(self, name: str, kv_role: str, *, model: str | os.PathLike[str], port: int, engine_id: str,
                  log_dir: str | os.PathLike[str] | None, workdir: str | os.PathLike[str], cpu: int | None = None,
                  extra: dict[str, Any] | None = None, max_model_len: int = 512, start_timeout: float = 240.0,
-                 llm_kwargs: dict[str, Any] | None = None) -> None:
+                 llm_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
         self.name = name
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = workdir / f"{name}.stderr.log"
         from kvsm.testing.engine import engine_env
 
-        env = dict(os.environ)
-        env.update(engine_env())
+        environ = dict(os.environ)
+        environ.update(engine_env())
+        environ.update(env or {})  # e.g. VLLM_CPU_OMP_THREADS_BIND for a tensor parallel engine
+        env = environ
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join([repo_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                            if p])

@@ -1,0 +1,138 @@
+"""Offline prefill -> decode pairs whose tensor parallel sizes differ (1 -> 2, 2 -> 1).
+
+Two vLLM engines with KVSMConnector, one of them at tensor parallel 2 (vLLM's
+multiprocess executor, a worker process per rank, ``VLLM_CPU_OMP_THREADS_BIND``
+giving each its own core), serving the tiny Llama (2 KV heads: one per rank
+at TP 2). Each decode rank reads its head from the prefill engine's blocks
+(1 -> 2: both decode ranks read the one prefill rank, which frees its blocks
+after both; 2 -> 1: the decode rank reads half of each block from each
+prefill rank). For each direction:
+
+* the outputs equal a single engine's at the decode engine's TP size, every
+  prompt token came by transfer (``num_cached_tokens`` and each decode rank's
+  ``matched`` record), and each rank's plan is in its event log;
+* a corrupted transfer (noise written into the prefill blocks on every rank)
+  changes the outputs;
+* the replay of every process's log is clean, every machine ended, and each
+  worker's clean stop shows nothing live (no block held on any rank).
+
+The prefill engine never steps after its ``generate``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import require
+
+require("vllm")
+
+from kvsm.replay import analyse
+from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
+from kvsm.testing.pd_pair import PDEngine, matched_tokens
+from kvsm.testing.ports import free_port_run
+from kvsm.testing.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 10
+BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # a core per worker of a TP 2 engine
+RNG = random.Random(20261202)
+PROMPTS = [[RNG.randrange(10, 1100) for _ in range(n)] for n in (40, 150, 300)]
+SENSITIVE = [RNG.randrange(10, 1100) for _ in range(200)]
+
+
+def _engine_args(tp: int, cpu: int) -> dict[str, Any]:
+    return {"llm_kwargs": {"tensor_parallel_size": tp}, "env": BIND if tp > 1 else None,
+            "cpu": None if tp > 1 else cpu}
+
+
+class TPPairOffline:
+    def __init__(self, p_tp: int, d_tp: int, tmp: Path) -> None:
+        self.p_tp, self.d_tp = p_tp, d_tp
+        self.model = build_tiny_model()
+        self.logs = tmp / "logs"
+        self.decode_id = f"decode-tp{d_tp}"
+        prompts = [*PROMPTS, SENSITIVE]
+        ref = run_engine_subprocess(
+            "reference", self.model, prompts, MAX_TOKENS, workdir=tmp / "ref",
+            extra_args=["--llm-kwargs", json.dumps({"tensor_parallel_size": d_tp})], env=BIND if d_tp > 1 else None)
+        # (The reference first: three TP 2 worker processes at once would share 2 cores.)
+        self.reference = {tuple(p): out for p, out in zip(prompts, wait_engine_subprocess(ref)["outputs"],
+                                                          strict=True)}
+        base = free_port_run(4)
+        self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id=f"prefill-tp{p_tp}",
+                                log_dir=self.logs, workdir=tmp, **_engine_args(p_tp, 0))
+        self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id=self.decode_id,
+                               log_dir=self.logs, workdir=tmp, **_engine_args(d_tp, 1))
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPPairOffline]:
+    p_tp, d_tp = request.param
+    p = TPPairOffline(p_tp, d_tp, tmp_path_factory.mktemp(f"pd-tp{p_tp}{d_tp}"))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _records(logs: Path, pattern: str) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted(logs.glob(pattern)):
+        out += [json.loads(line) for line in f.read_text(errors="replace").splitlines() if line.strip()]
+    return out
+
+
+def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPairOffline) -> None:
+    params = pair.prefill.prefill_params(PROMPTS)
+    assert all(p["tp_size"] == pair.p_tp for p in params)
+    outs = pair.decode.generate(PROMPTS, MAX_TOKENS, params)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out["token_ids"] == pair.reference[tuple(prompt)], f"{len(prompt)}-token prompt"
+    assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in PROMPTS]
+    remote = [p["remote_request_id"] for p in params]
+    matched = matched_tokens(pair.logs, pair.decode_id, remote)
+    assert [matched[q] for q in remote] == [len(p) for p in PROMPTS]
+    for rank in range(pair.d_tp):  # each decode rank's plan, in its own log
+        plans = {r["input"]["plan"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank{rank}.*.jsonl")
+                 if r.get("kind") == "transition" and r.get("event") == "matched"}
+        assert len(plans) == 1, plans
+        plan = plans.pop()
+        assert plan.startswith(f"d{rank}/{pair.d_tp} from p*/{pair.p_tp}"), plan
+        if pair.p_tp < pair.d_tp:
+            assert f"p0[{rank}..{rank}/2]->[all]" in plan, plan  # its head of the one prefill rank's two
+        else:
+            assert "p0[all]->[0..0/2]" in plan and "p1[all]->[1..1/2]" in plan, plan
+
+
+def test_a_corrupted_transfer_changes_the_output(pair: TPPairOffline) -> None:
+    (params,) = pair.prefill.prefill_params([SENSITIVE])
+    blocks = sorted({b for ids in params["remote_block_ids"] for b in ids if b})
+    pair.prefill.request({"op": "corrupt", "block_ids": blocks})
+    (out,) = pair.decode.generate([SENSITIVE], MAX_TOKENS, [params])
+    assert out["token_ids"] != pair.reference[tuple(SENSITIVE)], "a corrupted transfer went unnoticed"
+
+
+def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPPairOffline) -> None:
+    pair.close()
+    logs = sorted(pair.logs.glob("*.jsonl"))
+    workers = [f for f in logs if ".worker." in f.name]
+    assert len(workers) == pair.p_tp + pair.d_tp, [f.name for f in logs]
+    report = analyse(logs)
+    assert not report.findings, [str(f) for f in report.findings]
+    assert {m.final_state for m in report.machines if m.lifecycle == "recv"} == {"done"}
+    assert {m.final_state for m in report.machines if m.lifecycle == "send"} == {"released"}
+    for f in workers:  # each worker's clean stop: nothing live, nothing held
+        stops = [r for r in _records(f.parent, f.name) if r.get("event") == "worker.shutdown"]
+        assert stops and stops[-1]["clean"] and stops[-1]["live"] == {"recv": {}, "send": {}}, (f.name, stops)
