@@ -105,10 +105,6 @@ class KVSMConfig:
     def lease_ns(self) -> int:
         return int(self.lease_s * 1e9)
 
-    def port_of_rank(self, tp_rank: int) -> int:
-        """The side-channel port of this engine's worker ``tp_rank``."""
-        return self.side_channel_port + tp_rank
-
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMConfig:
         env = os.environ if env is None else env
@@ -131,10 +127,11 @@ class KVSMConfig:
         else:
             base = _port("VLLM_NIXL_SIDE_CHANNEL_PORT",
                          env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", DEFAULT_SIDE_CHANNEL_PORT))
-        # One port per worker: data-parallel engine i takes the next tp_size ports.
-        port = base + dp_rank * tp_size
-        if port + tp_size - 1 > 65535:
-            raise ValueError(f"side-channel ports {port}..{port + tp_size - 1} exceed 65535")
+        # One port per engine, as upstream: data-parallel engine i listens on base + i,
+        # its rank 0 serving every rank (kvsm.handshake.relay).
+        port = base + dp_rank
+        if port > 65535:
+            raise ValueError(f"side-channel port {base} + data-parallel index {dp_rank} exceeds 65535")
         lease = _positive("kv_lease_duration", extra.get("kv_lease_duration", 30))
         heartbeat = _positive("heartbeat_interval", extra.get("heartbeat_interval", lease / 6))
         if heartbeat >= lease:

@@ -83,10 +83,13 @@ def test_an_impossible_plan_says_why(p: int, d: int, k: int, why: str) -> None:
 # --------------------------------------------------------------------------- the workers
 
 
-@pytest.mark.parametrize("p, d, k", [(1, 2, 2), (2, 1, 2), (1, 4, 2), (4, 2, 8), (2, 4, 1)])
+@pytest.mark.parametrize("p, d, k, mla", [(1, 2, 2, False), (2, 1, 2, False), (1, 4, 2, False), (4, 2, 8, False),
+                                         (2, 4, 1, False), (1, 2, 1, True), (2, 1, 1, True), (4, 2, 1, True)])
 def test_decode_ranks_hold_the_prefill_heads_and_every_prefill_rank_frees_once(
-        tmp_path: Path, p: int, d: int, k: int) -> None:
-    with TPPair(p, d, kv_heads=k, log_dir=tmp_path) as pair:
+        tmp_path: Path, p: int, d: int, k: int, mla: bool) -> None:
+    """``mla``: every rank holds the whole latent; each decode rank reads it from one
+    prefill rank, and the prefill ranks nobody reads are told so."""
+    with TPPair(p, d, kv_heads=k, replicated=mla, log_dir=tmp_path) as pair:
         for i in range(3):
             pair.finish(f"p{i}", (3 * i + 1, 3 * i + 2))
             pair.start(f"d{i}", f"p{i}")
@@ -96,6 +99,12 @@ def test_decode_ranks_hold_the_prefill_heads_and_every_prefill_rank_frees_once(
             assert all(pair.holds(f"d{i}", r) for i in range(3)), f"decode rank {r} holds wrong bytes"
         pair.run(until=lambda: all(len(s) == 3 for s in pair.sent))
         assert all(res["recv_machines"] == res["send_machines"] == 0 for res in pair.resources())
+        # One side-channel port for the engine: rank 0 relayed every other rank's claims.
+        first = pair.prefill[0]
+        assert first is not None and first.server is not None
+        assert first.server.stats().get("relayed", 0) >= (3 if p > 1 else 0)
+        assert all(w is not None and w.server is not None and w.server.address.endswith(f"-tp{k}")
+                   for k, w in enumerate(pair.prefill) if k), "ranks above 0 listen on private endpoints only"
         # The plan, per rank, in the event log.
         plans = {r: {rec["input"].get("plan") for rec in pair.records(DECODE, r)
                      if rec.get("kind") == "transition" and rec.get("event") == "matched"} for r in range(d)}

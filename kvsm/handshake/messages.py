@@ -122,6 +122,7 @@ class Heartbeat(_Message, tag="heartbeat", kw_only=True, frozen=True):
     requester: Id
     claims: Claims
     readers: Readers = 1
+    tp_rank: Rank = 0  # the rank the claims are for (one side-channel port serves every rank)
 
 
 class Abandon(_Message, tag="abandon", kw_only=True, frozen=True):
@@ -133,6 +134,7 @@ class Abandon(_Message, tag="abandon", kw_only=True, frozen=True):
     requester: Id
     claims: Claims
     readers: Readers = 1
+    tp_rank: Rank = 0
 
 
 class MetadataReply(_Message, tag="metadata", kw_only=True, frozen=True):

@@ -5,8 +5,9 @@ malformed message, vLLM #54757)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import zmq
@@ -32,6 +33,7 @@ from kvsm.handshake.messages import (
     Request,
     compat_hash,
 )
+from kvsm.handshake.relay import RankRelay
 
 log = logging.getLogger("kvsm.handshake")
 
@@ -102,8 +104,17 @@ class HandshakeServer:
     def __init__(self, engine_id: str, compat: CompatInfo, provide: MetadataProvider,
                  on_claims: ClaimsHandler, *, host: str = "127.0.0.1", port: int = 0,
                  context: zmq.Context | None = None, max_batch: int = 1024,
-                 rcvhwm: int = 16, sndhwm: int = 1000, lease_ms: int = 0) -> None:
+                 rcvhwm: int = 16, sndhwm: int = 1000, lease_ms: int = 0, rank: int | None = None,
+                 relay_to: Mapping[int, str] | None = None, internal: str = "",
+                 now_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.engine_id = engine_id
+        # The rank this server answers for; requests for other ranks are relayed
+        # (``relay_to``: rank -> its internal endpoint) or refused (None: any rank is
+        # answered here, ``provide`` decides). ``internal``: bind that private
+        # endpoint instead of host:port, for rank 0's relay only.
+        self.rank = rank
+        self._internal = bool(internal)
+        self._now_ns = now_ns
         self.lease_ms = lease_ms
         self.compat = compat
         self.compat_hash = compat_hash(compat)
@@ -137,7 +148,9 @@ class HandshakeServer:
             # Drop connections of clients that vanished without a FIN.
             router.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
             router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
-            if inproc:
+            if internal:
+                router.bind(internal)
+            elif inproc:
                 # Exactly the endpoint peer_address(host, port) names, so that a
                 # client given (host, port) finds it; the port is only a name here.
                 router.bind(peer_address(host, port))
@@ -150,7 +163,8 @@ class HandshakeServer:
             raise OSError(f"handshake server could not bind {host}:{port or '*'}: {e}") from e
         self._router = router
         self.address: str = router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.port = port if inproc else int(self.address.rsplit(":", 1)[1])
+        self.port = port if inproc or internal else int(self.address.rsplit(":", 1)[1])
+        self._relay = RankRelay(self._ctx, relay_to) if relay_to else None
         events = 0
         for event in _MONITOR_EVENTS:
             events |= event
@@ -160,7 +174,9 @@ class HandshakeServer:
 
     def sockets(self) -> list[zmq.Socket]:
         """The sockets the loop must poll for reading; both go to on_readable()."""
-        return [] if self._closed else [self._router, self._monitor]
+        if self._closed:
+            return []
+        return [self._router, self._monitor, *(self._relay.sockets() if self._relay else ())]
 
     def on_readable(self, sock: zmq.Socket | None = None) -> int:
         """Handle what is ready on both sockets (``sock`` is accepted for the loop's
@@ -168,6 +184,8 @@ class HandshakeServer:
         many were handled. Never raises."""
         if self._closed:
             return 0
+        if sock is not None and self._relay is not None and self._relay.owns(sock):
+            return self._relay_replies(sock)
         self._drain_monitor()
         handled = 0
         while handled < self._max_batch:
@@ -200,6 +218,8 @@ class HandshakeServer:
         if self._closed:
             return
         self._closed = True
+        if self._relay is not None:
+            self._relay.close()
         try:
             self._router.disable_monitor()
         except zmq.ZMQError:
@@ -238,7 +258,12 @@ class HandshakeServer:
     def _handle(self, frames: list[bytes]) -> None:
         self._counts["received"] += 1
         identity = frames[0]
-        if len(frames) == 2:
+        if self._internal:  # rank 0's relay: [its routing id, correlation id, payload]
+            if len(frames) != 3:
+                self._counts["relay_malformed"] += 1
+                return
+            envelope, payload = [identity, frames[1]], frames[2]
+        elif len(frames) == 2:
             envelope, payload = [identity], frames[1]
         elif len(frames) == 3 and frames[1] == b"":
             envelope, payload = [identity, b""], frames[2]
@@ -254,6 +279,9 @@ class HandshakeServer:
             request = decode_request(payload)
         except HandshakeProtocolError as e:
             self._refuse(envelope, e.nonce, e.code, e.detail)
+            return
+        if self.rank is not None and request.tp_rank != self.rank:
+            self._relay_request(request, envelope, payload)
             return
         try:
             reply = self._answer(request)
@@ -289,6 +317,49 @@ class HandshakeServer:
                 meta_version=meta_version, claims=claims, lease_ms=self.lease_ms)
         return ClaimsReply(nonce=request.nonce, claims=self._claims(_CLAIM_KIND[type(request)], request),
                            lease_ms=self.lease_ms)
+
+    # ---- other ranks (one port per engine: see kvsm.handshake.relay)
+
+    def _relay_request(self, request: Request, envelope: list[bytes], payload: bytes) -> None:
+        rank = request.tp_rank
+        if self._relay is None or rank not in self._relay.endpoints:
+            self._refuse(envelope, request.nonce, "unknown_rank",
+                         f"engine {self.engine_id} has no worker tp_rank={rank} "
+                         f"pp_rank={getattr(request, 'pp_rank', 0)}")
+            return
+        why = self._relay.forward(rank, envelope, payload, request.nonce, self._now_ns())
+        if why:
+            self._refuse(envelope, request.nonce, why, f"engine {self.engine_id} could not pass the request on to "
+                                                       f"its tp_rank {rank} ({why})")
+            return
+        self._counts["relayed"] += 1
+
+    def _relay_replies(self, sock: zmq.Socket) -> int:
+        assert self._relay is not None
+        replies = self._relay.replies(sock)
+        for envelope, payload in replies:
+            try:
+                self._router.send_multipart([*envelope, payload], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._counts["reply_dropped"] += 1
+            else:
+                self._counts["relayed_replied"] += 1
+        return len(replies)
+
+    def next_deadline_ns(self) -> int | None:
+        """When a relayed request times out next (None: none in flight)."""
+        return self._relay.next_deadline_ns() if self._relay is not None else None
+
+    def expire(self, now_ns: int) -> int:
+        """Answer the relayed requests whose rank did not answer in time."""
+        if self._relay is None:
+            return 0
+        late = self._relay.expire(now_ns)
+        for envelope, nonce, rank in late:
+            self._refuse(envelope, nonce, "rank_unavailable",
+                         f"tp_rank {rank} of engine {self.engine_id} did not answer within "
+                         f"{self._relay.timeout_ns / 1e9:.1f} s (its process gone, or not started yet)")
+        return len(late)
 
     def _claims(self, kind: str, request: Request) -> dict[str, ClaimStatus]:
         if not request.claims:

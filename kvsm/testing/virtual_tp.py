@@ -1,8 +1,9 @@
 """A prefill engine and a decode engine of different tensor parallel sizes, on virtual time.
 
 Like ``VirtualPair``, but each engine has one real ``WorkerHalf`` per rank:
-``prefill_tp`` prefill workers, each serving its own rank's side channel (over
-inproc ZMQ, at the engine's base port + rank), and ``decode_tp`` decode
+``prefill_tp`` prefill workers, each answering for its own rank on the
+engine's one side-channel port (over inproc ZMQ; rank 0 binds it and relays
+the other ranks' requests to them: ``kvsm.handshake.relay``), and ``decode_tp`` decode
 workers, each reading the prefill ranks its plan names (``kvsm.worker.tp_map``).
 Every rank's ``InMemoryAgent`` holds blocks of its share of the model's
 ``kv_heads`` (heads-major: a block is its heads one after another), so a read

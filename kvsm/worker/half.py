@@ -15,12 +15,14 @@ waits for I/O. This module imports no vLLM (a test enforces it).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.facts import StepFacts
 from kvsm.handshake import CompatInfo, HandshakeClient, HandshakeServer
+from kvsm.handshake.relay import internal_endpoint
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
@@ -65,6 +67,7 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
         self.agent_name = ""
         self._init_context()
         self._side_channel_seen: dict[str, int] = {}
+        self._relay_timer: TimerHandle | None = None
         self._notif_min_ns = max(1, int(cfg.notif_poll_interval_s * S))
         self._notif_interval_ns = self._notif_min_ns
         self._notif_fast_until_ns = 0
@@ -162,12 +165,18 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
     def _open_side_channel(self) -> None:
         assert self.compat is not None
         if self.cfg.produces:
+            # One port per engine: rank 0 binds it and relays the other ranks' requests
+            # to the private endpoints they bind (kvsm.handshake.relay).
+            cfg = self.cfg
+            endpoint = partial(internal_endpoint, cfg.side_channel_host, cfg.side_channel_port, cfg.engine_id)
             self.server = HandshakeServer(
-                self.cfg.engine_id, self.compat, self._provide, self._on_claims,
-                host=self._bind_host(), port=self.cfg.port_of_rank(self.tp_rank),
-                context=self.loop.context, lease_ms=int(self.cfg.lease_s * 1000))
+                cfg.engine_id, self.compat, self._provide, self._on_claims,
+                host=self._bind_host(), port=cfg.side_channel_port, context=self.loop.context,
+                lease_ms=int(cfg.lease_s * 1000), rank=self.tp_rank, now_ns=self.loop.now_ns,
+                relay_to={k: endpoint(k) for k in range(1, cfg.tp_size)} if self.tp_rank == 0 else None,
+                internal=endpoint(self.tp_rank) if self.tp_rank else "")
             for sock in self.server.sockets():
-                self.loop.add_reader(sock, self._on_side_channel, label="handshake server")
+                self.loop.add_reader(sock, partial(self._on_side_channel, sock), label="handshake server")
             self.pins = PinChannelServer(self.loop.context, self._on_pins,
                                          lambda fn, label: self.loop.post(fn, label=label))
             for sock in self.pins.sockets():
@@ -180,17 +189,34 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
                 context=self.loop.context,
                 on_socket_added=self._watch_client_socket, on_socket_removed=self.loop.remove_reader)
 
-    def _on_side_channel(self) -> None:
+    def _on_side_channel(self, sock: Any = None) -> None:
         """Serve what arrived, then count it by outcome for the stats (a few dict
         operations per batch of messages, not per message)."""
         assert self.server is not None
-        self.server.on_readable()
+        self.server.on_readable(sock)
+        self._arm_relay_expiry()
         now = _side_channel_outcomes(self.server.stats())
         last = self._side_channel_seen
         delta = {k: n - last.get(k, 0) for k, n in now.items() if n != last.get(k, 0)}
         if delta:
             self._side_channel_seen = now
             self.stats.side_channel(delta)
+
+    def _arm_relay_expiry(self) -> None:
+        """A timer for the first relayed request that may go unanswered (rank 0 only)."""
+        assert self.server is not None
+        deadline = self.server.next_deadline_ns()
+        timer = self._relay_timer
+        if deadline is None or (timer is not None and not timer.cancelled and timer.deadline_ns <= deadline):
+            return
+        self.loop.cancel(timer)
+        self._relay_timer = self.loop.call_at(deadline, self._expire_relayed, label="relayed requests")
+
+    def _expire_relayed(self) -> None:
+        self._relay_timer = None
+        if self.server is not None:
+            self.server.expire(self.loop.now_ns())
+            self._arm_relay_expiry()
 
     def _bind_host(self) -> str:
         host = self.cfg.side_channel_host
@@ -260,7 +286,7 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
 
     def _timers(self) -> list[TimerHandle | None]:
         out: list[TimerHandle | None] = [self._poll_timer, self._notif_timer, self._expiry_timer,
-                                         self._retry_flush]
+                                         self._retry_flush, self._relay_timer]
         for io in self._recv_io.values():
             out += io.timers()
         for s in self._send_io.values():

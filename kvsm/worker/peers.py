@@ -57,14 +57,15 @@ class PeerSide(WorkerContext):
     # -- the peer machines -------------------------------------------------------------
 
     def _peer(self, engine: str, host: str, port: int, rank: int | None = None) -> PeerIO:
-        """Prefill rank ``rank`` (default: ours) of the engine whose side channel
-        starts at ``port``."""
-        address = peer_address(host, port + (self.tp_rank if rank is None else rank))
-        key = f"{engine}@{address}"
+        """Prefill rank ``rank`` (default: ours) of the engine whose side channel is
+        ``host:port`` (one port per engine: every request names the rank it is for)."""
+        address = peer_address(host, port)
+        rank = self.tp_rank if rank is None else rank
+        key = f"{engine}@{address}" + (f"/tp{rank}" if rank else "")
         peer = self._peer_io.get(key)
         if peer is None:
             peer = self._peer_io[key] = PeerIO(key, engine, address)
-            self._peer_ranks[key] = self.tp_rank if rank is None else rank
+            self._peer_ranks[key] = rank
             self.peers.create(key)
         return peer
 
@@ -111,7 +112,9 @@ class PeerSide(WorkerContext):
         m = self._peer_machine(peer)
         if m is not None and m.agent and self.transport is not None:
             self.transport.remove_peer(m.agent)
-        if self.client is not None:
+        others = [p for p in self._peer_io.values() if p is not peer and p.address == peer.address
+                  and self._peer_state(p) not in PEER_UNREACHABLE_STATES]
+        if self.client is not None and not others:  # (other ranks of that engine still answer there)
             self.client.disconnect(peer.address)
 
     def _fail_waiting(self, peer: PeerIO, o: Outcome) -> None:
@@ -185,7 +188,8 @@ class PeerSide(WorkerContext):
                 rid = self.client.fetch_metadata(peer.address, self._rank_at(peer), 0, claims, deadline_ns=deadline,
                                                  expected_engine_id=peer.engine, readers=readers)
             else:
-                rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline, readers=readers)
+                rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline, readers=readers,
+                                            tp_rank=self._rank_at(peer))
             self._claims[rid] = Claim(peer, now, chunk, fetch)
 
     def _rank_at(self, peer: PeerIO) -> int:
@@ -302,7 +306,7 @@ class PeerSide(WorkerContext):
             return
         now = self.loop.now_ns()
         rid = self.client.abandon(peer.address, remote_reqs, deadline_ns=now + int(self.cfg.handshake_timeout_s * S),
-                                  readers=readers)
+                                  readers=readers, tp_rank=self._rank_at(peer))
         self._oneway[rid] = (peer, now)
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
@@ -324,7 +328,7 @@ class PeerSide(WorkerContext):
                 continue
             for at in range(0, len(claims), MAX_CLAIMS):  # the server refuses longer messages
                 rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline,
-                                            readers=readers)
+                                            readers=readers, tp_rank=self._rank_at(peer))
                 self._oneway[rid] = (peer, now)
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
