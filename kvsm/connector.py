@@ -137,6 +137,11 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.kv_groups = kv_groups_of(kv_cache_config)
         cfg = KVSMConfig.from_vllm(vllm_config)
+        if cfg.pp_size > 1:
+            # Each stage would register only its own layers; reading a request then means one read
+            # per stage into a subset of the decode side's layers, which is not built yet.
+            raise ValueError(f"KVSMConnector: pipeline_parallel_size={cfg.pp_size} is not supported yet; kvsm "
+                             f"moves the KV cache of engines with pipeline parallel 1 (any tensor parallel size)")
         if any(g.kind.startswith("mamba") for g in self.kv_groups):
             # Its conv and recurrent state are split over heads inside one page, not heads-major.
             cfg = dataclasses.replace(cfg, tp_share="none: Mamba/GDN state pages are not laid out by heads")

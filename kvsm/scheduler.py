@@ -179,6 +179,11 @@ class SchedulerHalf:
             self._ignore(req, f"remote_block_ids has {len(remote.remote_block_ids)} KV cache group(s), this "
                               f"engine's KV cache {len(self._group_block_sizes)} (another model or layout?)")
             return
+        pp_size = params.get("pp_size", 1)
+        if pp_size != 1:
+            self._ignore(req, f"the prefill engine runs pipeline parallel {pp_size!r}: its layers are split over "
+                              f"{pp_size!r} workers, and kvsm reads from pipeline parallel 1 only")
+            return
         self._remote[req] = remote
         key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
         self._claims[key].add(remote.remote_req)

@@ -226,6 +226,22 @@ def test_bad_params_run_the_request_locally_and_say_why(tmp_path: Path) -> None:
     assert ignored and "remote_host" in ignored[0]["reason"]
 
 
+def test_a_pipeline_parallel_prefill_is_not_read_and_the_request_runs_locally(tmp_path: Path) -> None:
+    """kvsm reads from pipeline parallel 1 only: params from a PP 2 prefill (upstream's,
+    say) run the request here, saying why, rather than reading half its layers."""
+    with harness("kv_consumer", tmp_path) as h:
+        params = {**remote_prefill_params(remote_block_ids=[1], remote_request_id="p-pp"), "pp_size": 2}
+        h.add_request(20, kv_transfer_params=params, max_tokens=2, request_id="d-pp")
+        s = h.step()
+        assert not meta_of(s).recv_start and "d-pp" in s.scheduled
+        h.run_until_idle()
+        drained(h)
+    h.connector.scheduler_half.log.flush()
+    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    ignored = [r["reason"] for r in records if r["event"] == "sched.params_ignored"]
+    assert ignored and "pipeline parallel 2" in ignored[0], ignored
+
+
 # ---------------------------------------------------------------- prefill side
 
 

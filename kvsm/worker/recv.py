@@ -16,7 +16,7 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import PEER_UNREACHABLE_STATES, RECV
 from kvsm.loop import LoopError
-from kvsm.transport.base import TransferState, XferHandle
+from kvsm.transport.base import Heads, TransferState, XferHandle
 from kvsm.worker.context import Link, PeerIO, RecvEffect, RecvIO, S, WorkerContext
 from kvsm.worker.send import notif_of
 from kvsm.worker.tp_map import HeadRun, ReadPlan, Source, read_plan
@@ -304,11 +304,14 @@ class RecvSide(WorkerContext):
         for link, agent in zip(reads, agents):
             src = link.source
             assert src is not None
+            heads: dict[str, Heads] = {}  # (only when a run is cut: equal sizes read as ever)
+            if not src.local.whole:
+                heads["local_heads"] = (src.local.start, src.local.count, src.local.of)
+            if not src.remote.whole:
+                heads["remote_heads"] = (src.remote.start, src.remote.count, src.remote.of)
             link.handle = self.transport.post_read(
                 agent, start.local_block_ids, start.remote_block_ids, notif_of(start.remote_req, link.readers),
-                tag=req, group_sizes=start.group_sizes,
-                local_heads=None if src.local.whole else (src.local.start, src.local.count, src.local.of),
-                remote_heads=None if src.remote.whole else (src.remote.start, src.remote.count, src.remote.of))
+                tag=req, group_sizes=start.group_sizes, **heads)
             io.handles.append(link.handle)
         layout = getattr(self.transport, "layout", None)
         num_descs = len(reads) * (layout.num_descs(len(start.local_block_ids), start.group_sizes)
