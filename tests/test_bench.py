@@ -140,10 +140,10 @@ def _closed(port: int) -> bool:
     return False
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(900)
 def test_bench_servers_smoke(tmp_path: Path) -> None:
     """Sections 6 and 7 on real servers, kvsm and upstream pairs one after the other."""
-    out, data = _run(tmp_path, "e2e,handshake", timeout=1400)
+    out, data = _run(tmp_path, "e2e,handshake", timeout=600)
 
     e2e = _table(out, 6, "e2e")
     for start in ("decode TTFT p50", "decode TTFT p99", "end to end p50", "end to end p99", "end to end max",
@@ -159,14 +159,6 @@ def test_bench_servers_smoke(tmp_path: Path) -> None:
         row = _find(e2e, start)
         assert row[1] == "0" and row[2] == "0", row
     assert _num(_find(e2e, "decode engine's prompt tokens that came by KV transfer")[1]) > 50, e2e
-    # The decode server at tensor parallel 2, both connectors, side by side.
-    for start in ("TP 1 -> 2: decode TTFT p50", "TP 1 -> 2: end to end p50"):
-        row = _find(e2e, start)
-        _side_by_side(row)
-        assert _num(row[1]) > 0 and _num(row[2]) > 0, row
-    for start in ("TP 1 -> 2: outputs different from the reference", "TP 1 -> 2: errors, timeouts included"):
-        row = _find(e2e, start)
-        assert row[1] == "0" and row[2] == "0", row
 
     runs = data["sections"]["e2e"]["extra"]["runs"]
     assert set(runs) == {"kvsm", "upstream"} and all(len(rs) == 1 for rs in runs.values()), runs.keys()

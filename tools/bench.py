@@ -689,14 +689,12 @@ class ServerPair:
     binding and router code whichever the connector. ``stop`` takes all of it
     down, whatever happened before."""
 
-    def __init__(self, connector: str, model: str, workdir: Path, event_log_dir: Path | None = None,
-                 decode_tp: int = 1) -> None:
+    def __init__(self, connector: str, model: str, workdir: Path, event_log_dir: Path | None = None) -> None:
         from kvsm.testing.servers import VLLMServer, pd_specs
 
         self.model = model
         self.workdir = workdir
-        specs = pd_specs(connector=connector, event_log_dir=str(event_log_dir) if event_log_dir else None,
-                         decode_tp=decode_tp)
+        specs = pd_specs(connector=connector, event_log_dir=str(event_log_dir) if event_log_dir else None)
         for spec in specs:
             spec.log_stats = True  # prompt tokens by source (transfer or local compute) in /metrics
         self.prefill, self.decode = (VLLMServer(s, model, workdir) for s in specs)
@@ -791,8 +789,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: int, seed: int,
-             decode_tp: int = 1) -> dict[str, Any]:
+def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: int, seed: int) -> dict[str, Any]:
     """One pair's run: start it, one request through the fresh pair (its handshake
     included) and one through the warm pair, the demo's prompt mix, then
     ``num_load`` streamed requests at once; references from the prefill engine
@@ -815,8 +812,7 @@ def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: in
            for i, c in enumerate(demo_prompts(rng, E2E_VOCAB))]
     load = [E2ERequest(f"load {i}", ids(rng.randrange(16, 400)), rid(f"load{i}")) for i in range(num_load)]
     burst = [E2ERequest(f"burst {i}", ids(rng.randrange(16, 400)), rid(f"burst{i}")) for i in range(num_load)]
-    pair = ServerPair(connector, model, workdir, event_log_dir=workdir / "event-logs" if label == "kvsm" else None,
-                      decode_tp=decode_tp)
+    pair = ServerPair(connector, model, workdir, event_log_dir=workdir / "event-logs" if label == "kvsm" else None)
     try:
         startup_s = pair.start()
         url = pair.router_url
@@ -863,43 +859,6 @@ def _runs_per_connector(repeat: int, run: Callable[[str, str, str, int], dict[st
             for label, connector in _rotated(E2E_CONNECTORS, rep):
                 runs[label].append(run(label, connector, model, rep))
     return runs
-
-
-def _tp_rows(sec: Section, sizes: Sizes, repeat: int, tmp: Path, everyone: Callable[[dict[str, Any]], list[Any]],
-             load_values: Callable[..., list[float]]) -> None:
-    """The same runs with the decode server at tensor parallel 2 (a worker per core;
-    the prefill server shares core 0): each decode rank reads its KV heads."""
-    runs = _runs_per_connector(repeat, lambda label, connector, model, rep: _e2e_run(
-        label, connector, model, tmp / f"e2e-tp-{rep}-{label}", sizes.e2e_requests, seed=70 + rep, decode_tp=2))
-    failed = frozenset(label for label, rs in runs.items() if any(r.mismatch for run in rs for r in everyone(run)))
-    for label in sorted(failed):
-        sec.failures.append(f"TP 1 -> 2, {label}: outputs differ from the prefill engine's own")
-
-    def per_run(fn: Callable[[dict[str, Any]], float]) -> dict[str, list[float]]:
-        return {label: [fn(run) for run in rs] for label, rs in runs.items()}
-
-    def tp_row(measure: str, unit: str, values: dict[str, list[float]], target: Target = NO_TARGET,
-               latency: bool = True) -> Row:
-        return Row(f"TP 1 -> 2: {measure}", unit, values["kvsm"], values["upstream"], target,
-                   failed=failed if latency else frozenset())
-
-    def pct(what: str, q: float) -> Callable[[dict[str, Any]], float]:
-        return lambda run: _percentile(load_values(run, what), q)
-
-    for what, title in (("decode_ttft", "decode TTFT"), ("total", "end to end")):
-        sec.rows.append(tp_row(f"{title} p50", "ms", per_run(pct(what, 0.5)), Target("ratio_max", 1.0, "<= 1.0x")))
-        sec.rows.append(tp_row(f"{title} p99", "ms", per_run(pct(what, 0.99))))
-    sec.rows.append(tp_row("first request through the fresh pair (handshake included), end to end", "ms",
-                           per_run(lambda run: (run["first"].total_s or math.nan) * 1000)))
-    sec.rows.append(tp_row("outputs different from the reference", "",
-                           per_run(lambda run: float(sum(r.mismatch for r in everyone(run)))),
-                           Target("each_max", 0, "0"), latency=False))
-    sec.rows.append(tp_row("errors, timeouts included", "",
-                           per_run(lambda run: float(sum(bool(r.error) for r in everyone(run)))),
-                           Target("each_max", 0, "0"), latency=False))
-    sec.notes.append("TP 1 -> 2 rows: the same runs with the decode server at tensor parallel 2 (a worker process "
-                     "per core, VLLM_CPU_OMP_THREADS_BIND 0|1; the prefill server on core 0 shares a core with "
-                     "decode rank 0): every decode rank reads its KV head from the one prefill rank.")
 
 
 def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
@@ -982,7 +941,6 @@ def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
                         latency=False))
     sec.rows.append(row("pair start (both servers ready, router up)", "s", per_run(lambda run: run["startup_s"]),
                         latency=False))
-    _tp_rows(sec, sizes, repeat, tmp, everyone, load_values)
 
     # Pooled over every repetition: the tail of 50 x repeat requests.
     pooled = []

@@ -137,7 +137,7 @@ def reference(prefill_url: str, model: str, case: Case) -> None:
 def transferred_tokens(log_dir: Path) -> dict[str, int]:
     """decode request id -> prompt tokens it read from the prefill engine (its ``matched`` input)."""
     out: dict[str, int] = {}
-    for f in sorted(log_dir.glob("decode*.worker*.jsonl")):  # (data parallel ranks: decode_dp<i>)
+    for f in sorted(log_dir.glob("decode.worker*.jsonl")):
         for line in f.read_text(errors="replace").splitlines():
             try:
                 r = json.loads(line)
@@ -208,12 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama", choices=["llama", "gemma2", "deepseek_v2"],
                         help="the tiny local model's kind: llama (one KV cache group), gemma2 (sliding window + "
                              "full attention: two groups), deepseek_v2 (MLA); default llama")
-    parser.add_argument("--prefill-tp", type=int, default=1, choices=[1, 2],
-                        help="the prefill engine's tensor parallel size (2: a worker per core)")
-    parser.add_argument("--decode-tp", type=int, default=1, choices=[1, 2],
-                        help="the decode engine's tensor parallel size (2: a worker per core)")
-    parser.add_argument("--decode-dp", type=int, default=1, choices=[1, 2],
-                        help="the decode server's data parallel size (2: two engines behind it, a core each)")
     args = parser.parse_args(argv)
 
     from kvsm.replay import analyse
@@ -228,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_tiny_model(kind=args.model))
     vocab = 1100
 
-    specs = pd_specs(event_log_dir=str(log_dir), model_kind=args.model, prefill_tp=args.prefill_tp,
-                     decode_tp=args.decode_tp, decode_dp=args.decode_dp)
+    specs = pd_specs(event_log_dir=str(log_dir), model_kind=args.model)
     servers = [VLLMServer(s, model, workdir) for s in specs]
     prefill, decode = servers
     router_port = free_port()
@@ -259,13 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     try:
         t0 = time.monotonic()
-        def where(spec: Any) -> str:
-            if spec.tp_size * spec.dp_size > 1:
-                return f"TP {spec.tp_size} x DP {spec.dp_size}, both cores"
-            return f"core {spec.cpu}"
-
-        say(f"starting the prefill server ({where(prefill.spec)}, :{prefill.spec.port}) and the decode server "
-            f"({where(decode.spec)}, :{decode.spec.port}) with KVSMConnector...")
+        say(f"starting the prefill server (core 0, :{prefill.spec.port}) and the decode server "
+            f"(core 1, :{decode.spec.port}) with KVSMConnector...")
         for s in servers:
             s.start()
         shown: set[str] = set()

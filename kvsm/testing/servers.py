@@ -71,12 +71,6 @@ class ServerSpec:
     extra_args: Sequence[str] = ()
     # vLLM's kv_load_failure_policy ("fail" | "recompute"); None leaves vLLM's default ("fail").
     kv_load_failure_policy: str | None = None
-    # Tensor parallel size: > 1 runs a worker process per rank, each on a core of its own
-    # (VLLM_CPU_OMP_THREADS_BIND "0|1"...), instead of binding the server to ``cpu``.
-    tp_size: int = 1
-    # Data parallel size (vLLM's internal load balancing: one API server, an engine per
-    # rank, each on a core of its own); each rank has its own engine id and side channel.
-    dp_size: int = 1
 
     def kv_transfer_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {"kv_connector": self.connector, "kv_role": self.kv_role,
@@ -114,16 +108,14 @@ def model_kind_spec(kind: str) -> dict[str, Any]:
 
 
 def pd_specs(*, connector: str = "KVSMConnector", event_log_dir: str | None = None,
-             extra_config: dict[str, Any] | None = None, model_kind: str = "llama",
-             prefill_tp: int = 1, decode_tp: int = 1, decode_dp: int = 1) -> tuple[ServerSpec, ServerSpec]:
+             extra_config: dict[str, Any] | None = None, model_kind: str = "llama") -> tuple[ServerSpec, ServerSpec]:
     """A prefill (core 0) and a decode (core 1) server on free ports, serving
-    the tiny model of ``model_kind`` (an engine at TP > 1 uses every core)."""
+    the tiny model of ``model_kind``."""
     http_p, http_d, side_p, side_d = free_ports(4)
     common: dict[str, Any] = {"connector": connector, "event_log_dir": event_log_dir,
                               "extra_config": dict(extra_config or {}), **model_kind_spec(model_kind)}
-    return (ServerSpec("prefill", "kv_producer", http_p, side_p, "prefill", cpu=0, tp_size=prefill_tp, **common),
-            ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", cpu=1, tp_size=decode_tp,
-                       dp_size=decode_dp, **common))
+    return (ServerSpec("prefill", "kv_producer", http_p, side_p, "prefill", cpu=0, **common),
+            ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", cpu=1, **common))
 
 
 class VLLMServer:
@@ -152,11 +144,9 @@ class VLLMServer:
                "--max-model-len", str(spec.max_model_len),
                *(["--block-size", str(spec.block_size)] if spec.block_size is not None else []),
                "--kv-transfer-config", json.dumps(spec.kv_transfer_config()),
-               *([] if spec.log_stats else ["--disable-log-stats"]),
-               *(["--tensor-parallel-size", str(spec.tp_size)] if spec.tp_size > 1 else []),
-               *(["--data-parallel-size", str(spec.dp_size)] if spec.dp_size > 1 else []), *spec.extra_args]
+               *([] if spec.log_stats else ["--disable-log-stats"]), *spec.extra_args]
         ncpu = os.cpu_count() or 1
-        if spec.cpu is not None and spec.tp_size * spec.dp_size == 1 and ncpu > 1 and shutil.which("taskset"):
+        if spec.cpu is not None and ncpu > 1 and shutil.which("taskset"):
             cmd = ["taskset", "-c", str(spec.cpu % ncpu), *cmd]
         return cmd
 
@@ -165,12 +155,8 @@ class VLLMServer:
         env.update(engine_env())
         # API servers run the engine core in its own process (the default).
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        ncpu = os.cpu_count() or 1
-        if self.spec.tp_size * self.spec.dp_size > 1:  # a core per worker, ranks [DP, TP] in order
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                str(r % ncpu) for r in range(self.spec.tp_size * self.spec.dp_size))
-        elif self.spec.cpu is not None and ncpu > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu % ncpu)
+        if self.spec.cpu is not None and (os.cpu_count() or 1) > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu % (os.cpu_count() or 1))
         if self.spec.connector == "NixlConnector":
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)

@@ -64,7 +64,52 @@ class _Prefill:
         self.sent: dict[str, int] = {}  # req -> virtual ns of its first finished_sending
 
 
-class VirtualPair:
+class VirtualTime:
+    """Driving real workers' loops and an in-memory fabric on one virtual clock.
+
+    A scenario class sets ``clock``, ``loops`` (``DrivenLoops``) and ``fabric``,
+    and implements ``_collect`` (take what the workers reported) and
+    ``_stuck`` (their state, for the message when ``run(until=...)`` fails)."""
+
+    clock: VirtualClock
+    loops: DrivenLoops
+    fabric: InMemoryFabric
+
+    @property
+    def now_ns(self) -> int:
+        return self.clock.monotonic_ns()
+
+    def run(self, for_s: float = 0.0, *, until: Callable[[], bool] | None = None, limit_s: float = 120.0) -> int:
+        """Let everything happen for ``for_s`` seconds of virtual time, or (with
+        ``until``) until it holds, failing after ``limit_s``; returns the time."""
+        end = self.now_ns + int((limit_s if until is not None else for_s) * S)
+        while True:
+            self._settle()
+            if until is not None and until():
+                return self.now_ns
+            due = [t for t in (self.loops.next_deadline_ns(), self.fabric.next_completion_ns()) if t is not None]
+            if not due or min(due) > end:
+                if until is not None:
+                    raise AssertionError(f"not reached within {limit_s} s of virtual time; {self._stuck()}")
+                self.clock.jump_to(max(end, self.now_ns))
+                self._settle()
+                return self.now_ns
+            self.clock.jump_to(max(min(due), self.now_ns))
+            self.fabric.step()
+
+    def _settle(self) -> None:
+        while self.loops.run_until_idle():
+            self._collect()
+        self._collect()
+
+    def _collect(self) -> None:
+        raise NotImplementedError
+
+    def _stuck(self) -> str:
+        raise NotImplementedError
+
+
+class VirtualPair(VirtualTime):
     """Prefill workers (name -> lease in s) and one decode worker, on virtual time.
 
     ``log_dir``: where each worker writes its event log (None: no logs).
@@ -107,35 +152,8 @@ class VirtualPair:
             self._start_prefill(p)
         self.run()
 
-    # -- time -------------------------------------------------------------------
-
-    @property
-    def now_ns(self) -> int:
-        return self.clock.monotonic_ns()
-
-    def run(self, for_s: float = 0.0, *, until: Callable[[], bool] | None = None, limit_s: float = 120.0) -> int:
-        """Let everything happen for ``for_s`` seconds of virtual time, or (with
-        ``until``) until it holds, failing after ``limit_s``; returns the time."""
-        end = self.now_ns + int((limit_s if until is not None else for_s) * S)
-        while True:
-            self._settle()
-            if until is not None and until():
-                return self.now_ns
-            due = [t for t in (self.loops.next_deadline_ns(), self.fabric.next_completion_ns()) if t is not None]
-            if not due or min(due) > end:
-                if until is not None:
-                    raise AssertionError(f"not reached within {limit_s} s of virtual time; decode worker state: "
-                                         f"{self.decode.debug_state()}")
-                self.clock.jump_to(max(end, self.now_ns))
-                self._settle()
-                return self.now_ns
-            self.clock.jump_to(max(min(due), self.now_ns))
-            self.fabric.step()
-
-    def _settle(self) -> None:
-        while self.loops.run_until_idle():
-            self._collect()
-        self._collect()
+    def _stuck(self) -> str:
+        return f"decode worker state: {self.decode.debug_state()}"
 
     def _collect(self) -> None:
         now = self.now_ns

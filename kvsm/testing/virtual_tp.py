@@ -19,7 +19,7 @@ rank reported and when (virtual ns).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Self
 
@@ -32,6 +32,7 @@ from kvsm.facts import RecvAbort, RecvStart, SendFinish, SendStart, StepFacts
 from kvsm.handshake import CompatInfo
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.loop_group import DrivenLoops
+from kvsm.testing.virtual_pair import VirtualTime
 from kvsm.transport.base import XferHandle
 from kvsm.transport.memory import Fault, InMemoryAgent, InMemoryFabric
 from kvsm.worker import WorkerHalf
@@ -50,7 +51,7 @@ def head_bytes(head: int, block: int, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
-class TPPair:
+class TPPair(VirtualTime):
     """``prefill_tp`` prefill ranks and ``decode_tp`` decode ranks of a model with
     ``kv_heads`` KV heads (``replicated``: every rank holds them all, as MLA's latent)."""
 
@@ -123,33 +124,8 @@ class TPPair:
                            pid=2_000_000 + len(self.log_paths))
         return WorkerHalf(cfg, rank, event_log=log, clock=self.clock, loop_options=self.loops.loop_options())
 
-    # -- time -------------------------------------------------------------------
-
-    @property
-    def now_ns(self) -> int:
-        return self.clock.monotonic_ns()
-
-    def run(self, for_s: float = 0.0, *, until: Callable[[], bool] | None = None, limit_s: float = 60.0) -> int:
-        end = self.now_ns + int((limit_s if until is not None else for_s) * S)
-        while True:
-            self._settle()
-            if until is not None and until():
-                return self.now_ns
-            due = [t for t in (self.loops.next_deadline_ns(), self.fabric.next_completion_ns()) if t is not None]
-            if not due or min(due) > end:
-                if until is not None:
-                    raise AssertionError(f"not reached within {limit_s} s of virtual time; decode ranks: "
-                                         f"{[w.debug_state()['recv'] for w in self.decode]}")
-                self.clock.jump_to(max(end, self.now_ns))
-                self._settle()
-                return self.now_ns
-            self.clock.jump_to(max(min(due), self.now_ns))
-            self.fabric.step()
-
-    def _settle(self) -> None:
-        while self.loops.run_until_idle():
-            self._collect()
-        self._collect()
+    def _stuck(self) -> str:
+        return f"decode ranks: {[w.debug_state()['recv'] for w in self.decode]}"
 
     def _collect(self) -> None:
         now = self.now_ns
