@@ -136,3 +136,36 @@ def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPP
     for f in workers:  # each worker's clean stop: nothing live, nothing held
         stops = [r for r in _records(f.parent, f.name) if r.get("event") == "worker.shutdown"]
         assert stops and stops[-1]["clean"] and stops[-1]["live"] == {"recv": {}, "send": {}}, (f.name, stops)
+
+
+def test_kill_9_of_one_prefill_rank_fails_the_request_fast_and_the_decode_engine_serves_on(
+        tmp_path: Path) -> None:
+    """2 -> 1: one prefill rank's worker process is killed (``kill -9``) after the
+    prefill answered and before the decode request: the decode request fails
+    (vLLM's ``fail`` policy: an error, no text from a half-read cache) well inside
+    the handshake timeout's order of magnitude, the decode worker holds nothing
+    afterwards, and the decode engine serves a local request on."""
+    import os
+    import signal
+    import time
+
+    pair = TPPairOffline(2, 1, tmp_path)
+    try:
+        (params,) = pair.prefill.prefill_params([PROMPTS[1]])
+        rank1 = sorted(pair.logs.glob("prefill-tp2.worker.rank1.*.jsonl"))
+        assert len(rank1) == 1, rank1
+        os.kill(int(rank1[0].name.split(".")[-2]), signal.SIGKILL)
+        t0 = time.monotonic()
+        (out,) = pair.decode.generate([PROMPTS[1]], MAX_TOKENS, [params])
+        took = time.monotonic() - t0
+        assert out["finish_reason"] == "error" and out["num_cached_tokens"] == 0, out
+        assert took < 15, f"the failure took {took:.1f} s"
+        state = pair.decode.request({"op": "state"})
+        assert state["worker"]["recv"] == {}, state
+        (local,) = pair.decode.generate([PROMPTS[0]], MAX_TOKENS)  # no transfer: computed here
+        assert local["token_ids"] == pair.reference[tuple(PROMPTS[0])]
+        errors = [r["input"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank0.*.jsonl")
+                  if r.get("kind") == "transition" and r.get("event") in ("error", "peer_dead", "timeout")]
+        assert errors, "the decode worker logged no cause"
+    finally:
+        pair.close()
