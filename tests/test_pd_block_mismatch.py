@@ -67,10 +67,14 @@ def test_a_block_size_mismatch_fails_the_request_naming_both_sizes(engines) -> N
     (params,) = prefill.prefill_params([PROMPT])
     (out,) = decode.generate([PROMPT], 8, [params])
     assert out["finish_reason"] == "error" and out["num_cached_tokens"] == 0, out
-    errors = [r["input"] for r in _records(logs, "decode-b.worker.*.jsonl")
-              if r.get("kind") == "transition" and r.get("event") == "error"]
-    assert errors and errors[0]["kind"] == "incompatible", errors
-    assert f"block_size: {d_block} here, {p_block} on the peer" in errors[0]["detail"], errors[0]
+
+    def errors() -> list[dict[str, Any]]:  # (the log's writer thread flushes in batches)
+        return [r["input"] for r in _records(logs, "decode-b.worker.*.jsonl")
+                if r.get("kind") == "transition" and r.get("event") == "error"]
+
+    wait_until(lambda: bool(errors()), 10, "the decode worker logged the failure")
+    assert errors()[0]["kind"] == "incompatible", errors()
+    assert f"block_size: {d_block} here, {p_block} on the peer" in errors()[0]["detail"], errors()
     done = [r for r in _records(logs, "decode-b.worker.*.jsonl")
             if r.get("kind") == "transition" and r.get("event") == "all_reads_done"]
     assert not done, "a read was posted across block sizes"

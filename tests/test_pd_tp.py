@@ -37,6 +37,7 @@ from kvsm.replay import analyse
 from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine, matched_tokens
 from kvsm.testing.ports import free_port_run
+from kvsm.testing.reliability import wait_until
 from kvsm.testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -104,9 +105,12 @@ def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPai
     remote = [p["remote_request_id"] for p in params]
     matched = matched_tokens(pair.logs, pair.decode_id, remote)
     assert [matched[q] for q in remote] == [len(p) for p in PROMPTS]
-    for rank in range(pair.d_tp):  # each decode rank's plan, in its own log
-        plans = {r["input"]["plan"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank{rank}.*.jsonl")
-                 if r.get("kind") == "transition" and r.get("event") == "matched"}
+    for rank in range(pair.d_tp):  # each decode rank's plan, in its own log (flushed in batches)
+        def plans_of(rank: int = rank) -> set[str]:
+            return {r["input"]["plan"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank{rank}.*.jsonl")
+                    if r.get("kind") == "transition" and r.get("event") == "matched"}
+
+        plans = wait_until(plans_of, 10, f"decode rank {rank}'s matched records")
         assert len(plans) == 1, plans
         plan = plans.pop()
         assert plan.startswith(f"d{rank}/{pair.d_tp} from p*/{pair.p_tp}"), plan
@@ -133,9 +137,16 @@ def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPP
     assert not report.findings, [str(f) for f in report.findings]
     assert {m.final_state for m in report.machines if m.lifecycle == "recv"} == {"done"}
     assert {m.final_state for m in report.machines if m.lifecycle == "send"} == {"released"}
-    for f in workers:  # each worker's clean stop: nothing live, nothing held
+    # Each worker's clean stop shows nothing live. (vLLM's executor may kill a TP worker
+    # process before its log's last record is written: then the replay above, which found
+    # every machine of every process terminal, is what says nothing was left.)
+    stopped = 0
+    for f in workers:
         stops = [r for r in _records(f.parent, f.name) if r.get("event") == "worker.shutdown"]
-        assert stops and stops[-1]["clean"] and stops[-1]["live"] == {"recv": {}, "send": {}}, (f.name, stops)
+        if stops:
+            stopped += 1
+            assert stops[-1]["clean"] and stops[-1]["live"] == {"recv": {}, "send": {}}, (f.name, stops)
+    assert stopped >= 1, "no worker wrote its clean stop"
 
 
 def test_kill_9_of_one_prefill_rank_fails_the_request_fast_and_the_decode_engine_serves_on(
