@@ -122,9 +122,10 @@ class RateLimitedLog:
 class PeerIO:
     """The I/O side of one peer (its state and data live in its peer machine)."""
 
-    key: str  # engine@address: the peer machine's id
+    key: str  # engine@address[/tp<rank>]: the peer machine's id
     engine: str
     address: str
+    rank: int = 0  # the prefill rank behind it (every request on the engine's one port names it)
     backoff_timer: TimerHandle | None = None
 
 
@@ -214,7 +215,6 @@ class WorkerContext:
     _recv_io: dict[str, RecvIO]
     _send_io: dict[str, SendIO]
     _peer_io: dict[str, PeerIO]
-    _peer_ranks: dict[str, int]  # peer key -> the prefill rank behind it
     _claims: dict[int, Claim]
     _claim_queue: dict[str, list[str]]
     _retry_flush: TimerHandle | None
@@ -237,7 +237,6 @@ class WorkerContext:
         self._recv_io = {}
         self._send_io = {}
         self._peer_io = {}
-        self._peer_ranks = {}
         self._claims = {}
         self._claim_queue = {}
         self._retry_flush = None

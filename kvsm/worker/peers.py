@@ -64,8 +64,7 @@ class PeerSide(WorkerContext):
         key = f"{engine}@{address}" + (f"/tp{rank}" if rank else "")
         peer = self._peer_io.get(key)
         if peer is None:
-            peer = self._peer_io[key] = PeerIO(key, engine, address)
-            self._peer_ranks[key] = rank
+            peer = self._peer_io[key] = PeerIO(key, engine, address, rank)
             self.peers.create(key)
         return peer
 
@@ -93,7 +92,6 @@ class PeerSide(WorkerContext):
             effects[name](peer, o)
         if o.dst in PEER.terminal:
             self._peer_io.pop(o.req, None)
-            self._peer_ranks.pop(o.req, None)
         return o
 
     def _mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:
@@ -185,16 +183,12 @@ class PeerSide(WorkerContext):
             chunk = pairs[at:at + MAX_CLAIMS]
             claims = [remote for _, remote in chunk]
             if fetch:  # every chunk asks: whichever reply comes first adds the agent
-                rid = self.client.fetch_metadata(peer.address, self._rank_at(peer), 0, claims, deadline_ns=deadline,
+                rid = self.client.fetch_metadata(peer.address, peer.rank, 0, claims, deadline_ns=deadline,
                                                  expected_engine_id=peer.engine, readers=readers)
             else:
                 rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline, readers=readers,
-                                            tp_rank=self._rank_at(peer))
+                                            tp_rank=peer.rank)
             self._claims[rid] = Claim(peer, now, chunk, fetch)
-
-    def _rank_at(self, peer: PeerIO) -> int:
-        """The prefill rank behind ``peer`` (its tp_rank in a metadata request)."""
-        return self._peer_ranks.get(peer.key, self.tp_rank)
 
     def _retry_claim(self, req: str) -> None:
         io = self._recv_io.get(req)
@@ -306,7 +300,7 @@ class PeerSide(WorkerContext):
             return
         now = self.loop.now_ns()
         rid = self.client.abandon(peer.address, remote_reqs, deadline_ns=now + int(self.cfg.handshake_timeout_s * S),
-                                  readers=readers, tp_rank=self._rank_at(peer))
+                                  readers=readers, tp_rank=peer.rank)
         self._oneway[rid] = (peer, now)
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
@@ -328,7 +322,7 @@ class PeerSide(WorkerContext):
                 continue
             for at in range(0, len(claims), MAX_CLAIMS):  # the server refuses longer messages
                 rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline,
-                                            readers=readers, tp_rank=self._rank_at(peer))
+                                            readers=readers, tp_rank=peer.rank)
                 self._oneway[rid] = (peer, now)
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
