@@ -170,6 +170,12 @@ class SchedulerHalf:
         if not self.cfg.consumes:
             self._ignore(req, f"do_remote_prefill on an engine with kv_role {self.cfg.kv_role!r}")
             return
+        mode = params.get("transfer_mode")  # absent: a producer older than the key (upstream's or kvsm's)
+        if mode not in (None, "pull"):
+            self._ignore(req, f"transfer_mode {mode!r}: the prefill engine's connector does not serve reads "
+                              f"(NixlPushConnector writes into the decode engine), and kvsm only reads: "
+                              f"transfer_mode 'pull'")
+            return
         try:
             remote = parse_remote_params(params)
         except BadTransferParams as e:
@@ -340,6 +346,9 @@ class SchedulerHalf:
             "remote_num_tokens": request.num_computed_tokens,
             # Wall-clock seconds, informational: the decode side's claim is what counts.
             "remote_blocks_expiry_time": time.time() + cfg.lease_s,
+            # As upstream's pull scheduler: tells a router this is a pull (READ)
+            # producer, not NixlPushConnector's WRITE one (its _TRANSFER_MODE).
+            "transfer_mode": "pull",
         }
 
     # -- per step -------------------------------------------------------------
