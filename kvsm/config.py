@@ -17,11 +17,13 @@ from typing import Any
 # kv_connector_extra_config keys kvsm understands (anything else is reported).
 EXTRA_KEYS: dict[str, str] = {
     "side_channel_host": "host the prefill side's handshake server binds and advertises",
-    "side_channel_port": "base port of the handshake servers (worker rank r listens on base + r)",
+    "side_channel_port": "base port: data-parallel engine i listens on base + i, whatever its TP size",
     "kv_lease_duration": "seconds the prefill side keeps a finished request's blocks pinned (30)",
     "heartbeat_interval": "seconds between decode-side lease heartbeats (lease / 6)",
     "handshake_timeout": "seconds a decode request may wait for its handshake and claim (5)",
     "transfer_timeout": "seconds a decode request's reads may take (30)",
+    "stall_timeout": "seconds a prefill peer may leave a liveness probe unanswered while reads from it are in "
+                     "flight before it is taken for unreachable (2)",
     "peer_backoff": "seconds a dead peer is failed fast before it is tried again (1, doubling)",
     "peer_backoff_max": "upper bound of that back-off in seconds (30)",
     "notif_poll_interval_ms": "how often the prefill loop polls NIXL notifications while blocks are pinned (1)",
@@ -90,6 +92,10 @@ class KVSMConfig:
     # every rank all of it), or "none: <why>" (no reading across TP sizes).
     kv_heads: int = 1
     tp_share: str = "heads"
+    # Reads in flight longer than a quarter of this get their peer probed over the
+    # side channel; a probe unanswered this long marks the peer dead, which settles
+    # the reads (a partition stalls a NIXL read silently, for as long as TCP retries).
+    stall_timeout_s: float = 2.0
 
     @property
     def produces(self) -> bool:
@@ -168,6 +174,7 @@ class KVSMConfig:
             kv_load_failure_policy=str(getattr(kvt, "kv_load_failure_policy", "fail")),
             kv_heads=_total_kv_heads(vllm_config),
             tp_share="replicated" if getattr(vllm_config.model_config, "use_mla", False) else "heads",
+            stall_timeout_s=_positive("stall_timeout", extra.get("stall_timeout", 2.0)),
         )
 
     def unknown_extra_keys(self, vllm_config: Any) -> list[str]:

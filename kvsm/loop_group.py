@@ -31,6 +31,9 @@ class DrivenLoops:
         self.clock = clock
         self.context = context if context is not None else zmq.Context()
         self.loops: list[EventLoop] = []
+        # Loops that do not run for now (a process cut off by a partition: its
+        # sockets stay open, what is sent to it waits, its timers do not fire).
+        self.frozen: set[int] = set()
 
     def loop_options(self) -> dict[str, Any]:
         """EventLoop keyword arguments for a loop of this group (clock passed apart)."""
@@ -56,7 +59,7 @@ class DrivenLoops:
         for _ in range(max_rounds):
             work = 0
             for loop in self.loops:
-                if loop.driven_running and (not first or loop.has_work_due()):
+                if loop.driven_running and id(loop) not in self.frozen and (not first or loop.has_work_due()):
                     work += loop.run_once()
             first = False
             if not work:
@@ -67,7 +70,7 @@ class DrivenLoops:
 
     def next_deadline_ns(self) -> int | None:
         """The earliest timer of any running loop, or None."""
-        deadlines = [d for loop in self.loops if loop.driven_running
+        deadlines = [d for loop in self.loops if loop.driven_running and id(loop) not in self.frozen
                      if (d := loop.next_deadline_ns()) is not None]
         return min(deadlines) if deadlines else None
 

@@ -71,6 +71,14 @@ class ServerSpec:
     extra_args: Sequence[str] = ()
     # vLLM's kv_load_failure_policy ("fail" | "recompute"); None leaves vLLM's default ("fail").
     kv_load_failure_policy: str | None = None
+    # Where it runs (kvsm.testing.netns): a network namespace, the address its HTTP
+    # port binds, the address the test reaches it on, the side channel's address
+    # (bound and advertised), and environment variables of its own (UCX_*).
+    netns: str | None = None
+    bind_host: str = "127.0.0.1"
+    url_host: str = "127.0.0.1"
+    side_channel_host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
 
     def kv_transfer_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {"kv_connector": self.connector, "kv_role": self.kv_role,
@@ -80,7 +88,7 @@ class ServerSpec:
         extra = dict(self.extra_config)
         if self.connector == "KVSMConnector":
             cfg["kv_connector_module_path"] = "kvsm.connector"
-            extra.setdefault("side_channel_host", "127.0.0.1")
+            extra.setdefault("side_channel_host", self.side_channel_host)
             extra.setdefault("side_channel_port", self.side_channel_port)
             if self.event_log_dir:
                 extra.setdefault("event_log_dir", self.event_log_dir)
@@ -130,7 +138,7 @@ class VLLMServer:
             spec.port = free_port()
         if not spec.side_channel_port:
             spec.side_channel_port = free_port()
-        self.url = f"http://127.0.0.1:{spec.port}"
+        self.url = f"http://{spec.url_host}:{spec.port}"
         self.log_path = self.workdir / f"{spec.name}.server.log"
         self.proc: subprocess.Popen | None = None
         self._log: TextIO | None = None
@@ -140,7 +148,7 @@ class VLLMServer:
     def command(self) -> list[str]:
         spec = self.spec
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", spec.dtype, "--enforce-eager",
+               "--host", spec.bind_host, "--port", str(spec.port), "--dtype", spec.dtype, "--enforce-eager",
                "--max-model-len", str(spec.max_model_len),
                *(["--block-size", str(spec.block_size)] if spec.block_size is not None else []),
                "--kv-transfer-config", json.dumps(spec.kv_transfer_config()),
@@ -148,6 +156,8 @@ class VLLMServer:
         ncpu = os.cpu_count() or 1
         if spec.cpu is not None and ncpu > 1 and shutil.which("taskset"):
             cmd = ["taskset", "-c", str(spec.cpu % ncpu), *cmd]
+        if spec.netns is not None:
+            cmd = ["ip", "netns", "exec", spec.netns, *cmd]
         return cmd
 
     def environment(self) -> dict[str, str]:
@@ -158,11 +168,12 @@ class VLLMServer:
         if self.spec.cpu is not None and (os.cpu_count() or 1) > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu % (os.cpu_count() or 1))
         if self.spec.connector == "NixlConnector":
-            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.spec.side_channel_host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join([repo_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                            if p])
+        env.update(self.spec.env)
         return env
 
     def start(self) -> VLLMServer:
@@ -309,11 +320,13 @@ class RouterProcess:
     ``stop`` always cleans up (use as a context manager)."""
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], workdir: str | os.PathLike[str], *,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, netns: str | None = None, bind_host: str = "127.0.0.1",
+                 url_host: str = "127.0.0.1") -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{url_host}:{self.port}"
         self.log_path = Path(workdir) / f"router-{self.port}.log"
-        self.args = [sys.executable, "-m", "kvsm.router", "--host", "127.0.0.1", "--port", str(self.port),
+        self.args = [*(["ip", "netns", "exec", netns] if netns else []),
+                     sys.executable, "-m", "kvsm.router", "--host", bind_host, "--port", str(self.port),
                      "--timeout", str(timeout_s)]
         for url in prefill:
             self.args += ["--prefill", url]

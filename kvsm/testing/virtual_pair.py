@@ -221,6 +221,16 @@ class VirtualPair(VirtualTime):
             p.worker.log.close()
         p.worker = None
 
+    def freeze(self, w: str, frozen: bool = True) -> None:
+        """Prefill engine ``w`` cut off by a partition (``frozen=False``: healed): its
+        loop stops running, its sockets stay open (what is sent to it waits), its
+        agent stays on the fabric (reads from it go on as the fabric says)."""
+        loop = self.prefills[w].worker
+        assert loop is not None
+        (self.loops.frozen.add if frozen else self.loops.frozen.discard)(id(loop.loop))
+        if not frozen:
+            self._settle()
+
     def restart(self, w: str) -> None:
         """Engine ``w`` starts again on the same address (new memory, a new agent)."""
         assert self.prefills[w].worker is None, f"prefill {w} is still running"

@@ -53,6 +53,7 @@ tests/test_nixl_transport.py for the parts that are tested):
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,6 +133,13 @@ class NixlTransport(Transport):
         self._local_cuts: dict[Heads, Any] = {}
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                    backends=list(backends))
+        # UCX's TCP transport connects *blocking* by default: loading the metadata
+        # of a peer whose UCX port does not answer (a partition, a firewall) held
+        # the loop thread in connect() for over 40 s here (134 s with Linux's SYN
+        # retries). Non-blocking, the load returns at once and a read that cannot
+        # reach the peer stalls instead, which the stalled-read probe handles. An
+        # operator's own setting wins (UCX reads it when the agent is created).
+        os.environ.setdefault("UCX_TCP_CONN_NB", "y")
         self._agent = nixl_agent(name, config)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
@@ -186,7 +194,10 @@ class NixlTransport(Transport):
             raise ValueError(f"peer {info.name!r} has an incompatible KV layout: {why}")
         if old is not None:  # the peer restarted: forget the old incarnation first
             self._drop_peer(old)
-        loaded = self._agent.add_remote_agent(info.agent_metadata)
+        try:
+            loaded = self._agent.add_remote_agent(info.agent_metadata)
+        except self._errors as e:  # e.g. UCX could not reach the peer's listener
+            raise ConnectionError(f"NIXL could not load peer agent {info.name!r}: {type(e).__name__}: {e}") from e
         if isinstance(loaded, bytes):
             loaded = loaded.decode()
         if loaded != info.name:

@@ -127,6 +127,7 @@ class PeerIO:
     address: str
     rank: int = 0  # the prefill rank behind it (every request on the engine's one port names it)
     backoff_timer: TimerHandle | None = None
+    probe_rid: int | None = None  # the liveness probe outstanding while reads from it are in flight
 
 
 @dataclass(slots=True)
@@ -221,6 +222,7 @@ class WorkerContext:
     _oneway: dict[int, tuple[PeerIO, int]]
     _polling: dict[str, None]  # insertion-ordered: the same run polls in the same order
     _poll_timer: TimerHandle | None
+    _stall_timer: TimerHandle | None
     _notif_timer: TimerHandle | None
     _expiry_timer: TimerHandle | None
     _has_readers: bool
@@ -243,6 +245,7 @@ class WorkerContext:
         self._oneway = {}
         self._polling = {}
         self._poll_timer = None
+        self._stall_timer = None
         self._notif_timer = None
         self._expiry_timer = None
         self._has_readers = False
@@ -344,6 +347,9 @@ class WorkerContext:
         raise NotImplementedError
 
     def _arm_notif_poll(self, *, soon: bool = False) -> None:
+        raise NotImplementedError
+
+    def _arm_stall_watch(self) -> None:
         raise NotImplementedError
 
     def _arm_client_expiry(self) -> None:

@@ -286,7 +286,7 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
 
     def _timers(self) -> list[TimerHandle | None]:
         out: list[TimerHandle | None] = [self._poll_timer, self._notif_timer, self._expiry_timer,
-                                         self._retry_flush, self._relay_timer]
+                                         self._retry_flush, self._relay_timer, self._stall_timer]
         for io in self._recv_io.values():
             out += io.timers()
         for s in self._send_io.values():

@@ -221,10 +221,15 @@ class PeerSide(WorkerContext):
             if entry is None:
                 continue
             peer, sent_ns = entry
+            probe = peer.probe_rid == result.request_id
+            if probe:
+                peer.probe_rid = None
             if isinstance(result.outcome, HandshakeRefused):
                 self._mark_dead(peer, str(result.outcome), "refused", sent_ns)
             elif isinstance(result.outcome, HandshakeTimeout):
-                self._mark_dead(peer, f"no answer to a heartbeat/abandon: {result.outcome}", "silent", sent_ns)
+                what = (f"reads in flight stalled: no answer to a liveness probe within {self.cfg.stall_timeout_s:g} s"
+                        if probe else "no answer to a heartbeat/abandon")
+                self._mark_dead(peer, f"{what}: {result.outcome}", "silent", sent_ns)
 
     def _on_claim_result(self, claim: Claim, result: HandshakeResult) -> None:
         peer = claim.peer
@@ -252,10 +257,13 @@ class PeerSide(WorkerContext):
             assert self.transport is not None
             try:
                 agent = self.transport.add_peer(outcome.agent_metadata)
-            except (ValueError, ConnectionError) as e:
+            except ValueError as e:
                 for req, _ in claim.reqs:
                     self.stats.failure("incompatible")
                     self._apply_if_live(ev.Error(req=req, kind="incompatible", detail=f"{peer.address}: {e}"))
+                return
+            except ConnectionError as e:  # its side channel answered, its NIXL agent cannot be reached
+                self._mark_dead(peer, f"its NIXL agent: {e}", "disconnected", claim.sent_ns)
                 return
             self._apply_peer(ev.AgentAdded(req=peer.key, agent=agent, engine=peer.engine, address=peer.address))
             self.stats.handshake_done((self.loop.now_ns() - claim.sent_ns) / S)
@@ -326,6 +334,44 @@ class PeerSide(WorkerContext):
                 self._oneway[rid] = (peer, now)
         self._on_client_results(self.client.poll_results())
         self._arm_client_expiry()
+
+    # -- reads in flight: is their peer still there? ----------------------------------------
+
+    def _arm_stall_watch(self) -> None:
+        if self._stall_timer is None and self._polling:
+            self._stall_timer = self.loop.call_later(int(self.cfg.stall_timeout_s * S) // 4,
+                                                     self._probe_stalled_reads, label="stalled-read probe")
+
+    def _probe_stalled_reads(self) -> None:
+        """Probe every peer that reads have been in flight from for over a quarter of
+        ``stall_timeout``, one probe per peer at a time: an empty heartbeat, which the
+        peer answers and which extends no lease (the claim alone grants one). A NIXL
+        read over a partitioned network neither completes nor fails for as long as
+        TCP retries; the probe's timeout marks the peer dead instead
+        (``_on_client_results``), which settles the reads and fails their requests.
+        An answered probe shows the reads are only slow (a busy link): they go on."""
+        self._stall_timer = None
+        if self.client is None:
+            return
+        now = self.loop.now_ns()
+        min_age = int(self.cfg.stall_timeout_s * S) // 4
+        due: dict[str, PeerIO] = {}
+        for req in self._polling:
+            io = self._recv_io.get(req)
+            if io is None or now - io.posted_ns < min_age:
+                continue
+            for link in io.reads:
+                if not link.done and link.handle is not None and link.peer.probe_rid not in self._oneway:
+                    due[link.peer.key] = link.peer
+        deadline = now + int(self.cfg.stall_timeout_s * S)
+        for peer in due.values():
+            if self._peer_state(peer) not in PEER_UNREACHABLE_STATES:
+                peer.probe_rid = self.client.heartbeat(peer.address, (), deadline_ns=deadline, tp_rank=peer.rank)
+                self._oneway[peer.probe_rid] = (peer, now)
+        if due:
+            self._on_client_results(self.client.poll_results())
+            self._arm_client_expiry()
+        self._arm_stall_watch()
 
     # -- the client's sockets and deadlines -----------------------------------------------
 

@@ -52,6 +52,9 @@ class Recovery(WorkerContext):
         if label == "poll reads":
             self._poll_timer = None
             self._arm_poll()
+        elif label == "stalled-read probe":
+            self._stall_timer = None
+            self._arm_stall_watch()
         elif label == "poll notifications":
             self._notif_timer = None
             self._arm_notif_poll()

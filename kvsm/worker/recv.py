@@ -355,6 +355,7 @@ class RecvSide(WorkerContext):
     def _watch(self, req: str) -> None:
         self._polling[req] = None
         self._arm_poll()
+        self._arm_stall_watch()
 
     def _release_reads(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         """The request ended: its reads have all settled; let their handles go."""

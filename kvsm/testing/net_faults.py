@@ -1,0 +1,233 @@
+"""Network-fault scenarios on a two-host pair (``kvsm.testing.two_host_pair``),
+the same for kvsm and upstream ``NixlConnector``: each injects a fault on the
+KV network while requests flow through the router, heals it, and returns
+what every request saw (seconds, right or wrong, error).
+
+"Right" means equal to the prefill server's own answer for the same prompt
+(a single engine, asked directly over its client link). The decode engine
+runs ``kv_load_failure_policy: recompute``, so a request whose transfer fails
+is computed again locally and must still be right.
+
+Timing is the same for both connectors: the fault is applied at fixed moments
+relative to the requests, never on a connector's own log, so the two runs
+are comparable. Tests that need more (which state a kvsm request was in when
+the fault hit) read kvsm's event logs afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsm.testing.netns import TwoHosts
+from kvsm.testing.two_host_pair import TwoHostPair
+
+__all__ = ["SCENARIOS", "Outcome", "ScenarioResult", "run_scenario"]
+
+
+@dataclass
+class Outcome:
+    rid: str
+    phase: str  # "fault" (sent while the fault was on) | "heal" (after it) | "before"
+    seconds: float
+    right: bool
+    error: str = ""
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    connector: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    fault_s: float = 0.0  # how long the fault lasted
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def of(self, phase: str) -> list[Outcome]:
+        return [o for o in self.outcomes if o.phase == phase]
+
+    def worst(self, phase: str) -> float:
+        return max((o.seconds for o in self.of(phase)), default=0.0)
+
+    def line(self) -> str:
+        parts = [f"{self.name} [{self.connector}]"]
+        for phase in ("before", "fault", "heal"):
+            outs = self.of(phase)
+            if outs:
+                secs = ", ".join(f"{o.seconds:.2f}" for o in outs)
+                wrong = sum(not o.right for o in outs)
+                parts.append(f"{phase}: {secs} s" + (f" ({wrong} wrong)" if wrong else ""))
+        return "; ".join(parts)
+
+
+class _Run:
+    """Requests through the router with their reference answers."""
+
+    def __init__(self, pair: TwoHostPair, result: ScenarioResult, seed: int) -> None:
+        self.pair = pair
+        self.result = result
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+
+    def prompt(self, n: int = 300) -> list[int]:
+        with self.lock:
+            return [self.rng.randrange(10, 1100) for _ in range(n)]
+
+    def reference(self, prompt: list[int], max_tokens: int) -> str:
+        body = {"model": self.pair.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}
+        return str(self.pair.prefill.post("/v1/completions", body, timeout=120)["choices"][0]["text"])
+
+    def one(self, phase: str, *, n: int = 300, max_tokens: int = 8) -> Outcome:
+        prompt = self.prompt(n)
+        rid = f"{self.result.name}-{phase}-{uuid.uuid4().hex[:8]}"
+        seconds, out = self.pair.complete(prompt, max_tokens, rid=rid)
+        if "choices" in out:
+            right = out["choices"][0]["text"] == self.reference(prompt, max_tokens)
+            outcome = Outcome(rid, phase, seconds, right)
+        else:
+            outcome = Outcome(rid, phase, seconds, False, str(out.get("error", out))[:300])
+        with self.lock:
+            self.result.outcomes.append(outcome)
+        return outcome
+
+    def background(self, phase: str, **kw: Any) -> threading.Thread:
+        thread = threading.Thread(target=self.one, args=(phase,), kwargs=kw, daemon=True)
+        thread.start()
+        return thread
+
+    def after_heal(self, count: int = 3, *, settle_s: float = 0.0) -> None:
+        """Requests after the heal: the first may still fail fast (back-off), the
+        last ``count`` are judged (``phase`` heal)."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            self.one("settle")
+            time.sleep(0.5)
+        for _ in range(count):
+            self.one("heal")
+
+
+def partition_during_handshake(hosts: TwoHosts, run: _Run) -> None:
+    """A fresh peer (no request went to it yet): the KV network partitioned
+    both ways before the first request, for 12 s, while two clients each send
+    a request, wait for its answer and 0.5 s, and send the next."""
+    hosts.partition()
+    t0 = time.monotonic()
+    _clients(run, 2, until=t0 + 12.0, pause_s=0.5)
+    run.result.fault_s = time.monotonic() - t0
+    hosts.heal()
+    run.after_heal(settle_s=6.0)
+
+
+def _clients(run: _Run, count: int, *, until: float, pause_s: float) -> None:
+    """``count`` clients sending requests one after another (``pause_s`` apart)
+    until the monotonic moment ``until``; returns when their last answers are in."""
+    def client() -> None:
+        while time.monotonic() < until:
+            run.one("fault")
+            time.sleep(pause_s)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+
+
+def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
+    """The KV link capped at 2 Mbit/s so that a 400-token prompt's read takes
+    about 2 s; the link partitioned 0.6 s after that request was sent (its
+    read in flight), for 12 s, with a new request every 2 s meanwhile."""
+    hosts.rate_limit("2mbit")
+    run.one("before", n=400)  # the peer's agent known, the connection up
+    victim = run.background("fault", n=400)
+    time.sleep(0.6)
+    hosts.partition()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 12.0:
+        time.sleep(2.0)
+        run.one("fault")
+    run.result.fault_s = time.monotonic() - t0
+    hosts.heal()
+    victim.join(120)  # (a read that stalls until the heal ends after it)
+    run.after_heal(settle_s=6.0)
+
+
+def _one_direction(frm: str) -> Callable[[TwoHosts, _Run], None]:
+    def scenario(hosts: TwoHosts, run: _Run) -> None:
+        run.one("before")  # the peer known
+        hosts.drop(frm)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10.0:
+            run.one("fault")
+            time.sleep(1.5)
+        run.result.fault_s = time.monotonic() - t0
+        hosts.heal()
+        run.after_heal(settle_s=6.0)
+
+    scenario.__doc__ = (f"Every KV-network packet from the {frm} host dropped for 10 s (one direction lost), "
+                        "a request every 1.5 s.")
+    return scenario
+
+
+def link_flapping(hosts: TwoHosts, run: _Run) -> None:
+    """The KV link's carrier down 1 s, up 1 s, for 12 s, while two clients send
+    requests back to back."""
+    run.one("before")
+    t0 = time.monotonic()
+    flapper = threading.Thread(target=_flap, args=(hosts, t0 + 12.0), daemon=True)
+    flapper.start()
+    _clients(run, 2, until=t0 + 12.0, pause_s=0.0)
+    flapper.join(30)
+    run.result.fault_s = time.monotonic() - t0
+    hosts.heal()
+    run.after_heal(settle_s=6.0)
+
+
+def _flap(hosts: TwoHosts, until: float) -> None:
+    while time.monotonic() < until:
+        hosts.link(False)
+        time.sleep(1.0)
+        hosts.link(True)
+        time.sleep(1.0)
+
+
+def bandwidth_cap(hosts: TwoHosts, run: _Run) -> None:
+    """The KV link capped at 50 Mbit/s (``tbf``): eight 1-token requests of 400
+    tokens, two at a time, after four uncapped ones; their latency is their TTFT."""
+    for _ in range(4):
+        run.one("before", n=400, max_tokens=1)
+    hosts.rate_limit("50mbit")
+    t0 = time.monotonic()
+    for _ in range(4):
+        pair = [run.background("fault", n=400, max_tokens=1) for _ in range(2)]
+        for t in pair:
+            t.join(120)
+    run.result.fault_s = time.monotonic() - t0
+    hosts.heal()
+    run.after_heal(1)
+
+
+SCENARIOS: dict[str, Callable[[TwoHosts, _Run], None]] = {
+    "partition_during_handshake": partition_during_handshake,
+    "partition_during_reads": partition_during_reads,
+    "drop_decode_to_prefill": _one_direction("decode"),
+    "drop_prefill_to_decode": _one_direction("prefill"),
+    "link_flapping": link_flapping,
+    "bandwidth_cap": bandwidth_cap,
+}
+
+
+def run_scenario(name: str, hosts: TwoHosts, pair: TwoHostPair, connector: str, *, seed: int = 0) -> ScenarioResult:
+    """Run one scenario of ``SCENARIOS`` on a started pair; the fault is always
+    healed on the way out."""
+    result = ScenarioResult(name, connector)
+    try:
+        SCENARIOS[name](hosts, _Run(pair, result, seed))
+    finally:
+        hosts.heal()
+    return result
