@@ -1,15 +1,21 @@
-"""The stalled-read probe, on virtual time with the real workers: a read that a
-partition stalls (its prefill worker cut off, the read neither completing nor
-failing) fails within ``stall_timeout`` and a bit, settled by dropping the
-peer's agent; a read that is only slow, from a peer that answers, goes on.
-(The same on real servers across two network namespaces: test_two_hosts.py.)
+"""Partitions on virtual time with the real workers. The stalled-read probe: a
+read that a partition stalls (its prefill worker cut off, the read neither
+completing nor failing) fails within ``stall_timeout`` and a bit, settled by
+dropping the peer's agent; a read that is only slow, from a peer that answers,
+goes on. A partition between a read and its notification: the request is
+served, and the prefill side's blocks come back when the lease ends. (The
+first two on real servers across two network namespaces: test_two_hosts.py;
+the last cannot be cut that finely with packet drops: the notification leaves
+microseconds after the read's last byte, on the same connection.)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from kvsm.replay import analyse
 from kvsm.testing.virtual_pair import S, VirtualPair
+from kvsm.transport.memory import Fault
 
 STALL_S = 2.0
 
@@ -57,3 +63,24 @@ def test_a_slow_read_from_a_peer_that_answers_goes_on(tmp_path: Path) -> None:
     assert "d-2" in vp.recving and "d-2" not in vp.failed
     assert vp.state("d-2") in ("done", None)
     assert peer_deaths(vp) == []
+
+
+def test_a_partition_between_the_read_and_its_notification(tmp_path: Path) -> None:
+    """The read completes, its notification is lost with the network: the decode
+    request is served (done); the prefill worker, never told, frees the blocks
+    when its lease (3 s) ends, counted as expired; both logs replay clean."""
+    vp = VirtualPair({"A": 3.0}, log_dir=tmp_path)
+    vp.finish("A", {"p-3": (5, 6)})
+    vp.fault_of["d-3"] = Fault.NOTIF_LOST
+    t0 = vp.now_ns
+    vp.start("d-3", "A", "p-3", (5, 6))
+    vp.run(until=lambda: "d-3" in vp.recving, limit_s=10)
+    assert "d-3" not in vp.failed and vp.holds("d-3")  # served, the bytes right
+    assert "p-3" not in vp.sent("A")  # the prefill side was not told
+    vp.run(until=lambda: "p-3" in vp.sent("A"), limit_s=10)
+    assert 3 * S <= vp.sent("A")["p-3"] - t0 <= 4 * S  # freed when the lease ended
+    vp.close()
+    report = analyse(vp.log_paths)
+    assert not report.findings, [str(f) for f in report.findings]
+    finals = {(m.lifecycle, m.req): m.final_state for m in report.machines if m.lifecycle != "peer"}
+    assert finals == {("recv", "d-3"): "done", ("send", "p-3"): "expired"}, finals

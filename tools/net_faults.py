@@ -67,9 +67,15 @@ def main() -> int:
     for i, name in enumerate(names):
         k, u = results["KVSMConnector"][i], results["NixlConnector"][i]
         print(f"| {name} | {cell(k, 'fault')} | {cell(k, 'heal')} | {cell(u, 'fault')} | {cell(u, 'heal')} |")
+    for connector, rs in results.items():
+        for r in rs:
+            for phase, figures in r.extra.items():
+                print(f"{r.name} [{connector}] {phase}: " + ", ".join(
+                    f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({c: [{"name": r.name, "outcomes": [vars(o) for o in r.outcomes]}
-                                                   for r in rs] for c, rs in results.items()}, indent=1))
+        rows = {c: [{"name": r.name, "outcomes": [vars(o) for o in r.outcomes], "extra": r.extra} for r in rs]
+                for c, rs in results.items()}
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

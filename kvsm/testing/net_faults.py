@@ -111,21 +111,9 @@ class _Run:
             self.one("heal")
 
 
-def partition_during_handshake(hosts: TwoHosts, run: _Run) -> None:
-    """A fresh peer (no request went to it yet): the KV network partitioned
-    both ways before the first request, for 12 s, while two clients each send
-    a request, wait for its answer and 0.5 s, and send the next."""
-    hosts.partition()
-    t0 = time.monotonic()
-    _clients(run, 2, until=t0 + 12.0, pause_s=0.5)
-    run.result.fault_s = time.monotonic() - t0
-    hosts.heal()
-    run.after_heal(settle_s=6.0)
-
-
-def _clients(run: _Run, count: int, *, until: float, pause_s: float) -> None:
-    """``count`` clients sending requests one after another (``pause_s`` apart)
-    until the monotonic moment ``until``; returns when their last answers are in."""
+def _clients(run: _Run, count: int, *, until: float, pause_s: float) -> list[threading.Thread]:
+    """Start ``count`` clients, each sending requests one after another
+    (``pause_s`` apart) until the monotonic moment ``until``; returns their threads."""
     def client() -> None:
         while time.monotonic() < until:
             run.one("fault")
@@ -134,8 +122,38 @@ def _clients(run: _Run, count: int, *, until: float, pause_s: float) -> None:
     threads = [threading.Thread(target=client, daemon=True) for _ in range(count)]
     for t in threads:
         t.start()
+    return threads
+
+
+def _paced(run: _Run, *, until: float, every_s: float) -> list[threading.Thread]:
+    """One request every ``every_s`` until ``until``, each in its own thread
+    (a request that hangs does not hold back the next, nor the heal)."""
+    threads = []
+    while time.monotonic() + every_s < until:
+        time.sleep(every_s)
+        threads.append(run.background("fault"))
+    return threads
+
+
+def _heal_at(hosts: TwoHosts, run: _Run, t0: float, until: float, threads: list[threading.Thread]) -> None:
+    """Heal at ``until`` whatever the requests are doing (the fault lasts as long
+    for both connectors), then wait for the requests sent during it."""
+    time.sleep(max(0.0, until - time.monotonic()))
+    hosts.heal()
+    run.result.fault_s = time.monotonic() - t0
     for t in threads:
         t.join(180)
+
+
+def partition_during_handshake(hosts: TwoHosts, run: _Run) -> None:
+    """A fresh peer (no request went to it yet): the KV network partitioned
+    both ways before the first request, for 12 s, while two clients each send
+    a request, wait for its answer and 0.5 s, and send the next."""
+    hosts.partition()
+    t0 = time.monotonic()
+    threads = _clients(run, 2, until=t0 + 12.0, pause_s=0.5)
+    _heal_at(hosts, run, t0, t0 + 12.0, threads)
+    run.after_heal(settle_s=6.0)
 
 
 def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
@@ -148,12 +166,8 @@ def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
     time.sleep(0.6)
     hosts.partition()
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 12.0:
-        time.sleep(2.0)
-        run.one("fault")
-    run.result.fault_s = time.monotonic() - t0
-    hosts.heal()
-    victim.join(120)  # (a read that stalls until the heal ends after it)
+    threads = _paced(run, until=t0 + 12.0, every_s=2.0)
+    _heal_at(hosts, run, t0, t0 + 12.0, [victim, *threads])
     run.after_heal(settle_s=6.0)
 
 
@@ -162,11 +176,8 @@ def _one_direction(frm: str) -> Callable[[TwoHosts, _Run], None]:
         run.one("before")  # the peer known
         hosts.drop(frm)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 10.0:
-            run.one("fault")
-            time.sleep(1.5)
-        run.result.fault_s = time.monotonic() - t0
-        hosts.heal()
+        threads = [run.background("fault"), *_paced(run, until=t0 + 10.0, every_s=1.5)]
+        _heal_at(hosts, run, t0, t0 + 10.0, threads)
         run.after_heal(settle_s=6.0)
 
     scenario.__doc__ = (f"Every KV-network packet from the {frm} host dropped for 10 s (one direction lost), "
@@ -179,35 +190,62 @@ def link_flapping(hosts: TwoHosts, run: _Run) -> None:
     requests back to back."""
     run.one("before")
     t0 = time.monotonic()
-    flapper = threading.Thread(target=_flap, args=(hosts, t0 + 12.0), daemon=True)
-    flapper.start()
-    _clients(run, 2, until=t0 + 12.0, pause_s=0.0)
-    flapper.join(30)
-    run.result.fault_s = time.monotonic() - t0
-    hosts.heal()
-    run.after_heal(settle_s=6.0)
-
-
-def _flap(hosts: TwoHosts, until: float) -> None:
-    while time.monotonic() < until:
+    threads = _clients(run, 2, until=t0 + 12.0, pause_s=0.0)
+    while time.monotonic() - t0 < 12.0:
         hosts.link(False)
         time.sleep(1.0)
         hosts.link(True)
         time.sleep(1.0)
+    _heal_at(hosts, run, t0, t0 + 12.0, threads)
+    run.after_heal(settle_s=6.0)
+
+
+# Each connector's transfer metrics on the decode server's /metrics: time (a
+# histogram's sum and count) and bytes.
+_TRANSFER_METRICS = {
+    "KVSMConnector": ("vllm:kvsm_transfer_time_seconds", "vllm:kvsm_transfer_bytes_total"),
+    "NixlConnector": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred_sum"),
+}
+
+
+def _transfer_totals(run: _Run) -> tuple[float, float, float]:
+    """(seconds, transfers, bytes) the decode server's connector has counted so far."""
+    from kvsm.testing.reliability import metric
+
+    time_name, bytes_name = _TRANSFER_METRICS[run.result.connector]
+    text = run.pair.decode.metrics()
+    return metric(text, time_name + "_sum"), metric(text, time_name + "_count"), metric(text, bytes_name)
+
+
+def _transfer_figures(run: _Run, phase: str, before: tuple[float, float, float]) -> None:
+    after = _transfer_totals(run)
+    secs, count, num_bytes = (a - b for a, b in zip(after, before))
+    outs = run.result.of(phase)
+    run.result.extra[phase] = {
+        "transfers": count, "transfer_ms_mean": 1000 * secs / count if count else None,
+        "transfer_MiB_s": num_bytes / secs / 2 ** 20 if secs else None,
+        "ttft_ms_median": 1000 * sorted(o.seconds for o in outs)[len(outs) // 2] if outs else None,
+    }
 
 
 def bandwidth_cap(hosts: TwoHosts, run: _Run) -> None:
     """The KV link capped at 50 Mbit/s (``tbf``): eight 1-token requests of 400
-    tokens, two at a time, after four uncapped ones; their latency is their TTFT."""
+    tokens, two at a time, after four uncapped ones; a 1-token request's
+    latency through the router is its TTFT. Transfer time and throughput come
+    from the connector's own metrics (kvsm's and upstream's histograms)."""
+    totals = _transfer_totals(run)
     for _ in range(4):
         run.one("before", n=400, max_tokens=1)
+    _transfer_figures(run, "before", totals)
     hosts.rate_limit("50mbit")
     t0 = time.monotonic()
+    totals = _transfer_totals(run)
     for _ in range(4):
         pair = [run.background("fault", n=400, max_tokens=1) for _ in range(2)]
         for t in pair:
             t.join(120)
     run.result.fault_s = time.monotonic() - t0
+    _transfer_figures(run, "fault", totals)
     hosts.heal()
     run.after_heal(1)
 

@@ -39,6 +39,7 @@ class Fault(enum.Enum):
     HANG = "hang"  # never completes unless released
     CORRUPT = "corrupt"  # completes, but one byte arrives flipped
     STUCK = "stuck"  # completes late and cannot be cancelled meanwhile
+    NOTIF_LOST = "notif_lost"  # completes, but its notification never reaches the sender (the network went)
 
 
 DISCONNECT_ERROR = "nixlRemoteDisconnectError: the peer's agent disconnected"
@@ -141,7 +142,7 @@ class InMemoryFabric:
         t.state = TransferState.DONE
         if t.lied:
             self._transfers.pop(h, None)
-        if h.notif:
+        if h.notif and t.fault is not Fault.NOTIF_LOST:
             sender.inbox.append((t.reader, h.notif))
 
     @staticmethod
