@@ -3,10 +3,8 @@ read that a partition stalls (its prefill worker cut off, the read neither
 completing nor failing) fails within ``stall_timeout`` and a bit, settled by
 dropping the peer's agent; a read that is only slow, from a peer that answers,
 goes on. A partition between a read and its notification: the request is
-served, and the prefill side's blocks come back when the lease ends. (The
-first two on real servers across two network namespaces: test_two_hosts.py;
-the last cannot be cut that finely with packet drops: the notification leaves
-microseconds after the read's last byte, on the same connection.)
+served, and the prefill side's blocks come back when the lease ends. (All
+three on real servers across two network namespaces: test_two_hosts.py.)
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from kvsm.testing.two_host_pair import TwoHostPair
 
 KVSM_CONFIG = {"handshake_timeout": 5, "stall_timeout": 2, "peer_backoff": 1, "peer_backoff_max": 4}
 # The handshake scenario needs a peer no request has reached yet: it goes first.
-ORDER = ["partition_during_handshake", "partition_during_reads", "drop_decode_to_prefill",
+ORDER = ["partition_during_handshake", "partition_during_reads", "partition_after_reads", "drop_decode_to_prefill",
          "drop_prefill_to_decode", "link_flapping", "bandwidth_cap"]
 
 
@@ -70,6 +70,8 @@ def main() -> int:
     for connector, rs in results.items():
         for r in rs:
             for phase, figures in r.extra.items():
+                if not isinstance(figures, dict):
+                    continue
                 print(f"{r.name} [{connector}] {phase}: " + ", ".join(
                     f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()))
     if args.json:

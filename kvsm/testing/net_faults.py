@@ -82,9 +82,9 @@ class _Run:
                 "ignore_eos": True}
         return str(self.pair.prefill.post("/v1/completions", body, timeout=120)["choices"][0]["text"])
 
-    def one(self, phase: str, *, n: int = 300, max_tokens: int = 8) -> Outcome:
+    def one(self, phase: str, *, n: int = 300, max_tokens: int = 8, rid: str = "") -> Outcome:
         prompt = self.prompt(n)
-        rid = f"{self.result.name}-{phase}-{uuid.uuid4().hex[:8]}"
+        rid = rid or f"{self.result.name}-{phase}-{uuid.uuid4().hex[:8]}"
         seconds, out = self.pair.complete(prompt, max_tokens, rid=rid)
         if "choices" in out:
             right = out["choices"][0]["text"] == self.reference(prompt, max_tokens)
@@ -94,6 +94,13 @@ class _Run:
         with self.lock:
             self.result.outcomes.append(outcome)
         return outcome
+
+    def victim(self, n: int = 400) -> threading.Thread:
+        """The request the fault is aimed at, in the background (its rid in
+        ``extra["victim"]``)."""
+        rid = f"{self.result.name}-fault-victim-{uuid.uuid4().hex[:8]}"
+        self.result.extra["victim"] = rid
+        return self.background("fault", n=n, rid=rid)
 
     def background(self, phase: str, **kw: Any) -> threading.Thread:
         thread = threading.Thread(target=self.one, args=(phase,), kwargs=kw, daemon=True)
@@ -162,10 +169,29 @@ def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
     read in flight), for 12 s, with a new request every 2 s meanwhile."""
     hosts.rate_limit("2mbit")
     run.one("before", n=400)  # the peer's agent known, the connection up
-    victim = run.background("fault", n=400)
+    victim = run.victim()
     time.sleep(0.6)
     hosts.partition()
     t0 = time.monotonic()
+    threads = _paced(run, until=t0 + 12.0, every_s=2.0)
+    _heal_at(hosts, run, t0, t0 + 12.0, [victim, *threads])
+    run.after_heal(settle_s=6.0)
+
+
+def partition_after_reads(hosts: TwoHosts, run: _Run) -> None:
+    """Between a read and its release notification: a 2 s read (2 Mbit/s cap);
+    0.5 s into it, whatever the decode host *says* on the KV link is dropped
+    (its bare TCP acknowledgements pass, so the read goes on to the end, but
+    its NIXL notification is lost); 3 s in, the link is partitioned both ways
+    until 12 s; a request every 2 s from then."""
+    hosts.rate_limit("2mbit")
+    run.one("before", n=400)
+    victim = run.victim()
+    time.sleep(0.5)
+    hosts.drop_data("decode")
+    t0 = time.monotonic()
+    time.sleep(2.5)
+    hosts.partition()
     threads = _paced(run, until=t0 + 12.0, every_s=2.0)
     _heal_at(hosts, run, t0, t0 + 12.0, [victim, *threads])
     run.after_heal(settle_s=6.0)
@@ -253,6 +279,7 @@ def bandwidth_cap(hosts: TwoHosts, run: _Run) -> None:
 SCENARIOS: dict[str, Callable[[TwoHosts, _Run], None]] = {
     "partition_during_handshake": partition_during_handshake,
     "partition_during_reads": partition_during_reads,
+    "partition_after_reads": partition_after_reads,
     "drop_decode_to_prefill": _one_direction("decode"),
     "drop_prefill_to_decode": _one_direction("prefill"),
     "link_flapping": link_flapping,

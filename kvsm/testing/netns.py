@@ -201,6 +201,14 @@ class TwoHosts:
         host.run("nft", "add", "rule", "inet", _TABLE, "out", "oifname", KV_IF, "drop")
         self._faults.append(f"drop from {frm}")
 
+    def drop_data(self, frm: str) -> None:
+        """Drop every KV-network packet ``frm`` sends that carries more than a TCP
+        header with options (over 80 bytes of IP): what it says is lost, its bare
+        acknowledgements pass, so a read it is being sent goes on to the end."""
+        host = self._hosts(frm)[0]
+        host.run("nft", "add", "rule", "inet", _TABLE, "out", "oifname", KV_IF, "ip", "length", "gt", "80", "drop")
+        self._faults.append(f"data from {frm} dropped")
+
     def partition(self) -> None:
         """Both directions of the KV network dropped silently."""
         for host in (self.prefill, self.decode):
