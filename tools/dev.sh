@@ -90,25 +90,32 @@ setup_hash() {
     } | sha256sum | cut -c1-16
 }
 
-# The two-host tests (tests/test_two_hosts.py) need iproute2's `ip` and `tc` and
-# nftables' `nft`; a fresh Debian machine lacks nft. Installed when missing and
-# we are root with apt-get; otherwise those tests say why they cannot run.
-ensure_net_tools() {
-    command -v nft >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 && return 0
+# System tools some tests need, from Debian's packages: iproute2's `ip` and
+# `tc` and nftables' `nft` (the two-host tests, tests/test_two_hosts.py) and
+# Prometheus (tests/test_grafana_dashboard.py evaluates the dashboard's
+# queries against a real one). A fresh machine lacks nft and prometheus. They
+# are installed when missing and we are root with apt-get; otherwise those
+# tests say why they cannot run.
+ensure_system_tools() {
+    local missing=()
+    command -v nft >/dev/null 2>&1 || missing+=(nftables)
+    { command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; } || missing+=(iproute2)
+    command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+    [[ ${#missing[@]} -eq 0 ]] && return 0
     if [[ $EUID -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
-        say "nft/ip/tc missing and no root apt-get: the two-host tests cannot run here"
+        say "missing ${missing[*]} and no root apt-get: the tests that need them cannot run here"
         return 0
     fi
-    say "installing nftables and iproute2 (the two-host tests)"
-    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables iproute2 >/dev/null 2>&1; then
+    say "installing ${missing[*]} (Debian packages, for the two-host and dashboard tests)"
+    local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}")
+    if ! "${apt[@]}" >/dev/null 2>&1; then
         apt-get update -q >/dev/null 2>&1 || true
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables iproute2 >/dev/null 2>&1 ||
-            say "could not install nftables/iproute2: the two-host tests will say so"
+        "${apt[@]}" >/dev/null 2>&1 || say "could not install ${missing[*]}: the tests that need them will say so"
     fi
 }
 
 setup() {
-    ensure_net_tools
+    ensure_system_tools
     if [[ -z "${PIP_FIND_LINKS:-}" && -d /opt/wheels ]]; then
         export PIP_FIND_LINKS=/opt/wheels
     fi
