@@ -35,7 +35,7 @@ import os
 import random
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Host", "NetnsUnavailable", "TwoHosts", "netns_unavailable_reason"]
@@ -157,7 +157,6 @@ class TwoHosts:
         self.decode = Host(f"{base}-d", kv_addr=a[2], front_addr=a[6], client_addr=a[10])
         self._root_ifs = (f"kvc{tag}p", f"kvc{tag}d")
         self._closed = False
-        self._faults: list[str] = []
         try:
             self._build(a)
         except BaseException:
@@ -199,7 +198,6 @@ class TwoHosts:
         sends: one direction lost."""
         host = self._hosts(frm)[0]
         host.run("nft", "add", "rule", "inet", _TABLE, "out", "oifname", KV_IF, "drop")
-        self._faults.append(f"drop from {frm}")
 
     def drop_data(self, frm: str) -> None:
         """Drop every KV-network packet ``frm`` sends that carries more than a TCP
@@ -207,14 +205,12 @@ class TwoHosts:
         acknowledgements pass, so a read it is being sent goes on to the end."""
         host = self._hosts(frm)[0]
         host.run("nft", "add", "rule", "inet", _TABLE, "out", "oifname", KV_IF, "ip", "length", "gt", "80", "drop")
-        self._faults.append(f"data from {frm} dropped")
 
     def partition(self) -> None:
         """Both directions of the KV network dropped silently."""
         for host in (self.prefill, self.decode):
             host.run("nft", "add", "rule", "inet", _TABLE, "out", "oifname", KV_IF, "drop")
             host.run("nft", "add", "rule", "inet", _TABLE, "in", "iifname", KV_IF, "drop")
-        self._faults.append("partition")
 
     def link(self, up: bool) -> None:
         """The KV link's carrier up or down (``ip link set``), on both ends."""
@@ -226,7 +222,6 @@ class TwoHosts:
         for host in (self.prefill, self.decode):
             host.run("tc", "qdisc", "replace", "dev", KV_IF, "root", "tbf", "rate", rate, "burst", burst,
                      "latency", latency)
-        self._faults.append(f"rate {rate}")
 
     def heal(self) -> None:
         """Remove every fault: rules flushed, the link up, no rate limit."""
@@ -235,7 +230,6 @@ class TwoHosts:
                 host.run("nft", "flush", "chain", "inet", _TABLE, chain, check=False)
             host.run("tc", "qdisc", "del", "dev", KV_IF, "root", check=False)
             host.run("ip", "link", "set", KV_IF, "up", check=False)
-        self._faults.clear()
 
     def rules(self) -> str:
         """The nftables rules in force on both hosts (for failure messages)."""
@@ -262,11 +256,3 @@ class TwoHosts:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-@contextlib.contextmanager
-def two_hosts() -> Iterator[TwoHosts]:
-    hosts = TwoHosts()
-    try:
-        yield hosts
-    finally:
-        hosts.close()
