@@ -191,7 +191,7 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kvsm registers the KV caches themselves (no staging buffer), so set kv_buffer_device to "
                 f"{'cuda' if layout.mem_type == 'VRAM' else 'cpu'}")
         name = f"kvsm-{self.cfg.engine_id}-dp{self.cfg.dp_rank}-tp{worker.tp_rank}"
-        transport = NixlTransport(name, layout, backends=self.cfg.backends)
+        transport = NixlTransport(name, layout, backends=self.cfg.backends, num_threads=self.cfg.num_threads)
         first = next(iter(kv_caches.values()))
         model_config = self._vllm_config.model_config
         compat = CompatInfo(

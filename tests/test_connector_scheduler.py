@@ -384,6 +384,9 @@ def test_harness_loads_it_by_name_through_the_plugin() -> None:
     ({"side_channel_port": "http"}, "side_channel_port"),
     ({"heartbeat_interval": 60, "kv_lease_duration": 30}, "heartbeat_interval"),
     ({"backends": "UCX"}, "backends"),
+    ({"num_threads": "4"}, "num_threads"),
+    ({"num_threads": -1}, "num_threads"),
+    ({"stall_timeout": 0}, "stall_timeout"),
 ])
 def test_bad_config_is_refused_naming_the_key(extra: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

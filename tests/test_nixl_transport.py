@@ -126,9 +126,9 @@ def decode():
     """This process's transport over pattern-filled caches (seed D_SEED)."""
     made: list[NixlTransport] = []
 
-    def make(name: str = "decode", seed: int = D_SEED):
+    def make(name: str = "decode", seed: int = D_SEED, num_threads: int = 0):
         caches = make_caches(seed, **GEOM)
-        t = NixlTransport(name, describe_kv_caches(caches, num_blocks=GEOM["num_blocks"]))
+        t = NixlTransport(name, describe_kv_caches(caches, num_blocks=GEOM["num_blocks"]), num_threads=num_threads)
         made.append(t)
         return t, caches
 
@@ -184,6 +184,20 @@ def test_read_moves_exactly_the_requested_blocks(peers, decode):
     with pytest.raises(KeyError):
         t.check(h)
     assert elapsed < 5.0
+
+
+def test_reads_with_ucx_backend_threads(peers, decode):
+    """``num_threads`` (upstream's key): the agent's UCX backend threads carry the
+    read; its bytes and its notification are the same as without them."""
+    p = peers()
+    t, caches = decode(num_threads=4)
+    assert t.add_peer(p.metadata) == "prefill"
+    for i in range(3):
+        h = t.post_read("prefill", LOCAL, REMOTE, f"req-mt-{i}".encode(), tag=f"req-mt-{i}")
+        assert wait(t, h) is TransferState.DONE
+        assert t.release(h) is True
+    assert mismatches(caches, LOCAL, REMOTE, P_SEED) == []
+    assert p.wait_notifs(3) == [("decode", f"req-mt-{i}".encode()) for i in range(3)]
 
 
 def test_byte_check_detects_a_block_changed_before_the_read(peers, decode):

@@ -18,6 +18,8 @@ under tools/bench_nixl.py's section 3, 5.2-5.6 GiB/s), 240 ms as 32768 x
 ``get_notifs``. So the loop must poll ``check`` for its posted reads and
 ``get_notifs`` on a timer; a sender's notifications are only seen when it
 calls ``get_notifs``. Each of those calls costs about 1 µs when idle.
+(``num_threads`` > 0, upstream's key, adds UCX backend worker threads that
+carry a read's descriptors and sleep while idle; the loop still polls.)
 
 What NIXL 1.5.1 + UCX do, as measured on this machine (see
 tests/test_nixl_transport.py for the parts that are tested):
@@ -119,7 +121,8 @@ class _Peer:
 class NixlTransport(Transport):
     """One NIXL agent with this worker's KV caches registered, reading peers' blocks."""
 
-    def __init__(self, name: str, layout: KVLayout, *, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, name: str, layout: KVLayout, *, backends: Sequence[str] = ("UCX",),
+                 num_threads: int = 0) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
@@ -132,7 +135,7 @@ class NixlTransport(Transport):
         self._local = None
         self._local_cuts: dict[Heads, Any] = {}
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                   backends=list(backends))
+                                   backends=list(backends), num_threads=num_threads)
         # UCX's TCP transport connects *blocking* by default: loading the metadata
         # of a peer whose UCX port does not answer (a partition, a firewall) held
         # the loop thread in connect() for over 40 s here (134 s with Linux's SYN
