@@ -44,14 +44,10 @@ class ScenarioResult:
     name: str
     connector: str
     outcomes: list[Outcome] = field(default_factory=list)
-    fault_s: float = 0.0  # how long the fault lasted
     extra: dict[str, Any] = field(default_factory=dict)
 
     def of(self, phase: str) -> list[Outcome]:
         return [o for o in self.outcomes if o.phase == phase]
-
-    def worst(self, phase: str) -> float:
-        return max((o.seconds for o in self.of(phase)), default=0.0)
 
     def line(self) -> str:
         parts = [f"{self.name} [{self.connector}]"]
@@ -142,12 +138,11 @@ def _paced(run: _Run, *, until: float, every_s: float) -> list[threading.Thread]
     return threads
 
 
-def _heal_at(hosts: TwoHosts, run: _Run, t0: float, until: float, threads: list[threading.Thread]) -> None:
+def _heal_at(hosts: TwoHosts, until: float, threads: list[threading.Thread]) -> None:
     """Heal at ``until`` whatever the requests are doing (the fault lasts as long
     for both connectors), then wait for the requests sent during it."""
     time.sleep(max(0.0, until - time.monotonic()))
     hosts.heal()
-    run.result.fault_s = time.monotonic() - t0
     for t in threads:
         t.join(180)
 
@@ -159,7 +154,7 @@ def partition_during_handshake(hosts: TwoHosts, run: _Run) -> None:
     hosts.partition()
     t0 = time.monotonic()
     threads = _clients(run, 2, until=t0 + 12.0, pause_s=0.5)
-    _heal_at(hosts, run, t0, t0 + 12.0, threads)
+    _heal_at(hosts, t0 + 12.0, threads)
     run.after_heal(settle_s=6.0)
 
 
@@ -174,7 +169,7 @@ def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
     hosts.partition()
     t0 = time.monotonic()
     threads = _paced(run, until=t0 + 12.0, every_s=2.0)
-    _heal_at(hosts, run, t0, t0 + 12.0, [victim, *threads])
+    _heal_at(hosts, t0 + 12.0, [victim, *threads])
     run.after_heal(settle_s=6.0)
 
 
@@ -193,7 +188,7 @@ def partition_after_reads(hosts: TwoHosts, run: _Run) -> None:
     time.sleep(2.5)
     hosts.partition()
     threads = _paced(run, until=t0 + 12.0, every_s=2.0)
-    _heal_at(hosts, run, t0, t0 + 12.0, [victim, *threads])
+    _heal_at(hosts, t0 + 12.0, [victim, *threads])
     run.after_heal(settle_s=6.0)
 
 
@@ -203,7 +198,7 @@ def _one_direction(frm: str) -> Callable[[TwoHosts, _Run], None]:
         hosts.drop(frm)
         t0 = time.monotonic()
         threads = [run.background("fault"), *_paced(run, until=t0 + 10.0, every_s=1.5)]
-        _heal_at(hosts, run, t0, t0 + 10.0, threads)
+        _heal_at(hosts, t0 + 10.0, threads)
         run.after_heal(settle_s=6.0)
 
     scenario.__doc__ = (f"Every KV-network packet from the {frm} host dropped for 10 s (one direction lost), "
@@ -222,7 +217,7 @@ def link_flapping(hosts: TwoHosts, run: _Run) -> None:
         time.sleep(1.0)
         hosts.link(True)
         time.sleep(1.0)
-    _heal_at(hosts, run, t0, t0 + 12.0, threads)
+    _heal_at(hosts, t0 + 12.0, threads)
     run.after_heal(settle_s=6.0)
 
 
@@ -264,13 +259,11 @@ def bandwidth_cap(hosts: TwoHosts, run: _Run) -> None:
         run.one("before", n=400, max_tokens=1)
     _transfer_figures(run, "before", totals)
     hosts.rate_limit("50mbit")
-    t0 = time.monotonic()
     totals = _transfer_totals(run)
     for _ in range(4):
         pair = [run.background("fault", n=400, max_tokens=1) for _ in range(2)]
         for t in pair:
             t.join(120)
-    run.result.fault_s = time.monotonic() - t0
     _transfer_figures(run, "fault", totals)
     hosts.heal()
     run.after_heal(1)

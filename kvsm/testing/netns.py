@@ -35,7 +35,6 @@ import os
 import random
 import shutil
 import subprocess
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Host", "NetnsUnavailable", "TwoHosts", "netns_unavailable_reason"]
@@ -152,7 +151,6 @@ class TwoHosts:
         base = f"{PREFIX}-{os.getpid()}-{tag}"
         net = _free_subnet(rng)
         a = [str(net.network_address + i) for i in range(16)]
-        self.subnet = net
         self.prefill = Host(f"{base}-p", kv_addr=a[1], front_addr=a[5], client_addr=a[14])
         self.decode = Host(f"{base}-d", kv_addr=a[2], front_addr=a[6], client_addr=a[10])
         self._root_ifs = (f"kvc{tag}p", f"kvc{tag}d")
@@ -189,21 +187,20 @@ class TwoHosts:
 
     # -- faults on the KV network -----------------------------------------------------
 
-    def _hosts(self, which: str) -> Sequence[Host]:
-        return {"prefill": (self.prefill,), "decode": (self.decode,),
-                "both": (self.prefill, self.decode)}[which]
+    def _host(self, which: str) -> Host:
+        return {"prefill": self.prefill, "decode": self.decode}[which]
 
     def drop(self, frm: str) -> None:
         """Drop, silently, every KV-network packet ``frm`` ("prefill" | "decode")
         sends: one direction lost."""
-        host = self._hosts(frm)[0]
+        host = self._host(frm)
         host.run("nft", "add", "rule", "inet", _TABLE, "out", "oifname", KV_IF, "drop")
 
     def drop_data(self, frm: str) -> None:
         """Drop every KV-network packet ``frm`` sends that carries more than a TCP
         header with options (over 80 bytes of IP): what it says is lost, its bare
         acknowledgements pass, so a read it is being sent goes on to the end."""
-        host = self._hosts(frm)[0]
+        host = self._host(frm)
         host.run("nft", "add", "rule", "inet", _TABLE, "out", "oifname", KV_IF, "ip", "length", "gt", "80", "drop")
 
     def partition(self) -> None:

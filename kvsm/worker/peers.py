@@ -162,8 +162,7 @@ class PeerSide(WorkerContext):
             except Exception as e:  # noqa: BLE001 - one peer's claim must not drop the others'
                 for req in reqs:
                     self._on_loop_error(LoopError(e, req, "claim flush", "post"))
-        self._on_client_results(self.client.poll_results())
-        self._arm_client_expiry()
+        self._after_send()
 
     def _send_claim(self, key: str, reqs: list[str], now: int, deadline: int) -> None:
         """Claim messages to one peer for ``reqs``: one per MAX_CLAIMS of them (the
@@ -310,8 +309,7 @@ class PeerSide(WorkerContext):
         rid = self.client.abandon(peer.address, remote_reqs, deadline_ns=now + int(self.cfg.handshake_timeout_s * S),
                                   readers=readers, tp_rank=peer.rank)
         self._oneway[rid] = (peer, now)
-        self._on_client_results(self.client.poll_results())
-        self._arm_client_expiry()
+        self._after_send()
 
     def _send_heartbeat(self, target: HeartbeatTarget) -> None:
         if self.client is None or not target.claims:
@@ -332,8 +330,7 @@ class PeerSide(WorkerContext):
                 rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline,
                                             readers=readers, tp_rank=peer.rank)
                 self._oneway[rid] = (peer, now)
-        self._on_client_results(self.client.poll_results())
-        self._arm_client_expiry()
+        self._after_send()
 
     # -- reads in flight: is their peer still there? ----------------------------------------
 
@@ -369,11 +366,17 @@ class PeerSide(WorkerContext):
                 peer.probe_rid = self.client.heartbeat(peer.address, (), deadline_ns=deadline, tp_rank=peer.rank)
                 self._oneway[peer.probe_rid] = (peer, now)
         if due:
-            self._on_client_results(self.client.poll_results())
-            self._arm_client_expiry()
+            self._after_send()
         self._arm_stall_watch()
 
     # -- the client's sockets and deadlines -----------------------------------------------
+
+    def _after_send(self) -> None:
+        """After messages went out: handle what they settled at once (a refused
+        connection is known without waiting), and arm the client's next deadline."""
+        assert self.client is not None
+        self._on_client_results(self.client.poll_results())
+        self._arm_client_expiry()
 
     def _watch_client_socket(self, sock: Any) -> None:
         def readable() -> None:
