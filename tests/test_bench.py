@@ -115,9 +115,11 @@ def test_bench_nixl_smoke(tmp_path: Path) -> None:
         _side_by_side(row)
         assert _num(row[1]) > 0 and _num(row[2]) > 0, row
     # Idle: kvsm's loop sleeps; upstream as shipped runs NIXL's busy progress thread.
-    # Both are many times the noise (measured 0.003 against 0.98 CPU-s per second).
+    # Measured 0.003 against 0.98 CPU-s per second here and 0.005 against 0.29 on a
+    # busier CI machine, where the spinning thread gets less of a core: the bound on
+    # upstream is relative (still far above the noise), the bound on kvsm absolute.
     idle = worker["idle: decode process CPU (CPU-s/s)"]
-    assert _num(idle[1]) < 0.05 and _num(idle[2]) > 0.3, idle
+    assert _num(idle[1]) < 0.05 and _num(idle[2]) > max(0.1, 10 * _num(idle[1])), idle
 
     transfer = _table(out, 3, "transfer")
     for measure in ("one transfer, start to reported done (ms)", "throughput (GiB/s)"):

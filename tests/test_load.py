@@ -191,15 +191,21 @@ class Workers:
         self.received |= received
         self.failed |= failed
 
-    def wait(self, what: str, done: Any, timeout: float = 120.0) -> None:
+    def wait(self, what: str, done: Any, timeout: float = 120.0, every_s: float = 0.02) -> None:
         deadline = time.monotonic() + timeout
         while not done():
             self.drain()
             if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout} s; decode {self.decode.debug_state()['io']}, "
-                                     f"prefill {self.prefill.debug_state()['io']}")
-            time.sleep(0.02)
+                raise AssertionError(f"{what}: not within {timeout} s; decode {self.debug('decode')['io']}, "
+                                     f"prefill {self.debug('prefill')['io']}")
+            time.sleep(every_s)
         self.drain()
+
+    def debug(self, side: str) -> dict[str, Any]:
+        """A side's debug snapshot. With 10k requests live (and tracemalloc on) one
+        takes the loop a while, and waits behind its work: a generous timeout."""
+        half = self.decode if side == "decode" else self.prefill
+        return half.debug_state(timeout_s=60.0)
 
     def archive(self) -> None:
         """Move a finished round's books to disk, so that the harness itself holds
@@ -266,12 +272,14 @@ def _run_round(w: Workers, round_no: int) -> dict[str, float]:
                                          for n in abandons[k:k + STEP]])
 
     def transferring() -> int:
-        return sum(1 for s in w.decode.debug_state()["recv"].values() if s == "transferring")
+        return sum(1 for s in w.debug("decode")["recv"].values() if s == "transferring")
 
     # (the prefill side has released the others by then: nothing to read, abandoned)
-    w.wait("every read in flight", lambda: transferring() == len(reads) and len(w.prefill.send) == len(reads))
-    peak = w.decode.debug_state()
-    peak_prefill = w.prefill.debug_state()
+    # Polled every 0.2 s: each snapshot of every live request is work for the loop.
+    w.wait("every read in flight", lambda: transferring() == len(reads) and len(w.prefill.send) == len(reads),
+           every_s=0.2)
+    peak = w.debug("decode")
+    peak_prefill = w.debug("prefill")
     assert Counter(peak["recv"].values()) == {"transferring": len(reads)}
     assert Counter(peak_prefill["send"].values()) == {"awaiting_pull": len(reads)}
     t1 = time.monotonic()

@@ -774,16 +774,25 @@ def test_virtual_modes_need_a_clock_they_can_move() -> None:
 
 def test_autojump_waits_while_the_loop_is_busy(make_virtual_loop: MakeLoop) -> None:
     """A callable that runs (in real time) holds virtual time still: the jump
-    comes only once nothing is posted, readable or due."""
+    comes only once nothing is posted, readable or due. The timer is armed
+    inside the busy callable, so no idle moment comes before the check."""
     loop = make_virtual_loop()
-    fired = threading.Event()
-    t0 = loop.call(lambda: (loop.call_later(60 * S, fired.set), loop.now_ns())[1], timeout=WAIT_S)
-    release = blocker(loop)
+    fired, started, release = threading.Event(), threading.Event(), threading.Event()
+    t0: list[int] = []
+
+    def arm_then_block() -> None:
+        t0.append(loop.now_ns())
+        loop.call_later(60 * S, fired.set)
+        started.set()
+        release.wait(WAIT_S)
+
+    assert loop.post(arm_then_block, label="blocker")
+    assert started.wait(WAIT_S)
     time.sleep(0.05)  # fifty thresholds of real time
-    assert loop.now_ns() == t0 and not fired.is_set()
+    assert loop.now_ns() == t0[0] and not fired.is_set()
     release.set()
     assert fired.wait(WAIT_S)
-    assert loop.now_ns() == t0 + 60 * S
+    assert loop.now_ns() == t0[0] + 60 * S
 
 
 def test_autojump_loop_takes_posts_and_calls_from_other_threads(make_virtual_loop: MakeLoop) -> None:

@@ -48,8 +48,14 @@ class NetnsUnavailable(RuntimeError):
     """This machine cannot create the namespaces (not root, no iproute2/nft)."""
 
 
+# Generous: on a CPU-starved machine (a CI runner whose busy-polling processes
+# take every core) a link change that takes the kernel's rtnl lock has been seen
+# to take over 30 s.
+COMMAND_TIMEOUT_S = 120.0
+
+
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(cmd), check=False, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(list(cmd), check=False, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -211,8 +217,8 @@ class TwoHosts:
 
     def link(self, up: bool) -> None:
         """The KV link's carrier up or down (``ip link set``), on both ends."""
-        for host in (self.prefill, self.decode):
-            host.run("ip", "link", "set", KV_IF, "up" if up else "down")
+        for host in (self.prefill, self.decode):  # ip -n: no fork into the namespace, no /sys remount
+            _run("ip", "-n", host.netns, "link", "set", KV_IF, "up" if up else "down")
 
     def rate_limit(self, rate: str, *, burst: str = "64kb", latency: str = "100ms") -> None:
         """Cap the KV link at ``rate`` (tc ``tbf`` syntax, e.g. "200mbit") both ways."""

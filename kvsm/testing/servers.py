@@ -61,7 +61,7 @@ class ServerSpec:
     side_channel_port: int = 0
     engine_id: str = ""
     cpu: int | None = None  # core to pin the server's processes to
-    connector: str = "KVSMConnector"  # or "NixlConnector"
+    connector: str = "KVSMConnector"  # or "NixlConnector"; "" for an engine with no connector
     event_log_dir: str | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
     max_model_len: int = 512
@@ -151,7 +151,7 @@ class VLLMServer:
                "--host", spec.bind_host, "--port", str(spec.port), "--dtype", spec.dtype, "--enforce-eager",
                "--max-model-len", str(spec.max_model_len),
                *(["--block-size", str(spec.block_size)] if spec.block_size is not None else []),
-               "--kv-transfer-config", json.dumps(spec.kv_transfer_config()),
+               *(["--kv-transfer-config", json.dumps(spec.kv_transfer_config())] if spec.connector else []),
                *([] if spec.log_stats else ["--disable-log-stats"]), *spec.extra_args]
         ncpu = os.cpu_count() or 1
         if spec.cpu is not None and ncpu > 1 and shutil.which("taskset"):

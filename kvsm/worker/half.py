@@ -308,8 +308,9 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
 
     # ================================================================ introspection
 
-    def debug_state(self) -> dict[str, Any]:
-        """A snapshot for tests and debugging (runs on the loop)."""
+    def debug_state(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """A snapshot for tests and debugging (runs on the loop; with many requests
+        live it waits behind their work, hence the timeout to choose)."""
 
         def snap() -> dict[str, Any]:
             peers: dict[str, Any] = {}
@@ -333,7 +334,7 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
                 "resources": self.resources(),
             }
 
-        return self.loop.call(snap, timeout=10.0, label="debug_state")
+        return self.loop.call(snap, timeout=timeout_s, label="debug_state")
 
 
 def _side_channel_outcomes(server_stats: dict[str, Any]) -> dict[str, int]:
