@@ -8,6 +8,8 @@ themselves are not judged, except where a behaviour is many times the noise).
 
 * ``test_bench_nixl_smoke``: sections 2 and 3 (tools/bench_nixl.py: worker
   processes of both connectors moving real bytes over NIXL; about 1 min).
+* ``test_bench_scale_smoke``: section 8 (tools/bench_scale.py: vLLM's
+  Scheduler, the simulation and real worker loops at two sizes; about 45 s).
 """
 
 from __future__ import annotations
@@ -130,6 +132,38 @@ def test_bench_nixl_smoke(tmp_path: Path) -> None:
     # Bytes are checked against their source pattern; a wrong transfer is a failure.
     assert not any(sec.get("failures") for sec in data["sections"].values()), \
         [sec.get("failures") for sec in data["sections"].values()]
+
+
+def test_bench_scale_smoke(tmp_path: Path) -> None:
+    """Section 8: every part measured at both sizes, flatness rows, no simulation
+    violation, memory back to its baseline after every round."""
+    out, data = _run(tmp_path, "scale", timeout=240)
+
+    scale = _table(out, 8, "scale")
+    for role in ("decode", "prefill"):
+        for n in (64, 256):
+            row = scale[f"scheduler, {role}, {n} requests: hooks, log on (µs/req)"]
+            _side_by_side(row)
+            assert _num(row[1]) > 0 and _num(row[2]) > 0, row
+        flat = _find(scale, f"scheduler, {role}: kvsm's hooks per request at 256 over 64 requests")
+        assert _num(flat[1]) > 0 and flat[4].startswith("<= 1.25x"), flat
+    for start in ("simulation, 50 requests: wall per request", "simulation, 200 requests: wall per request",
+                  "worker loops, 64-read rounds", "worker loops, 256-read rounds"):
+        for row in (r for m, r in scale.items() if m.startswith(start)):
+            assert _num(row[1]) > 0 and row[2] == "n/a", row
+    for start in ("simulation: wall per request at 200 over 50", "worker loops: wall per request at 256 over 64",
+                  "worker loops: loop threads' CPU per request at 256 over 64"):
+        row = _find(scale, start)
+        assert _num(row[1]) > 0 and row[4].startswith("<= 1.25x"), row
+    # Memory: every round's leftovers within their bounds (a per-request leak exceeds them).
+    for part in ("simulation", "worker loops"):
+        for start in (f"{part}: Python heap left after each round", f"{part}: allocations left after each round"):
+            row = _find(scale, start)
+            assert row[4].endswith(" met"), row
+    # No simulation violation, no round's check failed, no per-request object outlived its round.
+    sec = data["sections"]["scale"]
+    assert sec["failures"] == [], sec["failures"]
+    assert len(sec["extra"]["sim"]["wall_us_per_request"]) == 2, sec["extra"]["sim"]
 
 
 def _closed(port: int) -> bool:

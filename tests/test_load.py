@@ -23,7 +23,6 @@ import gc
 import json
 import random
 import statistics
-import threading
 import time
 import tracemalloc
 import urllib.error
@@ -31,7 +30,6 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,38 +39,21 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.config import KVSMConfig
-from kvsm.eventlog.log import EventLog
-from kvsm.handshake import MAX_CLAIMS, CompatInfo
-from kvsm.lifecycle.clock import SYSTEM_CLOCK
-from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import LIFECYCLES
-from kvsm.metadata import (
-    HeartbeatTarget,
-    KVSMConnectorMetadata,
-    RecvAbandon,
-    RecvAbort,
-    RecvStart,
-    SendFinish,
-)
+from kvsm.handshake import MAX_CLAIMS
+from kvsm.metadata import HeartbeatTarget, RecvStart, SendFinish
 from kvsm.replay import analyse
-from kvsm.testing.ports import free_port as _free_port
-from kvsm.transport.base import TransferState, XferHandle
-from kvsm.transport.memory import InMemoryAgent, InMemoryFabric
-from kvsm.worker import WorkerHalf
+from kvsm.testing.load import ROUND, GatedAgent, Workers, idle_resources, kvsm_objects, run_round
+from kvsm.testing.load import remote_params as _remote
 
 pytestmark = pytest.mark.slow
 
 # ============================================================================ (a) worker loops
 
-STEP = 256  # requests per scheduler step (vLLM's default max_num_seqs)
-BLOCK_BYTES = 64
-BLOCKS_PER_REQUEST = 2
-COMPAT = CompatInfo(model="kvsm-load", dtype="float32", num_layers=1, num_kv_heads=1, head_size=8, block_size=16,
-                    kv_layout="test")
+# The harness (the gated in-memory transport, the two workers, one round) is
+# kvsm.testing.load's, shared with tools/bench.py section 8.
 # Per-request kinds of one round (READ requests are the ones that are all
 # transferring at once; ABORT ones are aborted while their reads are held).
-READS, ABORTS, NOTHING, ABANDONS, ABNORMAL = 10_000, 500, 250, 250, 250
+READS, ABORTS, NOTHING, ABANDONS, ABNORMAL = ROUND.reads, ROUND.aborts, ROUND.nothing, ROUND.abandons, ROUND.abnormal
 # What a round may leave behind compared with the round before it (11,250 requests
 # per round). A per-request leak leaves at least one allocation per request, and
 # at ~50 bytes a request 550 KiB. The worker rebuilds its per-request tables when
@@ -80,256 +61,6 @@ READS, ABORTS, NOTHING, ABANDONS, ABNORMAL = 10_000, 500, 250, 250, 250
 # ~2 MiB otherwise); what remains is noise. Measured: +95 allocations, +22 KiB.
 LEAK_BLOCKS_BOUND = 1000  # under one allocation per ten requests
 LEAK_BYTES_BOUND = 256 * 1024
-
-
-class GatedAgent(InMemoryAgent):
-    """The in-memory transport driven by two real loop threads: every call under one
-    lock, a read lands when its reader checks it once it is due, and no read lands
-    while the gate is closed (so every read of a round can be in flight at once)."""
-
-    lock = threading.Lock()
-    gate = threading.Event()
-
-    def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int], notif: bytes,
-                  tag: str = "", group_sizes: Sequence[int] = ()) -> XferHandle:
-        with self.lock:
-            return super().post_read(peer, local_blocks, remote_blocks, notif, tag, group_sizes)
-
-    def check(self, handle: XferHandle) -> TransferState:
-        with self.lock:
-            t = self.fabric._find(handle)
-            if (t.state is TransferState.PENDING and self.gate.is_set()
-                    and t.complete_at_ns <= self.fabric.clock.monotonic_ns()):
-                self.fabric._land(t)
-            return t.state
-
-    def release(self, handle: XferHandle) -> bool:
-        with self.lock:
-            return super().release(handle)
-
-    def send_notif(self, peer: str, msg: bytes) -> bool:
-        with self.lock:
-            return super().send_notif(peer, msg)
-
-    def get_notifs(self) -> list[tuple[str, bytes]]:
-        with self.lock:
-            return super().get_notifs()
-
-    def resources(self) -> dict[str, int]:
-        with self.lock:
-            return super().resources()
-
-
-def _config(engine_id: str, kv_role: str, port: int) -> KVSMConfig:
-    # Timeouts and the lease far beyond the test's length: nothing here may end by a timer.
-    return KVSMConfig(engine_id=engine_id, kv_role=kv_role, kv_buffer_device="cpu", side_channel_host="127.0.0.1",
-                      side_channel_port=port, lease_s=900.0, heartbeat_interval_s=150.0, handshake_timeout_s=300.0,
-                      transfer_timeout_s=600.0, peer_backoff_s=1.0, peer_backoff_max_s=4.0,
-                      notif_poll_interval_s=0.001, event_log_dir=None, backends=("memory",), tp_size=1, dp_rank=0,
-                      pp_size=1, dcp_size=1, block_size=16, kv_load_failure_policy="fail")
-
-
-def _pattern(round_no: int, block: int) -> bytes:
-    unit = f"r{round_no}b{block};".encode()
-    return (unit * (BLOCK_BYTES // len(unit) + 1))[:BLOCK_BYTES]
-
-
-@dataclass
-class Workers:
-    """A prefill and a decode WorkerHalf joined by the side channel and the gated fabric."""
-
-    log_dir: Path
-    prefill: WorkerHalf = field(init=False)
-    decode: WorkerHalf = field(init=False)
-    finals: dict[tuple[str, str, str], str] = field(default_factory=dict)  # (engine, lifecycle, req) -> state
-    sent: set[str] = field(default_factory=set)
-    received: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
-    step: int = 0
-
-    def __post_init__(self) -> None:
-        pool = READS + ABORTS + NOTHING + ABANDONS + ABNORMAL
-        fabric = InMemoryFabric(SYSTEM_CLOCK, latency_ns=50_000)
-        self.prefill_agent = GatedAgent(fabric, "prefill-agent", pool * BLOCKS_PER_REQUEST, BLOCK_BYTES)
-        self.decode_agent = GatedAgent(fabric, "decode-agent", pool * BLOCKS_PER_REQUEST, BLOCK_BYTES)
-        self.port = _free_port()
-        self.logs = {name: EventLog(self.log_dir / f"{name}.worker.jsonl", role="worker", engine_id=name)
-                     for name in ("prefill", "decode")}
-        self.prefill = WorkerHalf(_config("prefill", "kv_producer", self.port), 0, event_log=self.logs["prefill"])
-        self.decode = WorkerHalf(_config("decode", "kv_consumer", _free_port()), 0, event_log=self.logs["decode"])
-        for name, half in (("prefill", self.prefill), ("decode", self.decode)):
-            for tracker in (half.recv, half.send):
-                tracker.listener = self._recorder(name, tracker.listener)
-        self.prefill.start(self.prefill_agent, COMPAT)
-        self.decode.start(self.decode_agent, COMPAT)
-
-    def _recorder(self, engine: str, inner: Any) -> Any:
-        """The worker's own listener, plus a note of every terminal state reached."""
-
-        def listener(o: Outcome) -> None:
-            inner(o)
-            if o.violation is None and o.dst in LIFECYCLES[o.lifecycle].terminal:
-                self.finals[(engine, o.lifecycle, o.req)] = o.dst
-
-        return listener
-
-    def submit(self, half: WorkerHalf, **lists: list[Any]) -> None:
-        self.step += 1
-        meta = KVSMConnectorMetadata(self.step)
-        for name, items in lists.items():
-            setattr(meta, name, items)
-        half.submit(meta)
-
-    def drain(self) -> None:
-        """What vLLM's model runner does every step: take the finished sets and the
-        stats (get_kv_connector_stats; an interval keeps at most MAX_SAMPLES samples)."""
-        for half in (self.prefill, self.decode):
-            half.stats.take()
-        sent, _, _ = self.prefill.take_results()
-        self.sent |= sent
-        _, received, failed = self.decode.take_results()
-        self.received |= received
-        self.failed |= failed
-
-    def wait(self, what: str, done: Any, timeout: float = 120.0, every_s: float = 0.02) -> None:
-        deadline = time.monotonic() + timeout
-        while not done():
-            self.drain()
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout} s; decode {self.debug('decode')['io']}, "
-                                     f"prefill {self.debug('prefill')['io']}")
-            time.sleep(every_s)
-        self.drain()
-
-    def debug(self, side: str) -> dict[str, Any]:
-        """A side's debug snapshot. With 10k requests live (and tracemalloc on) one
-        takes the loop a while, and waits behind its work: a generous timeout."""
-        half = self.decode if side == "decode" else self.prefill
-        return half.debug_state(timeout_s=60.0)
-
-    def archive(self) -> None:
-        """Move a finished round's books to disk, so that the harness itself holds
-        nothing per request between rounds (the memory check measures the workers)."""
-        with open(self.log_dir / "finals.jsonl", "a") as f:
-            f.writelines(json.dumps([*key, state]) + "\n" for key, state in self.finals.items())
-        self.finals, self.sent, self.received, self.failed = {}, set(), set(), set()
-
-    def archived_finals(self) -> dict[tuple[str, str, str], str]:
-        rows = [json.loads(line) for line in (self.log_dir / "finals.jsonl").read_text().splitlines()]
-        return {(engine, lifecycle, req): state for engine, lifecycle, req, state in rows}
-
-    def close(self) -> None:
-        GatedAgent.gate.set()
-        self.decode.shutdown()
-        self.prefill.shutdown()
-
-
-def _remote(port: int, req: str, remote_req: str) -> dict[str, Any]:
-    return {"req": req, "remote_engine": "prefill", "remote_req": remote_req, "remote_host": "127.0.0.1",
-            "remote_port": port, "remote_tp_size": 1}
-
-
-def _run_round(w: Workers, round_no: int) -> dict[str, float]:
-    """One round: every kind of request submitted, every read held until all are
-    in flight, the aborts applied, then the gate opened. Returns timings."""
-    t0 = time.monotonic()
-    total = READS + ABORTS + NOTHING + ABANDONS + ABNORMAL
-    names = [f"r{round_no}-{i}" for i in range(total)]
-    blocks = {n: tuple(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i, n in enumerate(names)}
-    with GatedAgent.lock:
-        for i in range(total * BLOCKS_PER_REQUEST):
-            w.prefill_agent.write_block(i, _pattern(round_no, i))
-            w.decode_agent.write_block(i, b"\x00" * BLOCK_BYTES)
-    reads = names[:READS + ABORTS]
-    nothing = names[READS + ABORTS:READS + ABORTS + NOTHING]
-    abandons = names[READS + ABORTS + NOTHING:total - ABNORMAL]
-    abnormal = names[total - ABNORMAL:]
-    aborted = set(random.Random(round_no).sample(reads, ABORTS))
-    GatedAgent.gate.clear()
-
-    # Prefill: every request finishes its prefill (a few abnormally), in steps.
-    finishes = [SendFinish(req=f"p-{n}", ok=n not in abnormal, block_ids=blocks[n] if n not in abnormal else (),
-                           reason="" if n not in abnormal else "FINISHED_LENGTH_CAPPED") for n in names]
-    for k in range(0, total, STEP):
-        w.submit(w.prefill, send_finish=finishes[k:k + STEP])
-    w.wait("prefill pinned", lambda: len(w.prefill.send) == total - ABNORMAL)
-
-    # Decode: reads (local blocks shifted, so a misdirected read shows), full local
-    # prefix hits (nothing to read) and requests abandoned before allocation.
-    pool = total * BLOCKS_PER_REQUEST
-    starts: list[Any] = []
-    for n in reads:
-        local = tuple((b + 7919) % pool for b in blocks[n])
-        starts.append(RecvStart(**_remote(w.port, f"d-{n}", f"p-{n}"), remote_block_ids=blocks[n],
-                                local_block_ids=local, num_tokens=32, awaited=True))
-    for n in nothing:
-        starts.append(RecvStart(**_remote(w.port, f"d-{n}", f"p-{n}"), remote_block_ids=(), local_block_ids=(),
-                                num_tokens=0, awaited=False))
-    for k in range(0, len(starts), STEP):
-        w.submit(w.decode, recv_start=starts[k:k + STEP])
-    for k in range(0, len(abandons), STEP):
-        w.submit(w.decode, recv_abandon=[RecvAbandon(**_remote(w.port, f"d-{n}", f"p-{n}"))
-                                         for n in abandons[k:k + STEP]])
-
-    def transferring() -> int:
-        return sum(1 for s in w.debug("decode")["recv"].values() if s == "transferring")
-
-    # (the prefill side has released the others by then: nothing to read, abandoned)
-    # Polled every 0.2 s: each snapshot of every live request is work for the loop.
-    w.wait("every read in flight", lambda: transferring() == len(reads) and len(w.prefill.send) == len(reads),
-           every_s=0.2)
-    peak = w.debug("decode")
-    peak_prefill = w.debug("prefill")
-    assert Counter(peak["recv"].values()) == {"transferring": len(reads)}
-    assert Counter(peak_prefill["send"].values()) == {"awaiting_pull": len(reads)}
-    t1 = time.monotonic()
-
-    w.submit(w.decode, recv_abort=[RecvAbort(req=f"d-{n}", awaited=True) for n in sorted(aborted)])
-    w.wait("aborts settled", lambda: len(w.decode.recv) == len(reads) - ABORTS)
-    GatedAgent.gate.set()
-    expect_received = {f"d-{n}" for n in reads}  # aborted ones too: vLLM waits for their blocks
-    expect_sent = {f"p-{n}" for n in names if n not in abnormal}  # vLLM freed those at once
-    w.wait("every request finished on both sides", lambda: expect_received <= w.received and expect_sent <= w.sent)
-    assert not w.received & {f"d-{n}" for n in nothing + abandons} and not w.sent & {f"p-{n}" for n in abnormal}
-    t2 = time.monotonic()
-
-    # Outcomes, request by request, and the bytes every read delivered.
-    finals = dict(w.finals)
-    want: dict[tuple[str, str, str], str] = {}
-    for n in names:
-        want[("prefill", "send", f"p-{n}")] = "released"
-        if n in abnormal:
-            continue
-        want[("decode", "recv", f"d-{n}")] = "aborted" if n in aborted or n in abandons else "done"
-    assert finals == want
-    assert not w.failed
-    with GatedAgent.lock:
-        for n in reads:
-            if n in aborted:
-                continue
-            for b in blocks[n]:
-                got = w.decode_agent.read_block((b + 7919) % pool)
-                assert got == _pattern(round_no, b), f"{n}: block {b} arrived as {got!r}"
-    del finals, want
-    w.archive()
-    return {"submit_to_peak_s": t1 - t0, "peak_to_done_s": t2 - t1, "requests": total}
-
-
-def _idle(w: Workers) -> dict[str, dict[str, int]]:
-    """Each worker's resources once everything ended (and the lost-event counters)."""
-    out = {}
-    for name, half in (("prefill", w.prefill), ("decode", w.decode)):
-        res = half.debug_state()["resources"]
-        out[name] = {k: v for k, v in res.items() if v and k not in ("peers", "transport_peers", "loop_readers",
-                                                                     "client_sockets")}
-    return out
-
-
-def _kvsm_objects() -> Counter[str]:
-    """Live instances of kvsm's per-request classes (gc-tracked objects only)."""
-    wanted = {"RequestMachine", "Outcome", "_RecvIO", "_SendIO", "_Claim", "XferHandle", "_Transfer", "TimerHandle",
-              "_Pending", "RecvStart", "SendFinish", "RecvAbandon", "RecvAbort"}
-    return Counter(type(o).__name__ for o in gc.get_objects() if type(o).__name__ in wanted)
 
 
 def _check_log(path: Path) -> int:
@@ -351,25 +82,25 @@ def workers(tmp_path: Path) -> Iterator[Workers]:
 
 def test_ten_thousand_concurrent_requests_through_real_worker_loops(workers: Workers) -> None:
     w = workers
-    timings = [_run_round(w, 0)]  # warm-up: fills the bounded rings of finished requests
+    timings = [run_round(w, 0)]  # warm-up: fills the bounded rings of finished requests
     # The prefill's notification poll (the decode's claim-answers record is written
     # within 100 ms of the last answer, its timer gone then).
-    w.wait("idle", lambda: _idle(w) == {"prefill": {"loop_timers": 1}, "decode": {}}, timeout=30)
+    w.wait("idle", lambda: idle_resources(w) == {"prefill": {"loop_timers": 1}, "decode": {}}, timeout=30)
     gc.collect()
-    objects = _kvsm_objects()
+    objects = kvsm_objects()
     tracemalloc.start()
     try:
         retained = []
         for round_no in (1, 2):
-            timings.append(_run_round(w, round_no))
-            w.wait("idle", lambda: _idle(w) == {"prefill": {"loop_timers": 1}, "decode": {}}, timeout=30)
+            timings.append(run_round(w, round_no))
+            w.wait("idle", lambda: idle_resources(w) == {"prefill": {"loop_timers": 1}, "decode": {}}, timeout=30)
             for log in w.logs.values():  # records still buffered are not a leak
                 assert log.flush(timeout=60)
             gc.collect()
             stats = tracemalloc.take_snapshot().statistics("filename")
             retained.append((sum(st.count for st in stats), sum(st.size for st in stats)))
             # (a few timer handles come and go with the loops' own polling timers)
-            grown = {k: n - objects[k] for k, n in _kvsm_objects().items() if n > objects[k] + 8}
+            grown = {k: n - objects[k] for k, n in kvsm_objects().items() if n > objects[k] + 8}
             assert grown == {}, f"per-request objects outlived their requests: {grown}"
     finally:
         tracemalloc.stop()

@@ -25,6 +25,11 @@ Sections (the default runs those that are implemented):
 7. ``handshake``  first-request latency to a fresh peer, and to healthy peers
    with a dead one among them: in process (kvsm only), and on real servers
    (kvsm vs upstream).
+8. ``scale``      per-request cost from 1,000 to 100,000 requests, and memory
+   after every round (``tools/bench_scale.py``): the scheduler hooks on vLLM's
+   real Scheduler (kvsm and upstream), the simulation on virtual time, and the
+   real worker loops of ``kvsm.testing.load`` (1,000 and 10,000 reads in
+   flight at once); each part's flatness (largest size over smallest).
 
 This machine is noisy (2 cores, shared): every measurement is repeated
 (``--repeat``, default 5), kvsm and upstream runs alternate (the order rotates
@@ -87,6 +92,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from bench_scale import bench_scale  # tools/bench_scale.py: section 8
 from bench_serve import serve_all_rates, serve_rows, single_engine_serve  # tools/bench_serve.py: 6.'s client
 
 from benchlib import (  # tools/benchlib.py: the tables, shared with bench_nixl
@@ -112,9 +118,11 @@ if TYPE_CHECKING:
 
 DEFAULT_SIZES = Sizes((1_000, 10_000), 256, 200_000, 1_000_000, 1_000_000, 20, 200)
 QUICK_SIZES = Sizes((200, 1_000), 256, 50_000, 200_000, 100_000, 10, 200, worker_steps=50, transfer_blocks=1024,
-                    e2e_requests=20, hs_server_repeat=2, serve_prompts=100)
+                    e2e_requests=20, hs_server_repeat=2, serve_prompts=100, scale_sched=(500, 5_000),
+                    scale_sim=(500, 5_000), scale_worker=(500, 5_000))
 SMOKE_SIZES = Sizes((64, 256), 64, 5_000, 20_000, 10_000, 3, 100, worker_inflight=(4, 16), worker_steps=5,
-                    transfer_blocks=64, transfer_block_kib=16, e2e_requests=4, hs_server_repeat=1, serve_prompts=16)
+                    transfer_blocks=64, transfer_block_kib=16, e2e_requests=4, hs_server_repeat=1, serve_prompts=16,
+                    scale_sched=(64, 256), scale_sim=(50, 200), scale_worker=(64, 256))
 
 
 # --------------------------------------------------------------------------- 1. scheduler
@@ -1384,6 +1392,8 @@ SECTIONS = (
     SectionSpec(5, "replay", "replay throughput", bench_replay),
     SectionSpec(6, "e2e", "end to end on servers, kvsm vs upstream", bench_e2e),
     SectionSpec(7, "handshake", "handshake latency, dead peers", bench_handshake),
+    SectionSpec(8, "scale", "per-request cost at 1k to 100k requests, memory after every round",
+                lambda s, r, t: bench_scale(s, r, t, sched_run=sched_run)),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 

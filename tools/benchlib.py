@@ -233,6 +233,10 @@ class Sizes:
     e2e_requests: int = 50  # 6. concurrent requests after the prompt mix
     serve_prompts: int = 200  # 6. vllm bench serve --num-prompts, per rate
     hs_server_repeat: int = E2E_DEFAULT_REPEAT  # 7. most repetitions on servers (0: none), ~2 min each
+    scale_sched: tuple[int, ...] = (1_000, 10_000, 100_000)  # 8. requests through vLLM's Scheduler
+    scale_sim: tuple[int, ...] = (1_000, 10_000, 100_000)  # 8. requests through the simulation
+    scale_worker: tuple[int, ...] = (1_000, 10_000)  # 8. reads in flight per round through the real worker loops
+    scale_full_max: int = 10_000  # 8. larger sizes run once, the scheduler's for kvsm only (minutes each)
 
 
 
