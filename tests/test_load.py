@@ -177,7 +177,7 @@ def test_a_heartbeat_for_more_than_max_claims_requests_extends_every_lease(worke
     w.wait("the heartbeat answered or refused", answered, timeout=60)
     client = w.decode.debug_state()["client"]
     assert not [k for k in client if k.startswith("failed_")], client
-    w.logs["prefill"].flush()
+    assert w.logs["prefill"].flush(timeout=60), "the prefill log's writer did not catch up within 60 s"
     records = [json.loads(line) for line in w.logs["prefill"].path.read_text().splitlines()]
     extended = {r["req"] for r in records if r.get("kind") == "transition" and r.get("event") == "heartbeat"}
     assert len(extended) == _OVER
