@@ -20,6 +20,8 @@ pairs of (decode or reader, prefill or target):
   scheduler-side connector serves the side channel, as in an engine;
 * ``upstream-np``: the same, its NIXL agent made without the progress thread
   (as kvsm's is), to tell its code's cost from the busy-polling thread's;
+* ``kvsm-mt``: kvsm with ``num_threads`` UCX backend threads, as many as
+  upstream asks for (section 2: CPU per transfer and idle; section 3: throughput);
 * ``raw``: bare NIXL agents configured as kvsm's, prepared descriptor lists;
   ``raw-mt`` with UCX backend threads as upstream asks, ``raw-thp`` on
   huge pages (section 3's references).
@@ -64,6 +66,9 @@ POLL_S = 0.0001  # section 3: sleep between polls for completion (every method a
 TRIALS = 3  # section 3: transfers per method per repetition (their median counts)
 LEASE_S = 600  # pinned blocks never expire during a run (processes may sit frozen)
 CONNECTORS = ("kvsm", "upstream", "upstream-np")  # upstream-np: NixlConnector without NIXL's progress thread
+# kvsm with UCX backend threads (its num_threads key, as raw-mt): its CPU and idle
+# CPU in section 2, its throughput in section 3.
+KVSM_VARIANTS = ("kvsm-mt",)
 RAWS = ("raw", "raw-mt", "raw-thp")  # raw-mt: UCX backend threads, as upstream asks; raw-thp: on huge pages
 RAW_MT_THREADS = 4  # NixlConnector's default num_threads
 IDLE_TARGET = Target("max", 0.05, "<= 0.05 (no busy polling)")
@@ -171,12 +176,13 @@ class Fleet:
         self.peers: dict[str, Peer] = {}
         self.warm: set[str] = set()
         try:
-            for name in CONNECTORS:
+            for name in (*CONNECTORS, *KVSM_VARIANTS):
                 kind = name.split("-")[0]
                 side, pin = _free_port(), _free_port()
                 common = {"connector": kind, "block_size": g.block_size, "num_blocks": g.num_blocks,
                           "side_port": side, "pin_port": pin, "lease_s": LEASE_S,
                           "progress_thread": name != "upstream-np",
+                          "num_threads": RAW_MT_THREADS if name == "kvsm-mt" else 0,
                           "event_log_dir": str(self.log_dir / "kvsm-events") if kind == "kvsm" else None}
                 self._start(f"{name}-prefill", {"role": f"{kind}-prefill", "engine_id": f"bench-{name}-prefill",
                                                 **common})
@@ -303,9 +309,9 @@ def _idle(fleet: Fleet, name: str, seconds: float) -> tuple[float, float]:
     return (d1 - d0) / (t1 - t0), (p1 - p0) / (t1 - t0)
 
 
-def _warm_connectors(fleet: Fleet) -> None:
+def _warm_connectors(fleet: Fleet, names: Sequence[str] = CONNECTORS) -> None:
     """First contact of each pair: the handshake and the UCX wire-up."""
-    for name in CONNECTORS:
+    for name in names:
         if name in fleet.warm:
             continue
         _steady(fleet, name, f"warm-{name}", inflight=4, steps=3, warm_steps=0)
@@ -316,26 +322,31 @@ def bench_worker(sizes: Sizes, repeat: int, tmp: Path) -> Section:
     sec = Section(2, "worker", "worker-side cost per step, transfers in flight (real NIXL, DRAM, two processes)")
     ok = False
     try:
+        measured = (*CONNECTORS, *KVSM_VARIANTS)
         fleet = _fleet(sizes, tmp)
-        _warm_connectors(fleet)
+        _warm_connectors(fleet, measured)
         steps = sizes.worker_steps
         warm_steps = max(2, steps // 5)
         idle_s = 1.0 if steps >= 200 else 0.5 if steps >= 50 else 0.2
-        runs: dict[tuple[str, int], list[dict[str, Any]]] = {(c, n): [] for c in CONNECTORS for n in
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {(c, n): [] for c in measured for n in
                                                              sizes.worker_inflight}
-        idle: dict[str, list[tuple[float, float]]] = {c: [] for c in CONNECTORS}
+        idle: dict[str, list[tuple[float, float]]] = {c: [] for c in measured}
         for rep in range(repeat):
             for n in sizes.worker_inflight:
-                for name in _rotated(CONNECTORS, rep):
+                for name in _rotated(measured, rep):
                     runs[(name, n)].append(_steady(fleet, name, f"r{rep}-{name}-{n}", n, steps, warm_steps))
-            for name in _rotated(CONNECTORS, rep):
+            for name in _rotated(measured, rep):
                 idle[name].append(_idle(fleet, name, idle_s))
+
+        notes = {"upstream": "", "upstream-np": "upstream without NIXL's progress thread in the upstream column",
+                 "kvsm": f"kvsm with num_threads={RAW_MT_THREADS} in the kvsm column, kvsm without in the upstream "
+                         f"column"}
 
         def row(measure: str, unit: str, n: int, f: Any, target: Target = NO_TARGET,
                 against: str = "upstream") -> Row:
-            note = "" if against == "upstream" else "upstream without NIXL's progress thread in the upstream column"
-            return Row(f"{n} in flight: {measure}", unit, [f(r) for r in runs[("kvsm", n)]],
-                       [f(r) for r in runs[(against, n)]], target, note)
+            who = "kvsm-mt" if against == "kvsm" else "kvsm"
+            return Row(f"{n} in flight: {measure}", unit, [f(r) for r in runs[(who, n)]],
+                       [f(r) for r in runs[(against, n)]], target, notes[against])
 
         def core_per_step(r: dict[str, Any]) -> float:
             return sum(r["core_ns"]) / len(r["core_ns"]) / 1000
@@ -357,6 +368,8 @@ def bench_worker(sizes: Sizes, repeat: int, tmp: Path) -> Section:
                 row("decode process CPU per transfer, all threads", "µs", n, decode_cpu_per_transfer),
                 row("decode process CPU per transfer, all threads", "µs", n, decode_cpu_per_transfer,
                     against="upstream-np"),
+                row("decode process CPU per transfer, all threads", "µs", n, decode_cpu_per_transfer,
+                    against="kvsm"),
                 row("prefill process CPU per transfer served, all threads", "µs", n,
                     lambda r: r["prefill_cpu_s"] / max(1, r["started"]) * 1e6),
             ]
@@ -368,6 +381,8 @@ def bench_worker(sizes: Sizes, repeat: int, tmp: Path) -> Section:
             Row("idle: decode process CPU", "CPU-s/s", [d for d, _ in idle["kvsm"]],
                 [d for d, _ in idle["upstream-np"]], IDLE_TARGET,
                 "upstream without NIXL's progress thread in the upstream column"),
+            Row("idle: decode process CPU", "CPU-s/s", [d for d, _ in idle["kvsm-mt"]],
+                [d for d, _ in idle["kvsm"]], IDLE_TARGET, notes["kvsm"]),
         ]
         g = fleet.geometry
         sec.notes += [
@@ -412,10 +427,10 @@ def bench_transfer(sizes: Sizes, repeat: int, tmp: Path) -> Section:
                                  f"permuted, kvsm vs upstream vs raw NIXL vs memcpy")
     try:
         fleet = _fleet(sizes, tmp)
-        _warm_connectors(fleet)
+        _warm_connectors(fleet, (*CONNECTORS, *KVSM_VARIANTS))
         n = sizes.transfer_blocks // LAYERS  # vLLM blocks, each one descriptor per layer
         total_bytes = sizes.transfer_blocks * sizes.transfer_block_kib * 1024
-        methods = (*CONNECTORS, *RAWS, "memcpy")
+        methods = (*CONNECTORS, *KVSM_VARIANTS, *RAWS, "memcpy")
         counter = {"i": 0}
 
         def measure(method: str, trials: int, seed: int) -> list[float]:
@@ -463,6 +478,12 @@ def bench_transfer(sizes: Sizes, repeat: int, tmp: Path) -> Section:
                 note="the same agent configuration"),
             Row("kvsm / raw NIXL throughput", "x", ratio("kvsm", "raw-mt"),
                 note=f"raw NIXL with {RAW_MT_THREADS} UCX backend threads"),
+            Row("throughput with num_threads", "GiB/s", thr["kvsm-mt"], thr["raw-mt"],
+                note=f"kvsm with num_threads={RAW_MT_THREADS} against raw NIXL with as many, in the upstream column"),
+            Row("kvsm with num_threads / the best raw NIXL throughput", "x",
+                [k / max(r, m) for k, r, m in zip(thr["kvsm-mt"], thr["raw"], thr["raw-mt"], strict=True)], None,
+                Target("min", 0.95, ">= 0.95x"), note=f"num_threads={RAW_MT_THREADS}; best of raw and raw-mt per "
+                                                       f"repetition"),
             Row("upstream / raw NIXL throughput", "x", ratio("upstream", "raw"), note="upstream's, in the kvsm column"),
             Row("raw NIXL / memcpy throughput", "x", ratio("raw", "memcpy"), note="raw's, in the kvsm column"),
             Row("raw NIXL throughput, huge pages", "GiB/s", thr["raw-thp"],

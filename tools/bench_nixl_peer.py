@@ -159,6 +159,8 @@ class Connector:
                      "kv_lease_duration": spec["lease_s"], "heartbeat_interval": spec["lease_s"] / 6}
             if spec.get("event_log_dir"):
                 extra["event_log_dir"] = spec["event_log_dir"]
+            if spec.get("num_threads"):
+                extra["num_threads"] = spec["num_threads"]
             h = make_scheduler(extra_config=extra, **common)
             h.close()
             from kvsm.connector import KVSMConnector
