@@ -116,11 +116,14 @@ def thread_cpu_s(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def blocker(loop: EventLoop) -> threading.Event:
-    """Keep the loop busy in one callable until the returned event is set."""
+def blocker(loop: EventLoop, first: Callable[[], object] | None = None) -> threading.Event:
+    """Keep the loop busy in one callable until the returned event is set
+    (``first``, if given, runs inside that callable before it blocks)."""
     started, release = threading.Event(), threading.Event()
 
     def block() -> None:
+        if first is not None:
+            first()
         started.set()
         release.wait(WAIT_S)
 
@@ -777,17 +780,9 @@ def test_autojump_waits_while_the_loop_is_busy(make_virtual_loop: MakeLoop) -> N
     comes only once nothing is posted, readable or due. The timer is armed
     inside the busy callable, so no idle moment comes before the check."""
     loop = make_virtual_loop()
-    fired, started, release = threading.Event(), threading.Event(), threading.Event()
+    fired = threading.Event()
     t0: list[int] = []
-
-    def arm_then_block() -> None:
-        t0.append(loop.now_ns())
-        loop.call_later(60 * S, fired.set)
-        started.set()
-        release.wait(WAIT_S)
-
-    assert loop.post(arm_then_block, label="blocker")
-    assert started.wait(WAIT_S)
+    release = blocker(loop, first=lambda: (t0.append(loop.now_ns()), loop.call_later(60 * S, fired.set)))
     time.sleep(0.05)  # fifty thresholds of real time
     assert loop.now_ns() == t0[0] and not fired.is_set()
     release.set()

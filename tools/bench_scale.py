@@ -369,7 +369,7 @@ def _worker_part(sec: Section, sizes: Sizes, repeat: int, tmp: Path) -> None:
         ring = inspect.signature(LifecycleTracker).parameters["remember_finished"].default
         round_no = 0
         while round_no * (biggest.total - biggest.abnormal) <= ring:
-            run_round(w, round_no, biggest, poll_snapshots=False)
+            run_round(w, round_no, biggest)
             round_no += 1
         warmups = round_no
         _settle(w)
@@ -382,7 +382,7 @@ def _worker_part(sec: Section, sizes: Sizes, repeat: int, tmp: Path) -> None:
                 s = RoundSizes.scaled(n)
                 with _frozen_heap():
                     cpu0 = w.loop_cpu_s()
-                    t = run_round(w, round_no, s, poll_snapshots=False)
+                    t = run_round(w, round_no, s)
                     cpu = w.loop_cpu_s() - cpu0
                 round_no += 1
                 wall_us.setdefault(n, []).append((t["submit_to_peak_s"] + t["peak_to_done_s"]) / s.total * 1e6)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchlib import NO_TARGET, Row, Section, Target, fmt
+from benchlib import NO_TARGET, Row, Section, Target, _median, fmt
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,8 +130,3 @@ def serve_rows(sec: Section, runs: dict[str, list[dict[str, Any]]], singles: Seq
         f"requests; the same client and prompts against a single engine with no connector on core 1 "
         f"(medians over repetitions): {single}. TTFT at the client includes the router's prefill leg.")
     sec.extra["serve_single"] = list(singles)
-
-
-def _median(values: Sequence[float]) -> float:
-    vals = [v for v in values if not math.isnan(v)]
-    return statistics.median(vals) if vals else math.nan

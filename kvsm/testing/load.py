@@ -193,14 +193,14 @@ class Workers:
         self.received |= received
         self.failed |= failed
 
-    def wait(self, what: str, done: Any, timeout: float = 120.0, every_s: float = 0.02) -> None:
+    def wait(self, what: str, done: Any, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not done():
             self.drain()
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what}: not within {timeout} s; decode {self.debug('decode')['io']}, "
                                      f"prefill {self.debug('prefill')['io']}")
-            time.sleep(every_s)
+            time.sleep(0.02)
         self.drain()
 
     def debug(self, side: str) -> dict[str, Any]:
@@ -237,16 +237,14 @@ def remote_params(port: int, req: str, remote_req: str) -> dict[str, Any]:
             "remote_port": port, "remote_tp_size": 1}
 
 
-def run_round(w: Workers, round_no: int, sizes: RoundSizes | None = None, *,
-              poll_snapshots: bool = True) -> dict[str, float]:
+def run_round(w: Workers, round_no: int, sizes: RoundSizes | None = None) -> dict[str, float]:
     """One round: every kind of request submitted, every read held until all are
     in flight, the aborts applied, then the gate opened. Returns timings.
 
-    ``sizes``: the round's mix (default: the workers' own). ``poll_snapshots``:
-    wait for "every read in flight" by polling both workers' debug snapshots (the
-    test's way); False counts posted reads instead, so that the wait costs the
-    loops nothing per live request (the bench's way: a snapshot every 0.2 s of N
-    live requests would make a round's cost grow faster than N)."""
+    ``sizes``: the round's mix (default: the workers' own). "Every read in
+    flight" is waited for by counting posted reads, which costs the loops nothing
+    (polled snapshots of every live request were work for the loops they watched:
+    under load one took over 10 s); one snapshot of each side then checks it."""
     s = w.sizes if sizes is None else sizes
     assert s.total <= w.sizes.total, f"a round of {s.total} requests does not fit pools of {w.sizes.total}"
     t0 = time.monotonic()
@@ -289,16 +287,9 @@ def run_round(w: Workers, round_no: int, sizes: RoundSizes | None = None, *,
         w.submit(w.decode, recv_abandon=[RecvAbandon(**remote_params(w.port, f"d-{n}", f"p-{n}"))
                                          for n in abandons[k:k + STEP]])
 
-    def transferring() -> int:
-        return sum(1 for st in w.debug("decode")["recv"].values() if st == "transferring")
-
     # (the prefill side has released the others by then: nothing to read, abandoned)
-    if poll_snapshots:  # polled every 0.2 s: each snapshot of every live request is work for the loop
-        w.wait("every read in flight", lambda: transferring() == len(reads) and len(w.prefill.send) == len(reads),
-               every_s=0.2)
-    else:
-        w.wait("every read in flight", lambda: w.decode_agent.posted - posted0 >= len(reads)
-               and len(w.prefill.send) == len(reads))
+    w.wait("every read in flight", lambda: w.decode_agent.posted - posted0 >= len(reads)
+           and len(w.prefill.send) == len(reads))
     peak = w.debug("decode")
     peak_prefill = w.debug("prefill")
     assert Counter(peak["recv"].values()) == {"transferring": len(reads)}
