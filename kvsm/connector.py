@@ -54,6 +54,30 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvsm.connector")
 
 
+def _allow_amx(kv_caches: dict[str, torch.Tensor]) -> None:
+    """Ask Linux for this process's AMX tile permission (``ARCH_REQ_XCOMP_PERM``)
+    where vLLM-CPU's attention will use AMX (bfloat16 caches on a CPU with AMX).
+
+    Why: vLLM's ``amx`` attention kernel executes tile instructions without
+    asking; it works only because oneDNN asked first, in a GEMM large enough for
+    AMX. A decode engine's first forward pass is a loaded request's last token
+    (M = 1 GEMMs, no AMX), so its attention died of SIGILL (measured here:
+    a bfloat16 Qwen3 decode engine, rc -4 in ``cpu_attention_with_kv_cache``
+    on its first transferred request; a single engine's first prefill asks in
+    time). The permission is per process and asking twice is harmless.
+    """
+    import torch
+
+    tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, (list, tuple)) else (v,))]
+    if not any(getattr(t, "dtype", None) == torch.bfloat16 for t in tensors):
+        return
+    cpu = getattr(torch, "cpu", None)
+    if cpu is None or not getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return
+    if not cpu._init_amx():
+        log.warning("kvsm: the AMX tile permission was refused; vLLM's AMX attention may fail")
+
+
 def _open_log(cfg: KVSMConfig, role: str, rank: int) -> EventLog | None:
     path = cfg.event_log_path(role, rank)
     if path is None:
@@ -190,6 +214,8 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_buffer_device is {self.cfg.kv_buffer_device!r} but the KV caches are in {layout.mem_type}; "
                 f"kvsm registers the KV caches themselves (no staging buffer), so set kv_buffer_device to "
                 f"{'cuda' if layout.mem_type == 'VRAM' else 'cpu'}")
+        if layout.mem_type == "DRAM":
+            _allow_amx(kv_caches)
         name = f"kvsm-{self.cfg.engine_id}-dp{self.cfg.dp_rank}-tp{worker.tp_rank}"
         transport = NixlTransport(name, layout, backends=self.cfg.backends, num_threads=self.cfg.num_threads)
         first = next(iter(kv_caches.values()))

@@ -15,6 +15,10 @@ for the Llama:
   attention, bfloat16: the prefill side holds the prompt's last token back
   and the decode engine computes it on the transferred state. Its output
   depends on the batch's shape, so every engine runs it one prompt per call.
+* ``qwen3``: a dense bfloat16 model (Qwen3's q/k norms), one full-attention
+  group; one prompt per call, as bfloat16 rounding depends on the batch.
+* ``gemma3``: three sliding-window layers to one global one: four KV cache
+  groups of one layer each, all overlaid on one buffer.
 
 For each: the decode outputs equal a single engine's, the prompt's KV came by
 transfer (``num_cached_tokens`` and the decode worker's ``matched`` records), a
@@ -48,10 +52,11 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
 # vllm.LLM arguments per kind (both engines and the reference alike): the recipe's
 # own (dtype, attention backend: CPU_MLA, float32, block 16, on any CPU).
-LLM_KWARGS: dict[str, dict[str, Any]] = {kind: vllm_args(kind) for kind in ("gemma2", "deepseek_v2", "qwen3_next")}
+LLM_KWARGS: dict[str, dict[str, Any]] = {kind: vllm_args(kind) for kind in ("gemma2", "deepseek_v2", "qwen3_next",
+                                                                            "qwen3", "gemma3")}
 # Kinds whose greedy output depends on the batch's shape (bfloat16): every engine
 # runs them one prompt per call.
-ONE_BY_ONE = {"qwen3_next"}
+ONE_BY_ONE = {"qwen3_next", "qwen3"}
 RNG = random.Random(20261201)
 
 
@@ -71,6 +76,10 @@ SENSITIVE = {kind: [_prompt(280 if kind == "qwen3_next" else 200) for _ in range
 # another result for the whole prompt in one step (measured: another first token for
 # 1 of 4 prompts), a property of the model's arithmetic, not of the transfer.
 SPLIT = {"qwen3_next"}
+
+
+# Kinds with sliding-window KV cache groups beside one full-attention group: how many.
+SLIDING_GROUPS = {"gemma2": 1, "gemma3": 3}
 
 
 class KindPair:
@@ -132,9 +141,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def test_outputs_equal_a_single_engine_and_the_prompt_kv_comes_by_transfer(pair: KindPair) -> None:
     prompts = PROMPTS[pair.kind]
     params = pair.prefill_params(prompts)
-    if pair.kind == "gemma2":
-        # Two groups; the sliding-window one holds nothing (the null block) before its window.
-        assert all(len(p["remote_block_ids"]) == 2 for p in params)
+    if pair.kind in SLIDING_GROUPS:
+        # The sliding-window groups hold nothing (the null block) before their window.
+        assert all(len(p["remote_block_ids"]) == SLIDING_GROUPS[pair.kind] + 1 for p in params)
         assert any(0 in ids for p in params for ids in p["remote_block_ids"])
     outs = pair.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -145,7 +154,7 @@ def test_outputs_equal_a_single_engine_and_the_prompt_kv_comes_by_transfer(pair:
     # the decode engine computes it.
     held = 1 if pair.kind == "qwen3_next" else 0
     assert [matched[q] for q in remote] == [len(p) - held for p in prompts]
-    if pair.kind == "gemma2":  # (vLLM counts no cached tokens without prefix caching, nor 1152-token blocks)
+    if pair.kind in ("gemma2", "gemma3", "qwen3"):  # (none without prefix caching, nor in 1152-token blocks)
         assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in prompts]
 
 

@@ -171,7 +171,7 @@ def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
 # probe below) with one engine; the tests check what it reports.
 # ---------------------------------------------------------------------------
 
-NEW_KINDS = ("gemma2", "deepseek_v2", "qwen3_next")
+NEW_KINDS = ("gemma2", "deepseek_v2", "qwen3_next", "qwen3", "gemma3")
 
 # What each kind's KV cache looks like to the connector on vLLM 0.32's CPU
 # backend: (spec class, block size, layers) per KV cache group.
@@ -184,6 +184,15 @@ EXPECTED_GROUPS = {
     "qwen3_next": [
         ("MambaSpec", 1152, [0, 2]),
         ("FullAttentionSpec", 1152, [1, 3]),
+    ],
+    "qwen3": [("FullAttentionSpec", 128, [0, 1])],
+    # Three sliding-window layers to one global one: vLLM makes groups of equal
+    # size, one layer each here, all four overlaid on one buffer.
+    "gemma3": [
+        ("SlidingWindowSpec", 128, [0]),
+        ("SlidingWindowSpec", 128, [1]),
+        ("SlidingWindowSpec", 128, [2]),
+        ("FullAttentionSpec", 128, [3]),
     ],
 }
 
@@ -366,13 +375,17 @@ def test_kinds_are_built_cached_and_apart(model_dir: Path, kind_dirs: dict[str, 
         # One tokenizer for every kind.
         assert _sha(path / "tokenizer.json") == _sha(model_dir / "tokenizer.json")
         cfg = AutoConfig.from_pretrained(str(path))
-        assert cfg.model_type == kind
+        assert cfg.model_type == {"gemma3": "gemma3_text"}.get(kind, kind)
         assert cfg.hidden_size == 128 and cfg.max_position_embeddings >= 2048
         assert str(cfg.dtype).removeprefix("torch.") == model_dtype(kind) == vllm_args(kind)["dtype"]
     assert model_dtype("qwen3_next") == "bfloat16"
     assert AutoConfig.from_pretrained(str(kind_dirs["gemma2"])).layer_types == [
         "sliding_attention", "full_attention"
     ] * 2  # fmt: skip
+    assert AutoConfig.from_pretrained(str(kind_dirs["gemma3"])).layer_types == [
+        "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"
+    ]  # fmt: skip
+    assert model_dtype("qwen3") == "bfloat16"
     assert AutoConfig.from_pretrained(str(kind_dirs["qwen3_next"])).layer_types == [
         "linear_attention", "full_attention"
     ] * 2  # fmt: skip
@@ -461,11 +474,11 @@ def test_kind_outputs_are_distinct_and_depend_on_kv(
     for group in groups:
         ptrs = [_first_ptr(tensors[n]) for n in group["layer_names"]]
         assert len(set(ptrs)) == len(ptrs)  # a group's layers apart...
-    for a, b in zip(*(g["layer_names"] for g in groups)) if len(groups) == 2 else ():
-        assert _first_ptr(tensors[a]) == _first_ptr(tensors[b])  # ...groups overlaid
+    for overlaid in zip(*(g["layer_names"] for g in groups)) if len(groups) > 1 else ():
+        assert len({_first_ptr(tensors[n]) for n in overlaid}) == 1  # ...groups overlaid
     cached = dict(zip(names, probe["num_cached_tokens_again"]))
-    if kind == "gemma2":
-        # Both groups hit: the two full blocks of 128 (the last prompt token is
+    if kind in ("gemma2", "gemma3", "qwen3"):
+        # Every group hits: the two full blocks of 128 (the last prompt token is
         # always recomputed).
         assert cached["long"] == cached["long_mod"] == 2 * BLOCK_SIZE
     elif kind == "deepseek_v2":

@@ -5,8 +5,9 @@ tests never download a model: :func:`build_tiny_model` makes one on the spot.
 ``build_tiny_model(cache_dir, seed=..., kind=...)`` builds one of
 :data:`KINDS`: ``"llama"`` (the default, and what every caller without
 ``kind`` gets, unchanged), ``"gemma2"`` (sliding-window + full attention),
-``"deepseek_v2"`` (MLA) and ``"qwen3_next"`` (gated-delta-net linear attention,
-i.e. a Mamba-style state, + full attention). :func:`vllm_args` gives the
+``"deepseek_v2"`` (MLA), ``"qwen3_next"`` (gated-delta-net linear attention,
+i.e. a Mamba-style state, + full attention), ``"qwen3"`` (dense, bfloat16) and
+``"gemma3"`` (three sliding-window layers to one global one). :func:`vllm_args` gives the
 ``vllm.LLM`` arguments a kind needs on the CPU backend (dtype, block size,
 attention backend); pass them to :func:`kvsm.testing.engine.make_llm`.
 
@@ -403,6 +404,80 @@ RECIPES: dict[str, dict[str, Any]] = {
             "norm": {"fill": 0.0},
         },
     },
+    # A dense model as most operators serve it: bfloat16, Qwen3's q/k norms.
+    "qwen3": {
+        **_TOKENIZER_RECIPE,
+        "architecture": "Qwen3ForCausalLM",
+        "dtype": "bfloat16",
+        "config": {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+        },
+        "init": {
+            "embed_tokens": {"std": 1.0},
+            "q_proj": 2.0,
+            "k_proj": 2.0,
+            "v_proj": 1.0,
+            "o_proj": 1.0,
+            "q_norm": {"fill": 3.0},
+            "k_norm": {"fill": 3.0},
+            "gate_proj": 1.0,
+            "up_proj": 1.0,
+            "down_proj": 1.0,
+            "lm_head": 4.0,
+            "input_layernorm": {"fill": 1.0},
+            "post_attention_layernorm": {"fill": 1.0},
+            "norm": {"fill": 1.0},
+        },
+    },
+    # Gemma 3 (text): three sliding-window layers to one global one, each kind
+    # with its own rotary base; two KV cache groups, as Gemma 2.
+    "gemma3": {
+        **_TOKENIZER_RECIPE,
+        "architecture": "Gemma3ForCausalLM",
+        "config_class": "Gemma3TextConfig",
+        "dtype": "float32",
+        "config": {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "query_pre_attn_scalar": 32,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+        },
+        "init": {
+            "embed_tokens": {"std": 128**-0.5},
+            "q_proj": 2.0,
+            "k_proj": 2.0,
+            "v_proj": 1.0,
+            "o_proj": 1.0,
+            "q_norm": {"fill": 2.0},
+            "k_norm": {"fill": 2.0},
+            "gate_proj": 1.0,
+            "up_proj": 1.0,
+            "down_proj": 1.0,
+            "input_layernorm": {"fill": 0.0},
+            "pre_feedforward_layernorm": {"fill": 0.0},
+            "post_attention_layernorm": {"fill": 3.0},
+            "post_feedforward_layernorm": {"fill": 3.0},
+            "model.norm": {"fill": 7.0},
+        },
+    },
 }
 
 KINDS: tuple[str, ...] = tuple(RECIPES)
@@ -414,6 +489,8 @@ _DIR_PREFIX = {
     "gemma2": "tiny-gemma2",
     "deepseek_v2": "tiny-deepseek-v2",
     "qwen3_next": "tiny-qwen3-next",
+    "qwen3": "tiny-qwen3",
+    "gemma3": "tiny-gemma3",
 }
 
 
@@ -467,6 +544,8 @@ _VLLM_ARGS: dict[str, dict[str, Any]] = {
     # block_size None: vLLM sizes the attention block (1152) so that an
     # attention page is as large as a Mamba state page.
     "qwen3_next": {"dtype": "bfloat16", "block_size": None},
+    "qwen3": {"dtype": "bfloat16"},
+    "gemma3": {"dtype": "float32"},
 }
 
 
@@ -647,7 +726,7 @@ def _build_kind_into(out_dir: Path, seed: int, kind: str) -> None:
 
     recipe = _recipe(kind)
     arch = recipe["architecture"]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, recipe.get("config_class", arch.replace("ForCausalLM", "Config")))
     model_cls = getattr(transformers, arch)
     hf_tok = _train_tokenizer(out_dir)
     cfg = config_cls(
