@@ -13,7 +13,8 @@ exactly which key is missing or wrong.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -155,6 +156,47 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_tp_size: int
     remote_block_ids: tuple[tuple[int, ...], ...]  # one tuple per KV cache group, by position (0: none)
     remote_num_tokens: int | None
+
+
+# The prefill's fingerprint of the prompt tokens it computed (kvsm's own key; other
+# connectors ignore it): a decode request whose prompt does not match is not
+# given those blocks.
+PROMPT_FINGERPRINT_KEY = "kvsm_prompt_fingerprint"
+# CPython hashes ints modulo this prime and combines a tuple's items without a
+# per-process seed, so two processes agree; the scheme names it, and a peer
+# with another scheme is not checked rather than refused.
+_FINGERPRINT_SCHEME = f"tuple{sys.hash_info.modulus.bit_length()}:"
+
+
+def prompt_fingerprint(token_ids: Sequence[int], num_tokens: int) -> str:
+    """A short, process-independent fingerprint of the first ``num_tokens`` prompt tokens.
+
+    Why not a cryptographic digest: blake2b over the ids costs ~17 µs per 200 tokens
+    here (building the bytes dominates), CPython's tuple hash ~3.5 µs, on every
+    request of both schedulers. It guards against honest mix-ups (one request's
+    params sent with another prompt), not against an adversary."""
+    return f"{_FINGERPRINT_SCHEME}{hash(tuple(token_ids[:num_tokens])) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def prompt_mismatch(params: Mapping[str, Any], remote_num_tokens: int | None,
+                    token_ids: Sequence[int] | None, num_prompt_tokens: int) -> str:
+    """Why ``params`` cannot be this decode request's own (``""``: they can).
+
+    vLLM's completions API applies one request's ``kv_transfer_params`` to every
+    prompt of a list (its response carries the first prompt's), so prompt 2 would
+    read prompt 1's blocks; upstream serves that output, silently wrong."""
+    if remote_num_tokens is not None and remote_num_tokens > num_prompt_tokens:
+        return (f"kv_transfer_params describe a prefill of {remote_num_tokens} tokens, this prompt has "
+                f"{num_prompt_tokens}: they are another request's (e.g. one of a list of prompts sent with "
+                f"the first prompt's params)")
+    theirs = params.get(PROMPT_FINGERPRINT_KEY)
+    if (not isinstance(theirs, str) or token_ids is None or remote_num_tokens is None
+            or not theirs.startswith(_FINGERPRINT_SCHEME)):
+        return ""
+    if theirs != prompt_fingerprint(token_ids, remote_num_tokens):
+        return (f"the first {remote_num_tokens} prompt tokens differ from those the prefill engine computed "
+                f"({PROMPT_FINGERPRINT_KEY}): the params are another request's")
+    return ""
 
 
 class BadTransferParams(ValueError):

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.facts import (
+    PROMPT_FINGERPRINT_KEY,
     BadTransferParams,
     HeartbeatTarget,
     RecvAbandon,
@@ -51,6 +52,8 @@ from kvsm.facts import (
     SendFinish,
     SendStart,
     parse_remote_params,
+    prompt_fingerprint,
+    prompt_mismatch,
 )
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.metadata import KVSMConnectorMetadata
@@ -189,6 +192,11 @@ class SchedulerHalf:
         if pp_size != 1:
             self._ignore(req, f"the prefill engine runs pipeline parallel {pp_size!r}: its layers are split over "
                               f"{pp_size!r} workers, and kvsm reads from pipeline parallel 1 only")
+            return
+        mismatch = prompt_mismatch(params, remote.remote_num_tokens, request.prompt_token_ids,
+                                   request.num_prompt_tokens)
+        if mismatch:
+            self._ignore(req, mismatch)
             return
         self._remote[req] = remote
         key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
@@ -344,6 +352,8 @@ class SchedulerHalf:
             "dcp_size": cfg.dcp_size,
             "pp_size": cfg.pp_size,
             "remote_num_tokens": request.num_computed_tokens,
+            **({} if request.prompt_token_ids is None else
+               {PROMPT_FINGERPRINT_KEY: prompt_fingerprint(request.prompt_token_ids, request.num_computed_tokens)}),
             # Wall-clock seconds, informational: the decode side's claim is what counts.
             "remote_blocks_expiry_time": time.time() + cfg.lease_s,
             # As upstream's pull scheduler: tells a router this is a pull (READ)

@@ -21,6 +21,7 @@ from conftest import require
 
 require("vllm")
 
+from kvsm.facts import PROMPT_FINGERPRINT_KEY, prompt_fingerprint
 from kvsm.metadata import KVSMConnectorMetadata
 from kvsm.testing.pins import PinWorker
 from kvsm.testing.scheduler import (
@@ -240,6 +241,45 @@ def test_a_pipeline_parallel_prefill_is_not_read_and_the_request_runs_locally(tm
     records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
     ignored = [r["reason"] for r in records if r["event"] == "sched.params_ignored"]
     assert ignored and "pipeline parallel 2" in ignored[0], ignored
+
+
+def test_params_of_another_prompt_are_not_read_and_the_request_runs_locally(tmp_path: Path) -> None:
+    """vLLM's completions API gives every prompt of a list the one set of params
+    its prefill response carried (the first prompt's): a decode request must not
+    read another prompt's blocks. A prefill of more tokens than this prompt, or
+    a fingerprint of other tokens, runs the request locally, saying why; the
+    request the params belong to still reads them."""
+    with harness("kv_producer", engine_id="prefill-f") as p:
+        prompt = p.make_prompt(40)
+        p.add_request(prompt, kv_transfer_params=remote_decode_params(), max_tokens=1, request_id="p-f")
+        params = p.step().finished["p-f"].kv_transfer_params
+        assert params[PROMPT_FINGERPRINT_KEY] == prompt_fingerprint(prompt, 40)
+        p.step(finished_sending={"p-f"})
+        p.run_until_idle()
+    other = [t + 1 for t in prompt]  # as long, other tokens
+    with harness("kv_consumer", tmp_path) as h:
+        free0 = h.free_blocks()
+        h.add_request(prompt, kv_transfer_params=params, max_tokens=2, request_id="d-own")
+        h.add_request(other, kv_transfer_params=params, max_tokens=2, request_id="d-other")
+        h.add_request(prompt[:30], kv_transfer_params=params, max_tokens=2, request_id="d-shorter")
+        s = h.step()
+        assert [r.req for r in meta_of(s).recv_start] == ["d-own"]
+        assert {"d-other", "d-shorter"} <= set(s.scheduled) and "d-own" not in s.scheduled
+        h.step(finished_recving={"d-own"})
+        h.run_until_idle()
+        drained(h)
+        assert h.free_blocks() == free0
+    h.connector.scheduler_half.log.flush()
+    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    # Without a fingerprint (upstream's prefill), an offer of fewer tokens than the prompt is read.
+    with harness("kv_consumer") as h:
+        bare = {k: v for k, v in params.items() if k != PROMPT_FINGERPRINT_KEY}
+        h.add_request(other + [5], kv_transfer_params=bare, max_tokens=2, request_id="d-bare")
+        assert [r.req for r in meta_of(h.step()).recv_start] == ["d-bare"]
+    reasons = {r["req"]: r["reason"] for r in records if r["event"] == "sched.params_ignored"}
+    assert set(reasons) == {"d-other", "d-shorter"}, reasons
+    assert "first 40 prompt tokens differ" in reasons["d-other"]
+    assert "prefill of 40 tokens, this prompt has 30" in reasons["d-shorter"]
 
 
 # ---------------------------------------------------------------- prefill side

@@ -33,6 +33,7 @@ from conftest import require
 
 require("vllm")
 
+from kvsm.facts import PROMPT_FINGERPRINT_KEY, prompt_fingerprint
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
 from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
@@ -161,6 +162,7 @@ def test_full_local_hit_only_notifies_the_prefill_side(pair: Pair) -> None:
     pair.ensure_decoded(LONG)
     (params,) = pair.prefill_params([LONG])
     params["remote_num_tokens"] = 256
+    params[PROMPT_FINGERPRINT_KEY] = prompt_fingerprint(LONG, 256)
     (out,) = pair.decode.generate([LONG], MAX_TOKENS, [params])
     pair.record([LONG], reads=0, blocks=0)
     assert out["token_ids"] == pair.reference[tuple(LONG)]
