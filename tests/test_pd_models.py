@@ -17,6 +17,8 @@ for the Llama:
   depends on the batch's shape, so every engine runs it one prompt per call.
 * ``qwen3``: a dense bfloat16 model (Qwen3's q/k norms), one full-attention
   group; one prompt per call, as bfloat16 rounding depends on the batch.
+* ``deepseek_v2_bf16``: the same model in bfloat16, with vLLM's own choice of
+  MLA backend (AMX_MLA on a CPU with AMX, prefix caching on).
 * ``gemma3``: three sliding-window layers to one global one: four KV cache
   groups of one layer each, all overlaid on one buffer.
 
@@ -54,9 +56,13 @@ MAX_TOKENS = 10
 # own (dtype, attention backend: CPU_MLA, float32, block 16, on any CPU).
 LLM_KWARGS: dict[str, dict[str, Any]] = {kind: vllm_args(kind) for kind in ("gemma2", "deepseek_v2", "qwen3_next",
                                                                             "qwen3", "gemma3")}
+# DeepSeek-V2 as vLLM runs it by default in bfloat16: the AMX_MLA backend on a CPU
+# with AMX (it keeps prefix caching on), CPU_MLA on one without.
+LLM_KWARGS["deepseek_v2_bf16"] = {"dtype": "bfloat16", "block_size": None}
+MODEL_OF = {"deepseek_v2_bf16": "deepseek_v2"}
 # Kinds whose greedy output depends on the batch's shape (bfloat16): every engine
 # runs them one prompt per call.
-ONE_BY_ONE = {"qwen3_next", "qwen3"}
+ONE_BY_ONE = {"qwen3_next", "qwen3", "deepseek_v2_bf16"}
 RNG = random.Random(20261201)
 
 
@@ -85,7 +91,7 @@ SLIDING_GROUPS = {"gemma2": 1, "gemma3": 3}
 class KindPair:
     def __init__(self, kind: str, tmp: Path) -> None:
         self.kind = kind
-        self.model = build_tiny_model(kind=kind)
+        self.model = build_tiny_model(kind=MODEL_OF.get(kind, kind))
         self.logs = tmp / "logs"
         kw = LLM_KWARGS[kind]
         prompts = PROMPTS[kind] + SENSITIVE[kind]
