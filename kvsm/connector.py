@@ -98,7 +98,7 @@ class KVSMWorkerChannel(KVConnectorHandshakeMetadata):
 class KVGroup:
     """One KV cache group of vLLM's KV cache config, as kvsm moves it."""
 
-    kind: str  # full, sliding_window, mla
+    kind: str  # full, sliding_window(w), chunked_local(c), mla, mamba(layout)
     block_size: int
     layers: tuple[str, ...]
 
@@ -113,12 +113,20 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
     on both engines, and a position a group no longer needs holds the null
     block: those move block for block. A Mamba/GDN state group (no speculative
     slots) moves its state block the same way, with the prompt's last token held
-    back on the prefill side (``SchedulerHalf``'s ``hold_back_tokens``). Any
-    other kind (chunked local attention, speculative state slots, ...) is
-    refused at start rather than transferred wrongly."""
+    back on the prefill side (``SchedulerHalf``'s ``hold_back_tokens``).
+    Chunked local attention (Llama 4) is a sliding window that jumps a chunk at
+    a time: blocks of chunks before the current one are null, the rest move.
+    Any other kind (speculative state slots, ...) is refused at start rather
+    than transferred wrongly."""
     if kv_cache_config is None:
         return ()
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = []
     several = len(kv_cache_config.kv_cache_groups) > 1
@@ -130,6 +138,8 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
             kind = "full"
         elif type(spec) is SlidingWindowSpec:
             kind = f"sliding_window({spec.sliding_window})"
+        elif type(spec) is ChunkedLocalAttentionSpec:
+            kind = f"chunked_local({spec.attention_chunk_size})"
         elif type(spec) is MambaSpec and not spec.num_speculative_blocks:
             # One state per request position; its conv-state layout must agree (vLLM picks it per host).
             kind = f"mamba({os.environ.get('VLLM_SSM_CONV_STATE_LAYOUT', '')})"
@@ -137,8 +147,8 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
             kind = type(spec).__name__
         else:
             raise ValueError(f"KVSMConnector: KV cache group {g} is a {type(spec).__name__} (layers "
-                             f"{list(group.layer_names)[:3]}...); kvsm moves full, sliding-window and MLA "
-                             f"attention groups and Mamba/GDN state without speculative slots only")
+                             f"{list(group.layer_names)[:3]}...); kvsm moves full, sliding-window, chunked local "
+                             f"and MLA attention groups and Mamba/GDN state without speculative slots only")
         groups.append(KVGroup(kind, int(spec.block_size), tuple(group.layer_names)))
     if getattr(kv_cache_config, "transfer_group_ids", tuple(range(len(groups)))) != tuple(range(len(groups))):
         raise ValueError(f"KVSMConnector: vLLM transfers only KV cache groups "
@@ -202,7 +212,7 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
             kv_caches = {name: t for name, t in kv_caches.items() if name in ours}
         # Attention layers' blocks are heads-major on vLLM-CPU ([heads, tokens, 2 * head_size]):
         # a rank of another tensor parallel size reads its run of heads out of them.
-        attention = {name for g in groups if g.kind == "full" or g.kind.startswith("sliding_window")
+        attention = {name for g in groups if g.kind == "full" or g.kind.startswith(("sliding_window", "chunked_local"))
                      for name in g.layers} if groups else set(kv_caches)
         heads = int(self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config))
         layout = describe_kv_caches(kv_caches, groups=[g.layers for g in groups] if len(groups) > 1 else None,

@@ -195,27 +195,6 @@ def test_reading_the_wrong_blocks_is_caught_by_the_comparison(pair: Pair) -> Non
     assert swapped[0] != ref_cd[0] and swapped[1] != ref_cd[1], "a misdirected transfer went unnoticed"
 
 
-def test_a_list_of_prompts_reads_only_its_own_prompts_blocks(pair: Pair) -> None:
-    """vLLM's completions API takes a list of prompts, and its prefill response
-    carries the first prompt's kv_transfer_params only; a router that forwards
-    them (kvsm's, vLLM's toy proxy) hands the decode engine one set of params for
-    every prompt. The first prompt reads its blocks; the others do not read the
-    first's (upstream does, and serves wrong text): they run locally, each
-    output equal to a single engine's, and the decode log says why."""
-    rng = random.Random(11)
-    prompts = [_ids(rng, 250), _ids(rng, 250), _ids(rng, 90)]
-    body = {"model": pair.model, "prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    ref = [c["text"] for c in sorted(pair.prefill.post("/v1/completions", body)["choices"], key=lambda c: c["index"])]
-    kv = pair.prefill.post("/v1/completions", {**body, "max_tokens": 1,
-                                               "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
-    out = pair.decode.post("/v1/completions", {**body, "kv_transfer_params": kv})
-    assert [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] == ref
-    records = _settled(pair.logs, {kv["remote_request_id"]})
-    ignored = [r["reason"] for r in records if r.get("event") == "sched.params_ignored"]
-    assert len(ignored) == 2 and sum("prompt tokens differ" in r for r in ignored) == 1, ignored
-    assert sum("prefill of 250 tokens, this prompt has 90" in r for r in ignored) == 1, ignored
-
-
 def test_healthy_transfers_never_wait_on_a_timer(pair: Pair) -> None:
     """40 requests, 4 at a time: no handshake or transfer timeout, no lease expiry, no
     dead peer; every output equal to a single engine's; every request done on both
@@ -283,3 +262,30 @@ def test_metrics_show_the_prompts_came_over_the_transfer(pair: Pair) -> None:
         by_source["external_kv_transfer"]
     assert delta(prefill, prefill0, "vllm:kvsm_reads_served_total") == n
     assert metric(prefill, "vllm:kvsm_leases_expired_total") == 0
+
+
+def test_a_list_of_prompts_reads_only_its_own_prompts_blocks(pair: Pair) -> None:
+    """vLLM's completions API takes a list of prompts, and its prefill response
+    carries the first prompt's kv_transfer_params only; a router that forwards
+    them (kvsm's, vLLM's toy proxy) hands the decode engine one set of params for
+    every prompt. The first prompt reads its blocks; the others do not read the
+    first's (upstream does, and serves wrong text): they run locally, each
+    output equal to a single engine's, and the decode log says why. The other
+    prompts' prefill requests stay pinned until their lease ends (nobody was
+    given their params), which is why this test runs last on its pair."""
+    rng = random.Random(11)
+    prompts = [_ids(rng, 250), _ids(rng, 250), _ids(rng, 90)]
+    body = {"model": pair.model, "prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    ref = [c["text"] for c in sorted(pair.prefill.post("/v1/completions", body)["choices"], key=lambda c: c["index"])]
+    kv = pair.prefill.post("/v1/completions", {**body, "max_tokens": 1,
+                                               "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+    out = pair.decode.post("/v1/completions", {**body, "kv_transfer_params": kv})
+    assert [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] == ref
+    records = _settled(pair.logs, {kv["remote_request_id"]})
+    ignored = [r["reason"] for r in records if r.get("event") == "sched.params_ignored"]
+    assert len(ignored) == 2 and sum("prompt tokens differ" in r for r in ignored) == 1, ignored
+    assert sum("prefill of 250 tokens, this prompt has 90" in r for r in ignored) == 1, ignored
+    last = {r["req"]: r["dst"] for r in records
+            if r.get("lifecycle") == "send" and r.get("kind") in ("create", "transition")}
+    pinned = {req for req, state in last.items() if state == "awaiting_pull"}
+    assert len(pinned) == 2 and kv["remote_request_id"] not in pinned, last

@@ -17,6 +17,9 @@ for the Llama:
   depends on the batch's shape, so every engine runs it one prompt per call.
 * ``qwen3``: a dense bfloat16 model (Qwen3's q/k norms), one full-attention
   group; one prompt per call, as bfloat16 rounding depends on the batch.
+* ``llama4``: three chunked local attention layers (chunks of 128 tokens) to
+  one global one: four KV cache groups, the chunked ones null before the
+  prompt's last chunk.
 * ``deepseek_v2_bf16``: the same model in bfloat16, with vLLM's own choice of
   MLA backend (AMX_MLA on a CPU with AMX, prefix caching on).
 * ``gemma3``: three sliding-window layers to one global one: four KV cache
@@ -55,7 +58,7 @@ MAX_TOKENS = 10
 # vllm.LLM arguments per kind (both engines and the reference alike): the recipe's
 # own (dtype, attention backend: CPU_MLA, float32, block 16, on any CPU).
 LLM_KWARGS: dict[str, dict[str, Any]] = {kind: vllm_args(kind) for kind in ("gemma2", "deepseek_v2", "qwen3_next",
-                                                                            "qwen3", "gemma3")}
+                                                                            "qwen3", "gemma3", "llama4")}
 # DeepSeek-V2 as vLLM runs it by default in bfloat16: the AMX_MLA backend on a CPU
 # with AMX (it keeps prefix caching on), CPU_MLA on one without.
 LLM_KWARGS["deepseek_v2_bf16"] = {"dtype": "bfloat16", "block_size": None}
@@ -85,7 +88,7 @@ SPLIT = {"qwen3_next"}
 
 
 # Kinds with sliding-window KV cache groups beside one full-attention group: how many.
-SLIDING_GROUPS = {"gemma2": 1, "gemma3": 3}
+SLIDING_GROUPS = {"gemma2": 1, "gemma3": 3, "llama4": 3}  # (Llama 4's: chunked local attention)
 
 
 class KindPair:
@@ -160,7 +163,7 @@ def test_outputs_equal_a_single_engine_and_the_prompt_kv_comes_by_transfer(pair:
     # the decode engine computes it.
     held = 1 if pair.kind == "qwen3_next" else 0
     assert [matched[q] for q in remote] == [len(p) - held for p in prompts]
-    if pair.kind in ("gemma2", "gemma3", "qwen3"):  # (none without prefix caching, nor in 1152-token blocks)
+    if pair.kind in ("gemma2", "gemma3", "qwen3", "llama4"):  # (none without prefix caching, nor in 1152-token blocks)
         assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in prompts]
 
 

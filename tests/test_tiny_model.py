@@ -171,7 +171,7 @@ def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
 # probe below) with one engine; the tests check what it reports.
 # ---------------------------------------------------------------------------
 
-NEW_KINDS = ("gemma2", "deepseek_v2", "qwen3_next", "qwen3", "gemma3")
+NEW_KINDS = ("gemma2", "deepseek_v2", "qwen3_next", "qwen3", "gemma3", "llama4")
 
 # What each kind's KV cache looks like to the connector on vLLM 0.32's CPU
 # backend: (spec class, block size, layers) per KV cache group.
@@ -192,6 +192,13 @@ EXPECTED_GROUPS = {
         ("SlidingWindowSpec", 128, [0]),
         ("SlidingWindowSpec", 128, [1]),
         ("SlidingWindowSpec", 128, [2]),
+        ("FullAttentionSpec", 128, [3]),
+    ],
+    # Llama 4: three chunked local attention layers (chunks of 128) to one global.
+    "llama4": [
+        ("ChunkedLocalAttentionSpec", 128, [0]),
+        ("ChunkedLocalAttentionSpec", 128, [1]),
+        ("ChunkedLocalAttentionSpec", 128, [2]),
         ("FullAttentionSpec", 128, [3]),
     ],
 }
@@ -375,7 +382,7 @@ def test_kinds_are_built_cached_and_apart(model_dir: Path, kind_dirs: dict[str, 
         # One tokenizer for every kind.
         assert _sha(path / "tokenizer.json") == _sha(model_dir / "tokenizer.json")
         cfg = AutoConfig.from_pretrained(str(path))
-        assert cfg.model_type == {"gemma3": "gemma3_text"}.get(kind, kind)
+        assert cfg.model_type == {"gemma3": "gemma3_text", "llama4": "llama4_text"}.get(kind, kind)
         assert cfg.hidden_size == 128 and cfg.max_position_embeddings >= 2048
         assert str(cfg.dtype).removeprefix("torch.") == model_dtype(kind) == vllm_args(kind)["dtype"]
     assert model_dtype("qwen3_next") == "bfloat16"
@@ -477,7 +484,7 @@ def test_kind_outputs_are_distinct_and_depend_on_kv(
     for overlaid in zip(*(g["layer_names"] for g in groups)) if len(groups) > 1 else ():
         assert len({_first_ptr(tensors[n]) for n in overlaid}) == 1  # ...groups overlaid
     cached = dict(zip(names, probe["num_cached_tokens_again"]))
-    if kind in ("gemma2", "gemma3", "qwen3"):
+    if kind in ("gemma2", "gemma3", "qwen3", "llama4"):
         # Every group hits: the two full blocks of 128 (the last prompt token is
         # always recomputed).
         assert cached["long"] == cached["long_mod"] == 2 * BLOCK_SIZE

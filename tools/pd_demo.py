@@ -205,10 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where logs go (default: a fresh temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the servers' logs after a clean run")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--model", default="llama", choices=["llama", "gemma2", "deepseek_v2", "qwen3", "gemma3"],
+    parser.add_argument("--model", default="llama", choices=["llama", "gemma2", "deepseek_v2", "qwen3", "gemma3",
+                                                              "llama4"],
                         help="the tiny local model's kind: llama (one KV cache group), gemma2 (sliding window + "
                              "full attention: two groups), deepseek_v2 (MLA), qwen3 (bfloat16, one group), gemma3 "
-                             "(three sliding-window layers to one global: four groups); default llama")
+                             "(three sliding-window layers to one global: four groups), llama4 (chunked local "
+                             "attention: four groups); default llama")
     args = parser.parse_args(argv)
 
     from kvsm.replay import analyse

@@ -7,7 +7,8 @@ tests never download a model: :func:`build_tiny_model` makes one on the spot.
 ``kind`` gets, unchanged), ``"gemma2"`` (sliding-window + full attention),
 ``"deepseek_v2"`` (MLA), ``"qwen3_next"`` (gated-delta-net linear attention,
 i.e. a Mamba-style state, + full attention), ``"qwen3"`` (dense, bfloat16) and
-``"gemma3"`` (three sliding-window layers to one global one). :func:`vllm_args` gives the
+``"gemma3"`` (three sliding-window layers to one global one) and ``"llama4"``
+(three chunked local attention layers to one global one, MoE). :func:`vllm_args` gives the
 ``vllm.LLM`` arguments a kind needs on the CPU backend (dtype, block size,
 attention backend); pass them to :func:`kvsm.testing.engine.make_llm`.
 
@@ -478,6 +479,51 @@ RECIPES: dict[str, dict[str, Any]] = {
             "model.norm": {"fill": 7.0},
         },
     },
+    # Llama 4 (text): three chunked local attention layers (chunks of 128 tokens)
+    # to one global one without rotary embedding, mixture-of-experts MLPs.
+    "llama4": {
+        **_TOKENIZER_RECIPE,
+        "architecture": "Llama4ForCausalLM",
+        "config_class": "Llama4TextConfig",
+        "dtype": "float32",
+        "config": {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "intermediate_size_mlp": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "attention_chunk_size": 128,
+            "layer_types": ["chunked_attention", "chunked_attention", "chunked_attention", "full_attention"],
+            "no_rope_layers": [1, 1, 1, 0],
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 2,
+            "use_qk_norm": False,
+            "attn_temperature_tuning": False,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+        },
+        "init": {
+            "embed_tokens": {"std": 1.0},
+            "q_proj": 2.0,
+            "k_proj": 2.0,
+            "v_proj": 1.0,
+            "o_proj": 1.0,
+            "gate_proj": 1.0,
+            "up_proj": 1.0,
+            "down_proj": 1.0,
+            "router": 1.0,
+            "gate_up_proj": 1.0,
+            "lm_head": 4.0,
+            "input_layernorm": {"fill": 1.0},
+            "post_attention_layernorm": {"fill": 1.0},
+            "norm": {"fill": 1.0},
+        },
+    },
 }
 
 KINDS: tuple[str, ...] = tuple(RECIPES)
@@ -491,6 +537,7 @@ _DIR_PREFIX = {
     "qwen3_next": "tiny-qwen3-next",
     "qwen3": "tiny-qwen3",
     "gemma3": "tiny-gemma3",
+    "llama4": "tiny-llama4",
 }
 
 
@@ -546,6 +593,7 @@ _VLLM_ARGS: dict[str, dict[str, Any]] = {
     "qwen3_next": {"dtype": "bfloat16", "block_size": None},
     "qwen3": {"dtype": "bfloat16"},
     "gemma3": {"dtype": "float32"},
+    "llama4": {"dtype": "float32"},
 }
 
 
