@@ -17,6 +17,13 @@ with ``NixlConnector``), so clients talk to it as to one OpenAI server:
    generates. Its response goes back to the client as it comes: JSON, or
    server-sent events passed through chunk by chunk.
 
+A non-streamed ``/v1/completions`` request with a list of prompts goes as one
+prefill/decode pair per prompt (concurrently), and the answers are merged as
+vLLM would answer the list: vLLM's prefill response carries the first
+prompt's ``kv_transfer_params`` only, so forwarding the list whole would read
+one prompt by transfer and leave the others' blocks pinned until their lease
+ends. A streamed list is forwarded whole.
+
 Every failure is a JSON error naming the backend (``{"error": {"message",
 "type", "backend", "code"}}``): 502 for a backend that cannot be reached or a
 prefill backend without a KV connector, the backend's own status for its
@@ -194,6 +201,9 @@ class Router:
             body = await self._client_body(request)
             trace.stream = bool(body.get("stream"))
             headers = self._headers(request, rid)
+            prompts = _prompt_list(request.path, body)
+            if prompts is not None and not trace.stream:
+                return await self._generate_each(request.path, trace, body, prompts, headers)
             trace.prefill = next(self._next_prefill)
             t = time.monotonic()
             kv_params = await self._prefill(trace.prefill, request.path, body, headers)
@@ -208,6 +218,33 @@ class Router:
             raise
         finally:
             logger.info("%s", trace.line())
+
+    async def _generate_each(self, path: str, trace: Trace, body: dict[str, Any], prompts: list[Any],
+                             headers: dict[str, str]) -> web.Response:
+        """One prefill/decode pair per prompt of a list, answered as one response."""
+        async def one(prompt: Any) -> dict[str, Any]:
+            single = {**body, "prompt": prompt}
+            prefill, decode = next(self._next_prefill), next(self._next_decode)
+            trace.prefill, trace.decode = trace.prefill or prefill, trace.decode or decode
+            kv_params = await self._prefill(prefill, path, single, headers)
+            async with self.call("decode", decode, "POST", path, headers,
+                                 {**single, "kv_transfer_params": kv_params}) as resp:
+                await self.check_status("decode", decode, resp)
+                raw = await resp.read()
+            try:
+                out = json.loads(raw)
+            except ValueError as e:
+                raise BackendError(502, f"decode backend {decode} returned no JSON: {raw[:200]!r}",
+                                   "backend_error", decode) from e
+            if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
+                raise BackendError(502, f"decode backend {decode} returned no choices: {raw[:200]!r}",
+                                   "backend_error", decode)
+            return out
+
+        t = time.monotonic()
+        answers = await asyncio.gather(*(one(p) for p in prompts))
+        trace.decode_ms, trace.status = _since_ms(t), 200
+        return web.json_response(_merge_completions(answers), headers=self._trace_headers(trace))
 
     # -- the two steps ----------------------------------------------------------------------
 
@@ -307,6 +344,35 @@ class Router:
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out
+
+
+def _prompt_list(path: str, body: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a completions request that names several (texts, or lists of
+    token ids); None for one prompt (a list of ints is one tokenized prompt)."""
+    prompt = body.get("prompt")
+    if not path.endswith("/v1/completions") or not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return prompt
+    return None
+
+
+def _merge_completions(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several one-prompt completions as vLLM answers a list of prompts: the choices
+    in prompt order (prompt i's sample j at index i * n + j), the usage summed."""
+    merged = {k: v for k, v in answers[0].items() if k != "kv_transfer_params"}
+    choices: list[dict[str, Any]] = []
+    for i, answer in enumerate(answers):
+        own = sorted(answer["choices"], key=lambda c: c.get("index", 0))
+        choices += [{**c, "index": i * len(own) + j} for j, c in enumerate(own)]
+    merged["choices"] = choices
+    usages: list[dict[str, Any]] = [u for u in (a.get("usage") for a in answers) if isinstance(u, dict)]
+    if len(usages) == len(answers):
+        summed: dict[str, Any] = dict.fromkeys(usages[0])  # details that do not add up: none
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            summed[key] = sum(int(u.get(key) or 0) for u in usages)
+        merged["usage"] = summed
+    return merged
 
 
 def create_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 300.0) -> web.Application:

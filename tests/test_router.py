@@ -295,6 +295,32 @@ def test_completions_equal_reference_and_load_remotely(pair: Pair) -> None:
                      r"decode_ttfb_ms=- decode_ms=[\d.]+", line), line
 
 
+def test_a_list_of_prompts_goes_as_one_pair_per_prompt(pair: Pair) -> None:
+    """A completions request with several prompts: each prompt is prefilled and
+    decoded on its own (vLLM's prefill answer to a list carries the first prompt's
+    kv_transfer_params only), and the answer is the one vLLM gives for the list:
+    choices in prompt order, usage summed; every prompt's KV by transfer."""
+    for prompts in (["The decode engine pulls those blocks", "Mountains rise above the valley", "Red"],
+                    [_ids(40), _ids(300)]):
+        body = _completion(pair, prompts, 8)
+        ref = pair.prefill.post("/v1/completions", body)
+        rid = _rid()
+        status, out, _ = _post(pair.router, "/v1/completions", body, {"X-Request-Id": rid})
+        assert status == 200, out
+        assert [(c["index"], c["text"], c["token_ids"]) for c in out["choices"]] == [
+            (c["index"], c["text"], c["token_ids"]) for c in sorted(ref["choices"], key=lambda c: c["index"])]
+        assert {k: out["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+            k: ref["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        assert "kv_transfer_params" not in out or out["kv_transfer_params"] is None
+        deadline = time.monotonic() + 15
+        while True:
+            machines = _recv_machines(pair, rid)
+            if len(machines) == len(prompts) and all(m[-1].get("dst") == "done" for m in machines.values()):
+                break
+            assert time.monotonic() < deadline, machines
+            time.sleep(0.05)
+
+
 def test_chat_completions(pair: Pair) -> None:
     """The tiny model ships a chat template, so chat works (and streams) like completions."""
     for extra in ({}, {"max_completion_tokens": 12}):
