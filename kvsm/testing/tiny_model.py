@@ -255,6 +255,18 @@ _TOKENIZER_RECIPE = {
 #               (in-features; for a depthwise conv, the kernel width);
 #   {"std": s}: normal, std = s;     {"fill": v}: every element = v;
 #   {"values": [...]}: exactly these values.
+# What the small attention models below share: their sizes, and the gains of
+# their projections (sharp attention, as the Llama recipe explains).
+_SMALL_ATTENTION = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 32, "max_position_embeddings": 4096}
+_ATTENTION_GAINS = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.0, "o_proj": 1.0}
+_MLP_GAINS = {"gate_proj": 1.0, "up_proj": 1.0, "down_proj": 1.0}
+# Gemma's RMSNorm scales by (1 + w): "fill" is w, not the scale.
+_GEMMA_INIT = {"embed_tokens": {"std": 128**-0.5}, **_ATTENTION_GAINS, **_MLP_GAINS,
+               "input_layernorm": {"fill": 0.0}, "pre_feedforward_layernorm": {"fill": 0.0},
+               "post_attention_layernorm": {"fill": 3.0}, "post_feedforward_layernorm": {"fill": 3.0},
+               "model.norm": {"fill": 7.0}}
+
 RECIPES: dict[str, dict[str, Any]] = {
     "llama": RECIPE,
     "gemma2": {
@@ -278,22 +290,7 @@ RECIPES: dict[str, dict[str, Any]] = {
             "final_logit_softcapping": 30.0,
             "tie_word_embeddings": True,
         },
-        # Gemma's RMSNorm scales by (1 + w): "fill" is w, not the scale.
-        "init": {
-            "embed_tokens": {"std": 128**-0.5},
-            "q_proj": 2.0,
-            "k_proj": 2.0,
-            "v_proj": 1.0,
-            "o_proj": 1.0,
-            "gate_proj": 1.0,
-            "up_proj": 1.0,
-            "down_proj": 1.0,
-            "input_layernorm": {"fill": 0.0},
-            "pre_feedforward_layernorm": {"fill": 0.0},
-            "post_attention_layernorm": {"fill": 3.0},
-            "post_feedforward_layernorm": {"fill": 3.0},
-            "model.norm": {"fill": 7.0},
-        },
+        "init": _GEMMA_INIT,
     },
     "deepseek_v2": {
         **_TOKENIZER_RECIPE,
@@ -411,28 +408,18 @@ RECIPES: dict[str, dict[str, Any]] = {
         "architecture": "Qwen3ForCausalLM",
         "dtype": "bfloat16",
         "config": {
-            "hidden_size": 128,
-            "intermediate_size": 256,
+            **_SMALL_ATTENTION,
             "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
         },
         "init": {
             "embed_tokens": {"std": 1.0},
-            "q_proj": 2.0,
-            "k_proj": 2.0,
-            "v_proj": 1.0,
-            "o_proj": 1.0,
+            **_ATTENTION_GAINS,
             "q_norm": {"fill": 3.0},
             "k_norm": {"fill": 3.0},
-            "gate_proj": 1.0,
-            "up_proj": 1.0,
-            "down_proj": 1.0,
+            **_MLP_GAINS,
             "lm_head": 4.0,
             "input_layernorm": {"fill": 1.0},
             "post_attention_layernorm": {"fill": 1.0},
@@ -440,44 +427,23 @@ RECIPES: dict[str, dict[str, Any]] = {
         },
     },
     # Gemma 3 (text): three sliding-window layers to one global one, each kind
-    # with its own rotary base; two KV cache groups, as Gemma 2.
+    # with its own rotary base; vLLM makes four KV cache groups of one layer.
     "gemma3": {
         **_TOKENIZER_RECIPE,
         "architecture": "Gemma3ForCausalLM",
         "config_class": "Gemma3TextConfig",
         "dtype": "float32",
         "config": {
-            "hidden_size": 128,
-            "intermediate_size": 256,
+            **_SMALL_ATTENTION,
             "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
             "sliding_window": 128,
             "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-            "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
             "query_pre_attn_scalar": 32,
             "hidden_activation": "gelu_pytorch_tanh",
             "tie_word_embeddings": True,
         },
-        "init": {
-            "embed_tokens": {"std": 128**-0.5},
-            "q_proj": 2.0,
-            "k_proj": 2.0,
-            "v_proj": 1.0,
-            "o_proj": 1.0,
-            "q_norm": {"fill": 2.0},
-            "k_norm": {"fill": 2.0},
-            "gate_proj": 1.0,
-            "up_proj": 1.0,
-            "down_proj": 1.0,
-            "input_layernorm": {"fill": 0.0},
-            "pre_feedforward_layernorm": {"fill": 0.0},
-            "post_attention_layernorm": {"fill": 3.0},
-            "post_feedforward_layernorm": {"fill": 3.0},
-            "model.norm": {"fill": 7.0},
-        },
+        "init": {**_GEMMA_INIT, "q_norm": {"fill": 2.0}, "k_norm": {"fill": 2.0}},
     },
     # Llama 4 (text): three chunked local attention layers (chunks of 128 tokens)
     # to one global one without rotary embedding, mixture-of-experts MLPs.
@@ -487,13 +453,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         "config_class": "Llama4TextConfig",
         "dtype": "float32",
         "config": {
-            "hidden_size": 128,
-            "intermediate_size": 256,
+            **_SMALL_ATTENTION,
             "intermediate_size_mlp": 256,
             "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
             "attention_chunk_size": 128,
             "layer_types": ["chunked_attention", "chunked_attention", "chunked_attention", "full_attention"],
             "no_rope_layers": [1, 1, 1, 0],
@@ -502,20 +464,14 @@ RECIPES: dict[str, dict[str, Any]] = {
             "interleave_moe_layer_step": 2,
             "use_qk_norm": False,
             "attn_temperature_tuning": False,
-            "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
         },
         "init": {
             "embed_tokens": {"std": 1.0},
-            "q_proj": 2.0,
-            "k_proj": 2.0,
-            "v_proj": 1.0,
-            "o_proj": 1.0,
-            "gate_proj": 1.0,
-            "up_proj": 1.0,
-            "down_proj": 1.0,
+            **_ATTENTION_GAINS,
+            **_MLP_GAINS,
             "router": 1.0,
             "gate_up_proj": 1.0,
             "lm_head": 4.0,
