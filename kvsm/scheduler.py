@@ -110,6 +110,10 @@ class SchedulerHalf:
         self._bad: dict[str, str] = {}  # request -> why its kv_transfer_params were ignored
         # Heartbeat claims per prefill worker group: (engine, host, port, tp) -> remote ids.
         self._claims: dict[tuple[str, str, int, int], set[str]] = defaultdict(set)
+        # The one request of this engine that reads each prefill request, until it finishes:
+        # (engine, host, port, tp, remote id) -> request.
+        self._reader_of: dict[tuple[str, str, int, int, str], str] = {}
+        self._reads_from: dict[str, tuple[str, str, int, int, str]] = {}  # its inverse
         self._claim_key: dict[str, tuple[tuple[str, str, int, int], str]] = {}
         self._next_heartbeat = time.monotonic() + cfg.heartbeat_interval_s
         self._step = 0
@@ -198,8 +202,19 @@ class SchedulerHalf:
         if mismatch:
             self._ignore(req, mismatch)
             return
-        self._remote[req] = remote
         key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
+        source = (*key, remote.remote_req)
+        reader = self._reader_of.setdefault(source, req)
+        if reader != req:
+            # The prefill side frees the blocks once the first read's notification is in:
+            # a second reader could still be reading them then (they may be reused).
+            self._ignore(req, f"request {reader} of this engine already reads prefill request "
+                              f"{remote.remote_req!r} (the samples of an n > 1 request, or a retry "
+                              f"sent while the first is running): the prefill side frees its blocks "
+                              f"after one read")
+            return
+        self._reads_from[req] = source
+        self._remote[req] = remote
         self._claims[key].add(remote.remote_req)
         self._claim_key[req] = (key, remote.remote_req)
 
@@ -301,6 +316,7 @@ class SchedulerHalf:
 
     def _decode_finished(self, request: Request) -> None:
         req = request.request_id
+        self._forget_reader(request)
         self._stop_heartbeat(req)
         remote = self._remote.pop(req, None)
         if remote is not None:
@@ -316,6 +332,11 @@ class SchedulerHalf:
             self._awaited.discard(req)
             self._meta.recv_abort.append(RecvAbort(req=req, awaited=True))
             self._note("sched.finished_while_loading", req, status=request.status.name)
+
+    def _forget_reader(self, request: Request) -> None:
+        source = self._reads_from.pop(request.request_id, None)
+        if source is not None:
+            del self._reader_of[source]
 
     def _prefill_finished(self, request: Request,
                           block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -394,7 +415,7 @@ class SchedulerHalf:
     def pending_counts(self) -> dict[str, int]:
         """How many requests each piece of state holds (tests check it drains)."""
         return {"remote": len(self._remote), "awaited": len(self._awaited), "sending": len(self._sending),
-                "heartbeat_groups": len(self._claims), "ignored": len(self._bad)}
+                "heartbeat_groups": len(self._claims), "ignored": len(self._bad), "readers": len(self._reader_of)}
 
     def _note(self, event: str, req: str | None, **fields: Any) -> None:
         if self.log is not None:

@@ -282,6 +282,37 @@ def test_params_of_another_prompt_are_not_read_and_the_request_runs_locally(tmp_
     assert "prefill of 40 tokens, this prompt has 30" in reasons["d-shorter"]
 
 
+def test_one_request_of_an_engine_reads_a_prefill_request_the_others_run_locally(tmp_path: Path) -> None:
+    """The samples of an n > 1 request (or a retry sent while the first runs) carry
+    the same params: the prefill side frees its blocks after one read's
+    notification, so a second reader could be reading reused blocks. The first
+    reads; the others run locally, saying why; once the reader has finished, the
+    params are free again (and a later reader learns from its claim whether the
+    blocks are still there)."""
+    with harness("kv_consumer", tmp_path) as h:
+        free0 = h.free_blocks()
+        prompt = h.make_prompt(40)
+        params = remote_prefill_params(remote_block_ids=[1, 2], remote_request_id="p-n", remote_num_tokens=40)
+        for req in ("d-a", "d-b"):
+            h.add_request(prompt, kv_transfer_params=params, max_tokens=2, request_id=req)
+        s = h.step()
+        assert [r.req for r in meta_of(s).recv_start] == ["d-a"] and "d-b" in s.scheduled
+        h.step(finished_recving={"d-a"})
+        h.run_until_idle()
+        assert pending(h)["readers"] == 0
+        # (a prompt the decode engine has not cached: else a local hit reads nothing)
+        h.add_request(h.make_prompt(40), kv_transfer_params=params, max_tokens=2, request_id="d-c")
+        assert [r.req for r in meta_of(h.step()).recv_start] == ["d-c"]
+        h.step(finished_recving={"d-c"})
+        h.run_until_idle()
+        drained(h)
+        assert h.free_blocks() == free0
+    h.connector.scheduler_half.log.flush()
+    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    reasons = {r["req"]: r["reason"] for r in records if r["event"] == "sched.params_ignored"}
+    assert list(reasons) == ["d-b"] and "request d-a of this engine already reads" in reasons["d-b"], reasons
+
+
 # ---------------------------------------------------------------- prefill side
 
 
