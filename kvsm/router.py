@@ -274,8 +274,12 @@ class Router:
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         # Meaningless for a one-token, non-streamed answer (min_tokens > 1 would be refused).
-        for key in ("stream_options", "min_tokens"):
+        for key in ("stream_options", "min_tokens", "best_of"):
             prefill_body.pop(key, None)
+        # One prefill for n samples: vLLM's answer carries one sample's params, and the
+        # other samples' prefill requests would stay pinned until their lease ends.
+        if "n" in prefill_body:
+            prefill_body["n"] = 1
         async with self.call("prefill", url, "POST", path, headers, prefill_body) as resp:
             await self.check_status("prefill", url, resp)
             raw = await resp.read()

@@ -321,6 +321,19 @@ def test_a_list_of_prompts_goes_as_one_pair_per_prompt(pair: Pair) -> None:
             time.sleep(0.05)
 
 
+def test_n_samples_share_one_prefill(pair: Pair) -> None:
+    """n > 1: one prefill request (its answer carries one set of params); on the
+    decode engine the first sample reads it and the others compute the prompt."""
+    body = _completion(pair, _ids(200), 6, n=3, temperature=1.0, seed=7)
+    rid = _rid()
+    status, out, _ = _post(pair.router, "/v1/completions", body, {"X-Request-Id": rid})
+    assert status == 200, out
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2]
+    assert all(len(c["token_ids"]) == 6 for c in out["choices"])
+    recs = _recv_final(pair, rid)  # one recv machine for the three samples, done
+    assert recs[-1]["dst"] == "done"
+
+
 def test_chat_completions(pair: Pair) -> None:
     """The tiny model ships a chat template, so chat works (and streams) like completions."""
     for extra in ({}, {"max_completion_tokens": 12}):
