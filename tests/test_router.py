@@ -324,7 +324,7 @@ def test_a_list_of_prompts_goes_as_one_pair_per_prompt(pair: Pair) -> None:
 def test_n_samples_share_one_prefill(pair: Pair) -> None:
     """n > 1: one prefill request (its answer carries one set of params); on the
     decode engine the first sample reads it and the others compute the prompt."""
-    body = _completion(pair, _ids(200), 6, n=3, temperature=1.0, seed=7)
+    body = {**_completion(pair, _ids(200), 6, temperature=1.0, seed=7), "n": 3}
     rid = _rid()
     status, out, _ = _post(pair.router, "/v1/completions", body, {"X-Request-Id": rid})
     assert status == 200, out
