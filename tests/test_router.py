@@ -321,6 +321,26 @@ def test_a_list_of_prompts_goes_as_one_pair_per_prompt(pair: Pair) -> None:
             time.sleep(0.05)
 
 
+def test_a_streamed_list_of_prompts_is_forwarded_whole_and_right(pair: Pair) -> None:
+    """Streamed, a list goes whole (one prefill, one decode request): its first
+    prompt by transfer, the others computed on the decode engine (their params are
+    the first prompt's, which kvsm's prompt fingerprint refuses); every text right."""
+    body = _completion(pair, ["The decode engine pulls those blocks and keeps generating",
+                              "Mountains rise above the valley"], 6)
+    ref = {c["index"]: c["text"] for c in pair.prefill.post("/v1/completions", body)["choices"]}
+    conn, resp = _open_stream(pair.router, "/v1/completions", body, _rid())
+    try:
+        assert resp.status == 200
+        got: dict[int, str] = {}
+        for _, payload in _sse_events(resp):
+            if payload != "[DONE]":
+                for c in json.loads(payload).get("choices", []):
+                    got[c["index"]] = got.get(c["index"], "") + c["text"]
+    finally:
+        conn.close()
+    assert got == ref
+
+
 def test_n_samples_share_one_prefill(pair: Pair) -> None:
     """n > 1: one prefill request (its answer carries one set of params); on the
     decode engine the first sample reads it and the others compute the prompt."""
