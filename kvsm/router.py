@@ -227,17 +227,9 @@ class Router:
             prefill, decode = next(self._next_prefill), next(self._next_decode)
             trace.prefill, trace.decode = trace.prefill or prefill, trace.decode or decode
             kv_params = await self._prefill(prefill, path, single, headers)
-            async with self.call("decode", decode, "POST", path, headers,
-                                 {**single, "kv_transfer_params": kv_params}) as resp:
-                await self.check_status("decode", decode, resp)
-                raw = await resp.read()
-            try:
-                out = json.loads(raw)
-            except ValueError as e:
-                raise BackendError(502, f"decode backend {decode} returned no JSON: {raw[:200]!r}",
-                                   "backend_error", decode) from e
-            if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
-                raise BackendError(502, f"decode backend {decode} returned no choices: {raw[:200]!r}",
+            out = await self._post_json("decode", decode, path, headers, {**single, "kv_transfer_params": kv_params})
+            if not isinstance(out.get("choices"), list):
+                raise BackendError(502, f"decode backend {decode} returned no choices: {str(out)[:200]}",
                                    "backend_error", decode)
             return out
 
@@ -268,6 +260,21 @@ class Router:
             headers["Authorization"] = request.headers["Authorization"]
         return headers
 
+    async def _post_json(self, role: str, url: str, path: str, headers: dict[str, str],
+                         body: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed answer of a backend, as the JSON object it must be."""
+        async with self.call(role, url, "POST", path, headers, body) as resp:
+            await self.check_status(role, url, resp)
+            raw = await resp.read()
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            raise BackendError(502, f"{role} backend {url} returned no JSON object: {raw[:200]!r}",
+                               "backend_error", url)
+        return out
+
     async def _prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         """Compute the prompt's KV on a prefill backend; return where the decode side finds it."""
         prefill_body = {**body, "kv_transfer_params": dict(PREFILL_KV_PARAMS), "max_tokens": 1, "stream": False}
@@ -280,14 +287,7 @@ class Router:
         # other samples' prefill requests would stay pinned until their lease ends.
         if "n" in prefill_body:
             prefill_body["n"] = 1
-        async with self.call("prefill", url, "POST", path, headers, prefill_body) as resp:
-            await self.check_status("prefill", url, resp)
-            raw = await resp.read()
-        try:
-            kv_params = json.loads(raw).get("kv_transfer_params")
-        except (ValueError, AttributeError) as e:
-            raise BackendError(502, f"prefill backend {url} returned no JSON object: {raw[:200]!r}",
-                               "backend_error", url) from e
+        kv_params = (await self._post_json("prefill", url, path, headers, prefill_body)).get("kv_transfer_params")
         if not isinstance(kv_params, dict) or not kv_params:
             raise BackendError(502, f"prefill backend {url} returned no kv_transfer_params: it does not appear "
                                "to run a KV connector with kv_role kv_producer or kv_both",

@@ -42,6 +42,12 @@ def harness(kv_role: str, tmp_path: Path | None = None, **kw: Any) -> SchedulerH
     return make_scheduler(kv_role=kv_role, extra_config=extra, engine_id=kw.pop("engine_id", f"{kv_role}-e"), **kw)
 
 
+def log_records(h: SchedulerHarness, tmp_path: Path) -> list[dict[str, Any]]:
+    """Every record the harness's scheduler half logged (under ``tmp_path``), flushed first."""
+    h.connector.scheduler_half.log.flush()
+    return [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+
+
 def meta_of(step: Any) -> KVSMConnectorMetadata:
     meta = step.connector_metadata
     assert isinstance(meta, KVSMConnectorMetadata), type(meta)
@@ -221,8 +227,7 @@ def test_bad_params_run_the_request_locally_and_say_why(tmp_path: Path) -> None:
         assert pending(h)["ignored"] == 1
         h.run_until_idle()
         drained(h)
-    h.connector.scheduler_half.log.flush()
-    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    records = log_records(h, tmp_path)
     ignored = [r for r in records if r["event"] == "sched.params_ignored"]
     assert ignored and "remote_host" in ignored[0]["reason"]
 
@@ -237,8 +242,7 @@ def test_a_pipeline_parallel_prefill_is_not_read_and_the_request_runs_locally(tm
         assert not meta_of(s).recv_start and "d-pp" in s.scheduled
         h.run_until_idle()
         drained(h)
-    h.connector.scheduler_half.log.flush()
-    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    records = log_records(h, tmp_path)
     ignored = [r["reason"] for r in records if r["event"] == "sched.params_ignored"]
     assert ignored and "pipeline parallel 2" in ignored[0], ignored
 
@@ -269,8 +273,7 @@ def test_params_of_another_prompt_are_not_read_and_the_request_runs_locally(tmp_
         h.run_until_idle()
         drained(h)
         assert h.free_blocks() == free0
-    h.connector.scheduler_half.log.flush()
-    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    records = log_records(h, tmp_path)
     # Without a fingerprint (upstream's prefill), an offer of fewer tokens than the prompt is read.
     with harness("kv_consumer") as h:
         bare = {k: v for k, v in params.items() if k != PROMPT_FINGERPRINT_KEY}
@@ -307,8 +310,7 @@ def test_one_request_of_an_engine_reads_a_prefill_request_the_others_run_locally
         h.run_until_idle()
         drained(h)
         assert h.free_blocks() == free0
-    h.connector.scheduler_half.log.flush()
-    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    records = log_records(h, tmp_path)
     reasons = {r["req"]: r["reason"] for r in records if r["event"] == "sched.params_ignored"}
     assert list(reasons) == ["d-b"] and "request d-a of this engine already reads" in reasons["d-b"], reasons
 
