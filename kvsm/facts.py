@@ -186,9 +186,13 @@ def prompt_mismatch(params: Mapping[str, Any], remote_num_tokens: int | None,
     prompt of a list (its response carries the first prompt's), so prompt 2 would
     read prompt 1's blocks; upstream serves that output, silently wrong."""
     if remote_num_tokens is not None and remote_num_tokens > num_prompt_tokens:
+        # kvsm's prefill side counts the prompt only; upstream's counts every token it
+        # computed, so this is also its prefill leg run with max_tokens > 1: with no
+        # fingerprint to tell the two apart, the request computes its prompt itself.
         return (f"kv_transfer_params describe a prefill of {remote_num_tokens} tokens, this prompt has "
                 f"{num_prompt_tokens}: they are another request's (e.g. one of a list of prompts sent with "
-                f"the first prompt's params)")
+                f"the first prompt's params), or a prefill leg that generated more than one token on an "
+                f"engine that does not count the prompt apart (send it with max_tokens 1)")
     theirs = params.get(PROMPT_FINGERPRINT_KEY)
     if (not isinstance(theirs, str) or token_ids is None or remote_num_tokens is None
             or not theirs.startswith(_FINGERPRINT_SCHEME)):

@@ -345,10 +345,20 @@ class SchedulerHalf:
         status = request.status.name
         # What is pinned: every block of every group, each once, never the null block.
         blocks = tuple(dict.fromkeys(b for ids in block_ids for b in ids if b != NULL_BLOCK))
-        if status not in _NORMAL_FINISH or not blocks:
+        # A prefill leg asked for more than one token (a client's default max_tokens):
+        # its KV goes on past the prompt, and the decode request, sent the prompt,
+        # reads the prompt's part (the blocks are read by position).
+        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        refusal = status if status not in _NORMAL_FINISH or not blocks else ""
+        if not refusal and self._hold_back and request.num_computed_tokens > request.num_prompt_tokens:
+            refusal = (f"{request.num_computed_tokens - request.num_prompt_tokens} generated token(s) computed "
+                       f"after the prompt: a Mamba/GDN state holds every token computed, not the prompt's "
+                       f"(send the prefill leg with max_tokens 1)")
+        if refusal:
             # Nothing pinned: no hurry, but no step needed either.
-            self._hand_to_workers([SendFinish(req=req, ok=False, reason=status)])
-            self._note("sched.prefill_finished", req, ok=False, status=status, via=self._path())
+            self._hand_to_workers([SendFinish(req=req, ok=False, reason=refusal)])
+            self._note("sched.prefill_finished", req, ok=False, status=status, via=self._path(),
+                       **({} if refusal == status else {"why": refusal}))
             return False, None
         cfg = self.cfg
         pinned_ns = self._clock.monotonic_ns()
@@ -372,9 +382,9 @@ class SchedulerHalf:
             "tp_size": cfg.tp_size,
             "dcp_size": cfg.dcp_size,
             "pp_size": cfg.pp_size,
-            "remote_num_tokens": request.num_computed_tokens,
+            "remote_num_tokens": num_tokens,
             **({} if request.prompt_token_ids is None else
-               {PROMPT_FINGERPRINT_KEY: prompt_fingerprint(request.prompt_token_ids, request.num_computed_tokens)}),
+               {PROMPT_FINGERPRINT_KEY: prompt_fingerprint(request.prompt_token_ids, num_tokens)}),
             # Wall-clock seconds, informational: the decode side's claim is what counts.
             "remote_blocks_expiry_time": time.time() + cfg.lease_s,
             # As upstream's pull scheduler: tells a router this is a pull (READ)

@@ -285,6 +285,33 @@ def test_params_of_another_prompt_are_not_read_and_the_request_runs_locally(tmp_
     assert "prefill of 40 tokens, this prompt has 30" in reasons["d-shorter"]
 
 
+def test_a_prefill_leg_of_several_tokens_offers_its_prompt_and_a_decode_request_reads_it() -> None:
+    """A prefill leg sent with max_tokens 3 computed two tokens past its prompt: the
+    params count (and fingerprint) the prompt only, so the decode request with that
+    prompt reads it (before, they counted 42 tokens and the decode engine refused
+    them as another request's)."""
+    with harness("kv_producer", engine_id="prefill-m") as p:
+        prompt = p.make_prompt(40)
+        p.add_request(prompt, kv_transfer_params=remote_decode_params(), max_tokens=3, request_id="p-m")
+        finished: dict[str, Any] = {}
+        for _ in range(5):
+            finished.update(p.step().finished)
+            if "p-m" in finished:
+                break
+        params = finished["p-m"].kv_transfer_params
+        assert params["remote_num_tokens"] == 40
+        assert params[PROMPT_FINGERPRINT_KEY] == prompt_fingerprint(prompt, 40)
+        p.step(finished_sending={"p-m"})
+        p.run_until_idle()
+    with harness("kv_consumer") as h:
+        h.add_request(prompt, kv_transfer_params=params, max_tokens=2, request_id="d-m")
+        (start,) = meta_of(h.step()).recv_start
+        assert start.req == "d-m" and start.num_tokens == 40
+        h.step(finished_recving={"d-m"})
+        h.run_until_idle()
+        drained(h)
+
+
 def test_one_request_of_an_engine_reads_a_prefill_request_the_others_run_locally(tmp_path: Path) -> None:
     """The samples of an n > 1 request (or a retry sent while the first runs) carry
     the same params: the prefill side frees its blocks after one read's

@@ -79,6 +79,8 @@ def _prompt(n: int) -> list[int]:
 PROMPTS = {kind: [_prompt(n) for n in ((260, 300, 270) if kind == "qwen3_next" else (40, 150, 300, 260))]
            for kind in LLM_KWARGS}
 SENSITIVE = {kind: [_prompt(280 if kind == "qwen3_next" else 200) for _ in range(3)] for kind in LLM_KWARGS}
+# For a prefill leg that generates several tokens (a client's default max_tokens).
+SEVERAL = {kind: _prompt(260 if kind == "qwen3_next" else 180) for kind in LLM_KWARGS}
 # Kinds whose reference computes a prompt of N tokens as the pair does: N - 1 tokens
 # in one step (the prefill engine, which holds the last one back), then the last one
 # (the decode engine, on the transferred state). Gated-delta-net in bfloat16 gives
@@ -97,7 +99,7 @@ class KindPair:
         self.model = build_tiny_model(kind=MODEL_OF.get(kind, kind))
         self.logs = tmp / "logs"
         kw = LLM_KWARGS[kind]
-        prompts = PROMPTS[kind] + SENSITIVE[kind]
+        prompts = PROMPTS[kind] + SENSITIVE[kind] + [SEVERAL[kind]]
         base = free_port_run(4)
         # The reference engines start alongside the pair (startup dominates their cost).
         if kind in SPLIT:  # one engine per prompt length, each batching one step short of it
@@ -183,6 +185,27 @@ def test_a_swapped_transfer_changes_the_outputs(pair: KindPair) -> None:
     outs = pair.generate([a, b], [pa, pb])
     assert outs[0]["token_ids"] != pair.reference[tuple(a)]
     assert outs[1]["token_ids"] != pair.reference[tuple(b)]
+
+
+def test_a_prefill_leg_of_several_tokens_hands_over_its_prompt(pair: KindPair) -> None:
+    """The prefill leg sent with max_tokens 3: its KV goes on past the prompt. The
+    params count the prompt only, and the decode request reads the prompt's part
+    (blocks by position). A Mamba/GDN state holds every token computed, the
+    generated ones too: that prefill hands nothing over, and pins nothing."""
+    prompt = SEVERAL[pair.kind]
+    (out,) = pair.prefill.generate([prompt], 3, [{"do_remote_decode": True}])
+    if pair.kind in SPLIT:
+        assert out["kv_transfer_params"] is None, out["kv_transfer_params"]
+        wait_until(lambda: pair.prefill.request({"op": "state"})["worker"]["send"] == {}, 10,
+                   "the prefill side to hold nothing")
+        return
+    params = dict(out["kv_transfer_params"])
+    params.pop("remote_prefill_cached_tokens", None)
+    assert params["remote_num_tokens"] == len(prompt)
+    (dout,) = pair.generate([prompt], [params])
+    assert dout["token_ids"] == pair.reference[tuple(prompt)], pair.kind
+    remote = params["remote_request_id"]
+    assert pair.matched([remote])[remote] == len(prompt)
 
 
 def test_replay_of_both_engines_is_clean(pair: KindPair) -> None:

@@ -61,7 +61,8 @@ LONG_PREFIX = LONG[:256] + _prompt(RNG, 44)  # shares LONG's two full blocks
 FRESH_A = _prompt(RNG, 200)  # for the sensitivity tests, never seen before
 FRESH_B = _prompt(RNG, 200)
 FRESH_C = _prompt(RNG, 150)
-ALL_PROMPTS = [SHORT, UNDER_BLOCK, ONE_BLOCK, LONG, LONG_PREFIX, FRESH_A, FRESH_B, FRESH_C]
+FRESH_D = _prompt(RNG, 180)
+ALL_PROMPTS = [SHORT, UNDER_BLOCK, ONE_BLOCK, LONG, LONG_PREFIX, FRESH_A, FRESH_B, FRESH_C, FRESH_D]
 
 
 class Pair:
@@ -167,6 +168,25 @@ def test_full_local_hit_only_notifies_the_prefill_side(pair: Pair) -> None:
     pair.record([LONG], reads=0, blocks=0)
     assert out["token_ids"] == pair.reference[tuple(LONG)]
     remote = params["remote_request_id"]
+    wait_until(lambda: remote not in pair.prefill.request({"op": "state"})["worker"]["send"], 5,
+               f"the prefill side to unpin {remote}")
+
+
+def test_a_prefill_leg_of_several_tokens_still_hands_over_its_prompt(pair: Pair) -> None:
+    """A prefill leg sent with a client's default max_tokens, not 1: its KV goes on
+    past the prompt. The decode request reads the prompt's part (before, the params
+    counted every computed token, more than the prompt, and the decode engine
+    refused them as another request's: computed locally, the blocks pinned for a lease)."""
+    outs = pair.prefill.generate([FRESH_D], 5, [{"do_remote_decode": True}])
+    assert len(outs[0]["token_ids"]) == 5
+    params = dict(outs[0]["kv_transfer_params"])
+    params.pop("remote_prefill_cached_tokens", None)
+    assert params["remote_num_tokens"] == len(FRESH_D)
+    (out,) = pair.decode.generate([FRESH_D], MAX_TOKENS, [params])
+    pair.record([FRESH_D], reads=1, blocks=2)
+    assert out["token_ids"] == pair.reference[tuple(FRESH_D)]
+    remote = params["remote_request_id"]
+    assert _matched_tokens(pair.logs, [remote])[remote] == len(FRESH_D)
     wait_until(lambda: remote not in pair.prefill.request({"op": "state"})["worker"]["send"], 5,
                f"the prefill side to unpin {remote}")
 
