@@ -31,6 +31,7 @@ from kvsm.handshake import (
 )
 from kvsm.handshake.client import HandshakeResult
 from kvsm.handshake.relay import internal_endpoint
+from kvsm.testing.reliability import wait_until
 
 COMPAT = CompatInfo(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_size=64, block_size=16,
                     kv_layout="NHD")
@@ -117,6 +118,8 @@ def test_a_request_for_rank_1_through_rank_0s_port_is_answered_by_rank_1(engine)
     assert isinstance(got[own].outcome, MetadataReply) and got[own].outcome.agent_name == "agent-tp0"
     assert r1.calls == [("claim", ["req-a"], 2), ("heartbeat", ["req-a"], 2)]  # rank 1 answered its own
     assert r0.calls == [("claim", ["req-b"], 1)]
+    # rank 0's thread counts a reply after sending it, so the client can hold both before the count moves
+    wait_until(lambda: r0.server.stats()["relayed_replied"] >= 2, 5, "rank 0 to count both relayed replies")
     assert r0.server.stats()["relayed"] == 2 and r0.server.stats()["relayed_replied"] == 2
 
 
