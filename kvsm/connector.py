@@ -215,9 +215,10 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         attention = {name for g in groups if g.kind == "full" or g.kind.startswith(("sliding_window", "chunked_local"))
                      for name in g.layers} if groups else set(kv_caches)
         heads = int(self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config))
+        tokens, token_layout = self._token_planes(kv_caches)
         layout = describe_kv_caches(kv_caches, groups=[g.layers for g in groups] if len(groups) > 1 else None,
                                     heads={name: heads for name in attention}
-                                    if self.cfg.tp_share == "heads" else None)
+                                    if self.cfg.tp_share == "heads" else None, tokens=tokens)
         want = "VRAM" if self.cfg.kv_buffer_device == "cuda" else "DRAM"
         if layout.mem_type != want:
             raise ValueError(
@@ -238,11 +239,29 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
             num_kv_heads=self.cfg.kv_heads,
             head_size=int(model_config.get_head_size()),
             block_size=self.cfg.block_size,
-            kv_layout="block-major " + "x".join("H" if i == 0 and layout.regions[0].heads else str(d)
+            kv_layout="block-major " + "x".join("H" if i == 0 and layout.regions[0].heads else
+                                                "T" if i == 1 and token_layout else str(d)
                                                 for i, d in enumerate(tuple(first.shape)[1:])),
             kv_groups=" ".join(g.describe() for g in groups) if len(groups) > 1 else "",
+            token_layout=token_layout,
         )
         worker.start(transport, compat)
+
+    def _token_planes(self, kv_caches: dict[str, torch.Tensor]) -> tuple[dict[str, Any], str]:
+        """How this engine's blocks hold their tokens, where kvsm can read blocks of
+        another size into them: one full-attention group on vLLM-CPU's attention
+        (``kvsm.token_layout``). Elsewhere ({}, ""): block sizes must be equal."""
+        from kvsm.token_layout import cpu_attention_isa, token_planes
+
+        groups = self.kv_groups
+        if len(groups) > 1 or (groups and groups[0].kind != "full") or self.cfg.kv_buffer_device != "cpu":
+            return {}, ""
+        first_name, first = next(iter(kv_caches.items()))
+        head_size = int(self._vllm_config.model_config.get_head_size())
+        layer = self._vllm_config.compilation_config.static_forward_context.get(first_name)
+        isa = cpu_attention_isa(layer, first.dtype, self.cfg.block_size, head_size,
+                                str(self._vllm_config.cache_config.cache_dtype))
+        return token_planes(kv_caches, isa, head_size, self.cfg.block_size)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -48,6 +48,14 @@ class RecvStart(_RemoteRequest, frozen=True):
     # Non-empty: why these blocks cannot be read as asked (the scheduler saw it, e.g.
     # a block to load that the prefill side no longer holds); the worker fails it.
     problem: str = ""
+    # The engines' block sizes differ (one group only): pair i fills segment
+    # ``local_segments[i]`` of its local block from segment ``remote_segments[i]``
+    # of its remote block, each ``segment_tokens`` tokens (the smaller block size),
+    # and a block id may appear once per segment. Empty: whole blocks.
+    segment_tokens: int = 0
+    local_segments: tuple[int, ...] = ()
+    remote_segments: tuple[int, ...] = ()
+    block_sizes: tuple[int, int] = (0, 0)  # (local, remote) tokens per block when segmented
 
     def group_block_ids(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(local, remote) block ids of each KV cache group."""
@@ -156,6 +164,7 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_tp_size: int
     remote_block_ids: tuple[tuple[int, ...], ...]  # one tuple per KV cache group, by position (0: none)
     remote_num_tokens: int | None
+    remote_block_size: int | None = None  # tokens per prefill block (kvsm's key; None: not said)
 
 
 # The prefill's fingerprint of the prompt tokens it computed (kvsm's own key; other
@@ -241,7 +250,11 @@ def parse_remote_params(params: Mapping[str, Any]) -> RemoteParams:
     for key in ("remote_engine_id", "remote_request_id", "remote_host"):
         if not isinstance(params[key], str):
             raise BadTransferParams(f"{key} must be a string, got {type(params[key]).__name__}")
+    block_size = params.get("remote_block_size")
+    if block_size is not None and (type(block_size) is not int or block_size < 1):
+        raise BadTransferParams(f"remote_block_size must be a positive integer, got {block_size!r}")
     return RemoteParams(
         remote_engine=params["remote_engine_id"], remote_req=params["remote_request_id"],
         remote_host=params["remote_host"], remote_port=port, remote_tp_size=tp_size,
-        remote_block_ids=_block_ids(params["remote_block_ids"]), remote_num_tokens=num_tokens)
+        remote_block_ids=_block_ids(params["remote_block_ids"]), remote_num_tokens=num_tokens,
+        remote_block_size=block_size)

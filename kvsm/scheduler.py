@@ -218,6 +218,13 @@ class SchedulerHalf:
         self._claims[key].add(remote.remote_req)
         self._claim_key[req] = (key, remote.remote_req)
 
+    def _remote_block_sizes(self, remote: RemoteParams) -> tuple[int, ...]:
+        """Tokens per prefill block of each group: the params' ``remote_block_size``
+        where one group has it (a kvsm producer says so), else this engine's."""
+        if remote.remote_block_size is None or len(self._group_block_sizes) != 1:
+            return self._group_block_sizes
+        return (remote.remote_block_size,)
+
     def _hold_back_last_tokens(self, request: Request, params: dict[str, Any]) -> None:
         """Prefill only ``num_prompt_tokens - hold_back`` tokens: the state a
         Mamba/GDN group leaves is then the one the decode side needs before it
@@ -259,7 +266,7 @@ class SchedulerHalf:
         if remote.remote_num_tokens is not None:
             available = min(available, remote.remote_num_tokens)
         # What every group's blocks cover (by position, nulls included).
-        for ids, size in zip(remote.remote_block_ids, self._group_block_sizes, strict=True):
+        for ids, size in zip(remote.remote_block_ids, self._remote_block_sizes(remote), strict=True):
             available = min(available, len(ids) * size)
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -278,7 +285,13 @@ class SchedulerHalf:
         self._stop_heartbeat(req)
         sizes: tuple[int, ...] = ()
         problem = ""
-        if num_external_tokens > 0:
+        segmented: dict[str, Any] = {}
+        remote_size = self._remote_block_sizes(remote)[0]
+        if num_external_tokens > 0 and remote_size != self._group_block_sizes[0]:
+            local, remote_ids, segmented, problem = _pair_segments(
+                blocks.blocks[0], remote.remote_block_ids[0], self._group_block_sizes[0], remote_size,
+                num_external_tokens)
+        elif num_external_tokens > 0:
             local, remote_ids, sizes, problem = _pair_blocks(blocks.blocks, remote.remote_block_ids)
             if len(sizes) == 1:
                 sizes = ()  # one group: the plain form
@@ -292,7 +305,7 @@ class SchedulerHalf:
             remote_host=remote.remote_host, remote_port=remote.remote_port,
             remote_tp_size=remote.remote_tp_size, remote_block_ids=remote_ids,
             local_block_ids=local, num_tokens=num_external_tokens, awaited=awaited, group_sizes=sizes,
-            problem=problem))
+            problem=problem, **segmented))
         # Only one transfer per request (vLLM may call again once it is loaded).
         params["do_remote_prefill"] = False
 
@@ -383,6 +396,9 @@ class SchedulerHalf:
             "dcp_size": cfg.dcp_size,
             "pp_size": cfg.pp_size,
             "remote_num_tokens": num_tokens,
+            # One group: its tokens per block, so a decode engine of another block size pairs them
+            # (several groups move block for block, each side's sizes equal: the compatibility check).
+            **({"remote_block_size": self._group_block_sizes[0]} if len(self._group_block_sizes) == 1 else {}),
             **({} if request.prompt_token_ids is None else
                {PROMPT_FINGERPRINT_KEY: prompt_fingerprint(request.prompt_token_ids, num_tokens)}),
             # Wall-clock seconds, informational: the decode side's claim is what counts.
@@ -438,6 +454,46 @@ class SchedulerHalf:
             self._pins = None
         if self.log is not None:
             self.log.close()
+
+
+def _pair_segments(local_blocks: Any, theirs: tuple[int, ...], local_size: int, remote_size: int,
+                   num_external_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...], dict[str, Any], str]:
+    """``_pair_blocks`` for one group whose block sizes differ between the engines:
+    every new local block is filled in segments of the smaller size, each from the
+    prefill block holding the same tokens (local ids, remote ids, the RecvStart
+    segment fields, what cannot be read).
+
+    Local prefix hits (hashed blocks) come first and are not read; segments past
+    the tokens to load (the rest of the last block) are not read either."""
+    unit = min(local_size, remote_size)
+    if max(local_size, remote_size) % unit:
+        return (), (), {}, (f"block sizes {local_size} here and {remote_size} on the prefill side: one must "
+                            f"divide the other to read blocks in segments")
+    hits = sum(1 for b in local_blocks if b.block_hash is not None)
+    end = hits * local_size + num_external_tokens
+    local: list[int] = []
+    remote: list[int] = []
+    local_segs: list[int] = []
+    remote_segs: list[int] = []
+    for j, block in enumerate(local_blocks):
+        if block.is_null or block.block_hash is not None:
+            continue
+        for k in range(local_size // unit):
+            t = j * local_size + k * unit
+            if t >= end:
+                break
+            r = t // remote_size
+            if r >= len(theirs) or theirs[r] == NULL_BLOCK:
+                return (), (), {}, (f"tokens {t}..{t + unit - 1} are to be loaded, but the prefill side has "
+                                    f"{'no block' if r >= len(theirs) else 'the null block'} there "
+                                    f"({len(theirs)} block ids of {remote_size} tokens)")
+            local.append(block.block_id)
+            local_segs.append(k)
+            remote.append(theirs[r])
+            remote_segs.append((t % remote_size) // unit)
+    fields = {"segment_tokens": unit, "local_segments": tuple(local_segs), "remote_segments": tuple(remote_segs),
+              "block_sizes": (local_size, remote_size)}
+    return tuple(local), tuple(remote), fields, ""
 
 
 def _pair_blocks(local_groups: Any, remote_groups: tuple[tuple[int, ...], ...],

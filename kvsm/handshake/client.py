@@ -36,6 +36,7 @@ from kvsm.handshake.messages import (
     Reply,
     Request,
     compat_hash,
+    compat_identity,
     compat_mismatch,
 )
 
@@ -423,7 +424,7 @@ class HandshakeClient:
             return HandshakeProtocolError("unexpected_reply", f"expected {pending.expects.__name__}, "
                                           f"got {type(reply).__name__}", peer=peer, nonce=nonce)
         if isinstance(reply, MetadataReply):
-            if reply.compat != self.compat:
+            if compat_identity(reply.compat) != compat_identity(self.compat):
                 return HandshakeIncompatible(compat_mismatch(self.compat, reply.compat),
                                              peer=peer, nonce=nonce)
             if reply.compat_hash != self.compat_hash:

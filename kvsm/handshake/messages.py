@@ -75,19 +75,34 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # The KV cache groups (vLLM's hybrid KV cache manager), in order: each one's
     # kind, block size and number of layers ("" for one plain group).
     kv_groups: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    # How a block holds its tokens (``kvsm.token_layout``), "" if not known. Two
+    # engines that name the same one may differ in block size: the decode side
+    # reads in segments.
+    token_layout: ShortStr = ""
+
+
+def compat_identity(info: CompatInfo) -> CompatInfo:
+    """What must be equal between peers: ``info`` without its block size where
+    it names a token layout (blocks of any size are then read in segments)."""
+    return msgspec.structs.replace(info, block_size=0) if info.token_layout else info
 
 
 def compat_hash(info: CompatInfo) -> str:
-    """sha256 hex of ``info`` as JSON with sorted keys: stable across processes,
-    Python versions and field declaration order."""
-    return hashlib.sha256(msgspec.json.encode(info, order="sorted")).hexdigest()
+    """sha256 hex of ``compat_identity(info)`` as JSON with sorted keys: stable
+    across processes, Python versions and field declaration order."""
+    return hashlib.sha256(msgspec.json.encode(compat_identity(info), order="sorted")).hexdigest()
 
 
 def compat_mismatch(mine: CompatInfo, theirs: CompatInfo) -> list[str]:
-    """One line per differing field, e.g. ``"block_size: 16 here, 128 on the peer"``."""
+    """One line per differing field, e.g. ``"block_size: 16 here, 128 on the peer"``
+    (block sizes only where a side does not name its token layout)."""
     differences = []
     for name in mine.__struct_fields__:
         here, there = getattr(mine, name), getattr(theirs, name)
+        if name == "block_size":
+            if here != there and not (mine.token_layout and theirs.token_layout):
+                differences.append(f"block_size: {here!r} here, {there!r} on the peer")
+            continue
         if here != there:
             differences.append(f"{name}: {here!r} here, {there!r} on the peer")
     return differences

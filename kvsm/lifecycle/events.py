@@ -48,6 +48,8 @@ class Matched(Event, frozen=True, tag="matched"):
     # parallel sizes that differ: see kvsm.worker.tp_map), and the plan in words.
     sources: int = 1
     plan: str = ""
+    # Block sizes differ between the engines: how the blocks are paired, in words.
+    segments: str = ""
 
 
 class Allocated(Event, frozen=True, tag="allocated"):

@@ -33,6 +33,7 @@ from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.metadata import KVSMConnectorMetadata, RecvAbandon, RecvAbort, RecvStart, SendFinish
 from kvsm.testing.ports import free_port
 from kvsm.transport.base import Heads, TransferState, XferHandle
+from kvsm.transport.layout import Segments
 from kvsm.transport.memory import InMemoryAgent, InMemoryFabric, MemoryXferHandle
 from kvsm.worker import WorkerHalf
 
@@ -85,10 +86,10 @@ class GatedAgent(InMemoryAgent):
 
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int], notif: bytes,
                   tag: str = "", group_sizes: Sequence[int] = (), local_heads: Heads | None = None,
-                  remote_heads: Heads | None = None) -> MemoryXferHandle:
+                  remote_heads: Heads | None = None, segments: Segments | None = None) -> MemoryXferHandle:
         with self.lock:
             handle = super().post_read(peer, local_blocks, remote_blocks, notif, tag, group_sizes, local_heads,
-                                       remote_heads)
+                                       remote_heads, segments)
             self.posted += 1
             return handle
 

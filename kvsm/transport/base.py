@@ -10,6 +10,10 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvsm.transport.layout import Segments
 
 # Heads ``(start, count, of)``: a run of a block's heads (a tensor parallel
 # rank's share); None: the whole block.
@@ -59,12 +63,15 @@ class Transport(ABC):
     @abstractmethod
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
-                  local_heads: Heads | None = None, remote_heads: Heads | None = None) -> XferHandle:
+                  local_heads: Heads | None = None, remote_heads: Heads | None = None,
+                  segments: Segments | None = None) -> XferHandle:
         """Read ``remote_blocks`` of ``peer`` into ``local_blocks``; ``notif`` reaches the
         peer when the read completes. ``group_sizes``: the blocks are that many of
         each KV cache group in turn (empty: one group). ``remote_heads`` /
         ``local_heads``: only that run of each block's heads, on either side
-        (tensor parallel sizes that differ); the two runs hold as many heads."""
+        (tensor parallel sizes that differ); the two runs hold as many heads.
+        ``segments``: the engines' block sizes differ, and each pair moves one
+        segment of that many tokens (a block id may then appear more than once)."""
 
     @abstractmethod
     def check(self, handle: XferHandle) -> TransferState:

@@ -56,6 +56,53 @@ MemType = Literal["DRAM", "VRAM"]
 _MAX_DESCS = 2**31 - 1
 
 
+class TokenPlanes(msgspec.Struct, frozen=True):
+    """How one head of a block keeps its tokens, so that a block of one size can
+    be read out of blocks of another (prefill and decode engines with different
+    block sizes).
+
+    A head's bytes are ``planes`` in memory order (vLLM-CPU: K, then V); a plane
+    is ``rows`` rows, each row every token of the block in token order,
+    ``token_bytes`` per token. So tokens ``[a, a + n)`` of a plane are one byte run
+    per row, and those runs hold the same bytes, in the same order, whatever the
+    block size (checked against vLLM's own cache writer at registration: see
+    ``kvsm.connector``). ``align``: tokens that must move together (a kernel's
+    tile); segments are multiples of it."""
+
+    planes: tuple[tuple[int, int], ...]  # (rows, token_bytes)
+    align: int = 1
+
+    def head_bytes(self, block_tokens: int) -> int:
+        return sum(rows * block_tokens * tb for rows, tb in self.planes)
+
+    def runs(self, block_tokens: int, seg_tokens: int, seg: int, head_bytes: int,
+             heads: range) -> np.ndarray:
+        """``N x 2`` (offset in the block, length) of segment ``seg`` (tokens
+        ``[seg * seg_tokens, (seg + 1) * seg_tokens)``) of ``heads``, in an order
+        both block sizes share."""
+        out: list[tuple[int, int]] = []
+        for h in heads:
+            base = h * head_bytes
+            for rows, tb in self.planes:
+                first = base + seg * seg_tokens * tb
+                out.extend((first + r * block_tokens * tb, seg_tokens * tb) for r in range(rows))
+                base += rows * block_tokens * tb
+        return np.asarray(out, dtype=np.uint64).reshape(-1, 2)
+
+
+# A read of blocks of different sizes, in segments of ``tokens`` tokens (the
+# smaller block size): the read's i-th local block id is filled at its segment
+# ``local[i]`` from segment ``remote[i]`` of the i-th remote block id.
+# ``local_block`` / ``remote_block``: the tokens per block each side assumed,
+# checked against the layouts before anything moves.
+class Segments(msgspec.Struct, frozen=True):
+    tokens: int
+    local: tuple[int, ...]
+    remote: tuple[int, ...]
+    local_block: int
+    remote_block: int
+
+
 class Region(msgspec.Struct, frozen=True):
     """``num_blocks`` blocks of ``block_bytes`` at ``base_addr + b * block_stride``."""
 
@@ -72,6 +119,10 @@ class Region(msgspec.Struct, frozen=True):
     # engines of different sizes can read each other's (``sliced``). 0: the
     # block cannot be cut by heads (MLA's latent, Mamba state, a tokens-major layout).
     heads: int = 0
+    # Tokens per block, and how a head's block holds them (None: the block moves
+    # whole only, so both engines must use one block size).
+    block_tokens: int = 0
+    tokens: TokenPlanes | None = None
 
     @property
     def unit_bytes(self) -> int:
@@ -119,6 +170,11 @@ class KVLayout(msgspec.Struct, frozen=True):
             if a.group != b.group:
                 return (f"KV cache group of region {i} (layer {a.layer!r} part {a.part}): "
                         f"local {a.group}, remote {b.group}")
+            if a.tokens is not None and a.tokens == b.tokens and a.block_tokens and b.block_tokens:
+                if a.unit_bytes // a.block_tokens != b.unit_bytes // b.block_tokens:
+                    return (f"bytes per token of region {i} (layer {a.layer!r} part {a.part}): local "
+                            f"{a.unit_bytes // a.block_tokens}, remote {b.unit_bytes // b.block_tokens}")
+                continue
             if bool(a.heads) != bool(b.heads) or a.unit_bytes != b.unit_bytes:
                 # Head counts may differ (tensor parallel sizes differ): a head may not.
                 if not (a.heads or b.heads):
@@ -252,6 +308,62 @@ class KVLayout(msgspec.Struct, frozen=True):
         ``block_ids`` (region-major)."""
         return [(int(a), int(n), int(d)) for a, n, d in self.block_desc_array(block_ids)]
 
+    def check_segments(self, block_tokens: int, seg_tokens: int) -> None:
+        """``ValueError`` unless every region's blocks hold ``block_tokens`` tokens
+        and can be read in segments of ``seg_tokens``."""
+        for r in self.regions:
+            self._segmentable(r, block_tokens, seg_tokens)
+
+    @staticmethod
+    def _segmentable(r: Region, block_tokens: int, seg_tokens: int) -> TokenPlanes:
+        t = r.tokens
+        if t is None or not r.block_tokens:
+            raise ValueError(f"layer {r.layer!r} part {r.part}: its blocks move whole only (no token "
+                             f"layout), so blocks of another size cannot be read into or out of them")
+        if r.block_tokens != block_tokens:
+            raise ValueError(f"layer {r.layer!r} part {r.part}: its blocks hold {r.block_tokens} tokens, "
+                             f"not {block_tokens}")
+        if seg_tokens <= 0 or r.block_tokens % seg_tokens or seg_tokens % t.align:
+            raise ValueError(f"layer {r.layer!r} part {r.part}: segments of {seg_tokens} tokens do not cut "
+                             f"its blocks of {r.block_tokens} (kernel tiles of {t.align} tokens)")
+        return t
+
+    def segment_desc_array(self, block_ids: Sequence[int], segs: Sequence[int], seg_tokens: int,
+                           heads: tuple[int, int, int] | None = None) -> np.ndarray:
+        """``N x 3`` descriptors of segment ``segs[i]`` of block ``block_ids[i]``
+        in every region, region-major, then block, then run (the order
+        ``TokenPlanes.runs`` gives, the same on both engines). ``heads``: only
+        that run ``(start, count, of)`` of each block's heads. ``ValueError`` when
+        a region cannot be cut into segments of ``seg_tokens``."""
+        b = self._blocks(block_ids)
+        if len(segs) != b.size:
+            raise ValueError(f"{len(segs)} segments for {b.size} blocks")
+        parts = []
+        for r in self.regions:
+            t = self._segmentable(r, r.block_tokens, seg_tokens)
+            if any(not 0 <= k < r.block_tokens // seg_tokens for k in segs):
+                raise ValueError(f"segment index out of range for blocks of {r.block_tokens // seg_tokens} "
+                                 f"segments: {sorted(set(segs))[-1]}")
+            head_bytes = t.head_bytes(r.block_tokens)
+            n_heads = r.block_bytes // head_bytes if head_bytes else 0
+            if not n_heads or n_heads * head_bytes != r.block_bytes:
+                raise ValueError(f"layer {r.layer!r} part {r.part}: token layout {t} does not tile its "
+                                 f"{r.block_bytes}-byte blocks of {r.block_tokens} tokens")
+            start, count = (0, n_heads) if heads is None else (heads[0], heads[1])
+            if heads is not None and heads[2] != n_heads:
+                raise ValueError(f"layer {r.layer!r} part {r.part}: heads {heads} of a block of {n_heads}")
+            # Runs of segment k of any block, relative to the block's start: one table per segment.
+            per_seg = {k: t.runs(r.block_tokens, seg_tokens, k, head_bytes, range(start, start + count))
+                       for k in set(segs)}
+            for block, k in zip(b.tolist(), segs):
+                runs = per_seg[k]
+                d = np.empty((runs.shape[0], 3), dtype=np.uint64)
+                d[:, 0] = r.base_addr + block * r.block_stride + runs[:, 0]
+                d[:, 1] = runs[:, 1]
+                d[:, 2] = r.device_id
+                parts.append(d)
+        return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
+
     def all_block_descs(self) -> np.ndarray:
         """Every block of every region, ``N x 3`` uint64: the list to prep once."""
         return self.block_desc_array(np.arange(self.num_blocks))
@@ -300,7 +412,8 @@ def _find_block_dim(layer: str, shape: tuple[int, ...], num_blocks: int | None,
 
 def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int | None = None,
                        block_dim: int | None = None, groups: Sequence[Sequence[str]] | None = None,
-                       heads: Mapping[str, int] | None = None) -> KVLayout:
+                       heads: Mapping[str, int] | None = None,
+                       tokens: Mapping[str, tuple[int, TokenPlanes]] | None = None) -> KVLayout:
     """Describe per-layer KV cache tensors as regions of blocks (see the module doc).
 
     ``kv_caches`` maps layer name to tensor, in layer order (the order is part
@@ -308,7 +421,9 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int
     Without ``num_blocks`` or ``block_dim`` the block dim is 0 (vLLM-CPU).
     ``groups``: the layer names of each KV cache group (vLLM's
     ``kv_cache_config.kv_cache_groups``), each layer in exactly one; None: one
-    group of every layer. Raises ``ValueError`` naming the layer, its shape
+    group of every layer. ``tokens``: per layer, its tokens per block and their
+    ``TokenPlanes`` (layers without one move whole blocks only). Raises
+    ``ValueError`` naming the layer, its shape
     and strides when a tensor cannot be described.
     """
     if not kv_caches:
@@ -367,12 +482,14 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int
         n_heads = (heads or {}).get(layer, 0)
         if n_heads < 1 or len(shape) < bd + 3 or shape[bd + 1] != n_heads:
             n_heads = 0  # not heads-major (or not an attention layer): read whole only
+        block_tokens, planes = (tokens or {}).get(layer, (0, None))
         lead = shape[:bd]
         for part, idx in enumerate(itertools.product(*(range(s) for s in lead))):
             offset = sum(i * strides[j] for j, i in enumerate(idx)) * es
             regions.append(Region(layer=layer, part=part, base_addr=base + offset, num_blocks=nb,
                                   block_bytes=block_bytes, block_stride=block_stride, device_id=dev,
-                                  group=group_of.get(layer, 0), heads=n_heads))
+                                  group=group_of.get(layer, 0), heads=n_heads, block_tokens=block_tokens,
+                                  tokens=planes))
     assert mem_type is not None and layout_blocks is not None
     if len(regions) * layout_blocks > _MAX_DESCS:
         raise ValueError(f"{len(regions)} regions x {layout_blocks} blocks do not fit NIXL's int32 "

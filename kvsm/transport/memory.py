@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from kvsm.lifecycle.clock import Clock
 from kvsm.transport.base import Heads, TransferState, Transport, XferHandle
+from kvsm.transport.layout import Segments
 
 
 class Fault(enum.Enum):
@@ -248,7 +249,11 @@ class InMemoryAgent(Transport):
 
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
-                  local_heads: Heads | None = None, remote_heads: Heads | None = None) -> MemoryXferHandle:
+                  local_heads: Heads | None = None, remote_heads: Heads | None = None,
+                  segments: Segments | None = None) -> MemoryXferHandle:
+        if segments is not None:
+            raise ValueError(f"agent {self.name!r}: the in-memory transport keeps blocks as opaque bytes and "
+                             f"moves them whole; segments of another block size need a token layout (NIXL)")
         if self.closed:
             raise RuntimeError(f"agent {self.name!r} is closed")
         if peer not in self.peers:

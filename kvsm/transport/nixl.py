@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,7 @@ import msgspec
 import numpy as np
 
 from kvsm.transport.base import Heads, TransferState, Transport, XferHandle
-from kvsm.transport.layout import KVLayout
+from kvsm.transport.layout import KVLayout, Segments
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class _Peer:
     dlist: Any  # nixl_prepped_dlist_handle of all its blocks
     handles: set[NixlXferHandle] = field(default_factory=set)
     cuts: dict[Heads, Any] = field(default_factory=dict)  # prepped lists of runs of heads
+    block_tokens_differ: bool = False  # its blocks hold another number of tokens: segment reads only
 
 
 class NixlTransport(Transport):
@@ -213,7 +214,8 @@ class NixlTransport(Transport):
         except BaseException:
             self._agent.remove_remote_agent(info.name)
             raise
-        self._peers[info.name] = _Peer(info.name, bytes(metadata), info.layout, dlist)
+        differ = any(a.block_tokens != b.block_tokens for a, b in zip(self.layout.regions, info.layout.regions))
+        self._peers[info.name] = _Peer(info.name, bytes(metadata), info.layout, dlist, block_tokens_differ=differ)
         # Start the UCX wire-up now (returns at once; our get_notifs/check polls
         # progress it): the first read then takes ~2 ms instead of ~55 ms.
         try:
@@ -265,7 +267,8 @@ class NixlTransport(Transport):
 
     def post_read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
-                  local_heads: Heads | None = None, remote_heads: Heads | None = None) -> NixlXferHandle:
+                  local_heads: Heads | None = None, remote_heads: Heads | None = None,
+                  segments: Segments | None = None) -> NixlXferHandle:
         """Post one NIXL READ of ``remote_blocks`` (every region of their KV cache
         group: ``group_sizes``, see ``KVLayout.desc_index_array``) into ``local_blocks``.
 
@@ -275,6 +278,9 @@ class NixlTransport(Transport):
         ERROR with the reason in ``handle.error``. Zero blocks: nothing to read,
         the notification is sent at once and the handle is DONE. Runs of heads
         that cannot be cut out of the blocks, or differ in size: ``ValueError``.
+        ``segments``: the two engines' blocks differ in size, so each pair is read
+        segment by segment (``KVLayout.segment_desc_array``), with descriptors
+        built for this read instead of the prepped lists.
         """
         self._check_open()
         p = self._peers.get(peer)
@@ -282,6 +288,12 @@ class NixlTransport(Transport):
             raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        if segments is not None:
+            return self._post_segments(p, local_blocks, remote_blocks, notif, tag, local_heads, remote_heads,
+                                       segments)
+        if p.block_tokens_differ:
+            raise ValueError(f"the blocks of {peer!r} hold another number of tokens than this engine's: "
+                             f"a read must go in segments (the request's params lacked remote_block_size?)")
         local_list, remote_list = self._local, p.dlist
         if local_heads is not None and remote_heads is not None and local_heads[1] != remote_heads[1]:
             raise ValueError(f"heads {local_heads} here and {remote_heads} on {peer!r}: the runs differ in size")
@@ -291,16 +303,20 @@ class NixlTransport(Transport):
             remote_list = self._cut(p.cuts, p.name, p.layout, remote_heads)
         local_idx = self.layout.desc_index_array(local_blocks, group_sizes)
         remote_idx = p.layout.desc_index_array(remote_blocks, group_sizes)
-        h = NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag)
-        if len(local_blocks) == 0:
-            if notif and not self.send_notif(peer, notif):
-                h.state, h.error = TransferState.ERROR, f"notification to {peer!r} failed"
+        return self._launch(p, NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag),
+                            lambda: self._agent.make_prepped_xfer("READ", local_list, local_idx, remote_list,
+                                                                  remote_idx, notif_msg=notif))
+
+    def _launch(self, p: _Peer, h: NixlXferHandle, make: Callable[[], Any]) -> NixlXferHandle:
+        """Create (``make``) and start one READ; nothing to read: only the notification."""
+        if not h.local_blocks:
+            if h.notif and not self.send_notif(p.name, h.notif):
+                h.state, h.error = TransferState.ERROR, f"notification to {p.name!r} failed"
             else:
                 h.state = TransferState.DONE
             return h
         try:
-            h._nixl = self._agent.make_prepped_xfer("READ", local_list, local_idx, remote_list,
-                                                     remote_idx, notif_msg=notif)
+            h._nixl = make()
             st = self._agent.transfer(h._nixl)
         except self._errors as e:
             h.state, h.error = TransferState.ERROR, f"{type(e).__name__}: {e}"
@@ -309,6 +325,25 @@ class NixlTransport(Transport):
         p.handles.add(h)
         self._set(h, st)
         return h
+
+    def _post_segments(self, p: _Peer, local_blocks: Sequence[int], remote_blocks: Sequence[int], notif: bytes,
+                       tag: str, local_heads: Heads | None, remote_heads: Heads | None,
+                       segments: Segments) -> NixlXferHandle:
+        """One READ of segment pairs (blocks of different sizes), its descriptors built now."""
+        if not len(segments.local) == len(segments.remote) == len(local_blocks):
+            raise ValueError(f"{len(segments.local)} local and {len(segments.remote)} remote segments for "
+                             f"{len(local_blocks)} block pairs")
+        self.layout.check_segments(segments.local_block, segments.tokens)
+        p.layout.check_segments(segments.remote_block, segments.tokens)
+        local = self.layout.segment_desc_array(local_blocks, segments.local, segments.tokens, local_heads)
+        remote = p.layout.segment_desc_array(remote_blocks, segments.remote, segments.tokens, remote_heads)
+        if local.shape != remote.shape or not np.array_equal(local[:, 1], remote[:, 1]):
+            raise ValueError(f"segments of {segments.tokens} tokens: {local.shape[0]} byte runs here and "
+                             f"{remote.shape[0]} on {p.name!r}, or runs of other lengths (token layouts differ)")
+        return self._launch(p, NixlXferHandle(p.name, local_blocks, remote_blocks, notif, tag),
+                            lambda: self._agent.initialize_xfer(
+                                "READ", self._agent.get_xfer_descs(local, self.layout.mem_type),
+                                self._agent.get_xfer_descs(remote, p.layout.mem_type), p.name, notif_msg=notif))
 
     def check(self, handle: XferHandle) -> TransferState:
         h = self._own(handle)

@@ -17,6 +17,7 @@ from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import PEER_UNREACHABLE_STATES, RECV
 from kvsm.loop import LoopError
 from kvsm.transport.base import Heads, TransferState, XferHandle
+from kvsm.transport.layout import Segments
 from kvsm.worker.context import Link, PeerIO, RecvEffect, RecvIO, S, WorkerContext
 from kvsm.worker.send import notif_of
 from kvsm.worker.tp_map import HeadRun, ReadPlan, Source, read_plan
@@ -64,8 +65,10 @@ class RecvSide(WorkerContext):
         self.recv.create(req)
         self._apply_recv(ev.Matched(req=req, num_tokens=start.num_tokens, remote_engine=start.remote_engine,
                                     remote_req=start.remote_req, remote_host=start.remote_host,
-                                    remote_port=start.remote_port, remote_blocks=len(start.remote_block_ids),
-                                    sources=len(io.reads), plan=plan.describe() if plan is not None else ""))
+                                    remote_port=start.remote_port,
+                                    remote_blocks=len(dict.fromkeys(start.remote_block_ids)),
+                                    sources=len(io.reads), plan=plan.describe() if plan is not None else "",
+                                    segments=describe_segments(start)))
         if plan_problem:
             self._apply_recv(ev.Error(req=req, kind="tp_mismatch", detail=plan_problem))
             return
@@ -74,7 +77,8 @@ class RecvSide(WorkerContext):
             kind, detail = problem
             self._apply_recv(ev.Error(req=req, kind=kind, detail=detail))
             return
-        self._apply_recv(ev.Allocated(req=req, block_ids=start.local_block_ids,
+        # (each block once: in segments a block id comes once per segment)
+        self._apply_recv(ev.Allocated(req=req, block_ids=tuple(dict.fromkeys(start.local_block_ids)),
                                       num_external_tokens=start.num_tokens, group_sizes=start.group_sizes))
 
     def _read_plan(self, remote_tp: int) -> ReadPlan | None:
@@ -107,6 +111,19 @@ class RecvSide(WorkerContext):
         return RecvIO(start, links[0].peer, links)
 
     def _unreadable(self, start: RecvStart) -> tuple[str, str] | None:
+        why = self._unreadable_params(start)
+        if why is None and start.segment_tokens and self.transport is not None:
+            try:
+                layout = getattr(self.transport, "layout", None)
+                if layout is None:
+                    raise ValueError(f"{type(self.transport).__name__} moves whole blocks only")
+                layout.check_segments(start.block_sizes[0], start.segment_tokens)
+            except ValueError as e:
+                why = ("bad_params", f"the prefill engine's blocks hold {start.block_sizes[1]} tokens, this "
+                                     f"engine's {start.block_sizes[0]}, and they cannot be read in segments: {e}")
+        return why
+
+    def _unreadable_params(self, start: RecvStart) -> tuple[str, str] | None:
         """Why this request cannot be read at all, before any I/O."""
         if start.problem:
             return ("bad_params", start.problem)
@@ -301,6 +318,7 @@ class RecvSide(WorkerContext):
                 self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="no_agent"))
                 return
         io.posted_ns = self.loop.now_ns()
+        segments = segments_of(start)
         for link, agent in zip(reads, agents):
             src = link.source
             assert src is not None
@@ -311,7 +329,7 @@ class RecvSide(WorkerContext):
                 heads["remote_heads"] = (src.remote.start, src.remote.count, src.remote.of)
             link.handle = self.transport.post_read(
                 agent, start.local_block_ids, start.remote_block_ids, notif_of(start.remote_req, link.readers),
-                tag=req, group_sizes=start.group_sizes, **heads)
+                tag=req, group_sizes=start.group_sizes, segments=segments, **heads)
             io.handles.append(link.handle)
         layout = getattr(self.transport, "layout", None)
         num_descs = len(reads) * (layout.num_descs(len(start.local_block_ids), start.group_sizes)
@@ -409,7 +427,9 @@ class RecvSide(WorkerContext):
         layout = getattr(self.transport, "layout", None)
         if layout is None:
             return 0
-        return layout.num_bytes(len(io.start.local_block_ids), io.start.group_sizes)
+        start = io.start
+        whole = layout.num_bytes(len(start.local_block_ids), start.group_sizes)
+        return whole * start.segment_tokens // start.block_sizes[0] if start.segment_tokens else whole
 
     def _arm_poll(self) -> None:
         if self._poll_timer is None and self._polling:
@@ -468,3 +488,19 @@ class RecvSide(WorkerContext):
     def _release_blocks(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         if io is not None and io.start.awaited:
             self.results.received(req)
+
+
+def segments_of(start: RecvStart) -> Segments | None:
+    """The segments a read of blocks of different sizes moves (None: whole blocks)."""
+    if not start.segment_tokens:
+        return None
+    return Segments(start.segment_tokens, start.local_segments, start.remote_segments, *start.block_sizes)
+
+
+def describe_segments(start: RecvStart) -> str:
+    """How a read across block sizes pairs its blocks, for the event log ("" if it does not)."""
+    if not start.segment_tokens:
+        return ""
+    here, there = start.block_sizes
+    return (f"{len(start.local_segments)} segments of {start.segment_tokens} tokens: prefill blocks of {there} "
+            f"tokens into blocks of {here}")
