@@ -7,6 +7,7 @@ transfer the comparison must catch, and no request waiting on any timer.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import random
 import re
 import socket
@@ -76,6 +77,26 @@ def test_the_demo_runs_green_with_other_model_kinds(tmp_path: Path, kind: str) -
         prompt, by_transfer = (int(x) for x in row.split()[-6:-4])  # columns: prompt, by transfer, TTFT, ...
         assert by_transfer == prompt or row.startswith("prefix-cache repeat"), row
     assert "no violations" in out.stdout
+
+
+@pytest.mark.timeout(960)
+def test_the_demo_runs_green_with_block_sizes_that_differ(tmp_path: Path) -> None:
+    """Two API servers and the router, prefill blocks of 64 tokens, decode blocks of
+    128 (read in segments): every output equal to a single engine's, every prompt
+    token by transfer (but the repeat's locally cached blocks), replay clean."""
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "pd_demo.py"), "--block-sizes", "64,128",
+                          "--requests", "4", "--workdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900, check=False)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    rows = [ln for ln in out.stdout.splitlines() if re.search(r"\s(yes|NO|ERROR)\b", ln)]
+    assert len(rows) == 11 and all(ln.rstrip().endswith("yes") for ln in rows), "\n".join(rows)
+    for row in rows:
+        prompt, by_transfer = (int(x) for x in row.split()[-6:-4])
+        assert by_transfer == prompt or row.startswith("prefix-cache repeat"), row
+    assert "no violations" in out.stdout
+    matched = [json.loads(line)["input"] for f in (tmp_path / "event-logs").glob("decode.worker.*.jsonl")
+               for line in f.read_text().splitlines() if '"event":"matched"' in line.replace(" ", "")]
+    assert matched and all("prefill blocks of 64 tokens into blocks of 128" in m["segments"] for m in matched)
 
 
 class Pair:

@@ -211,7 +211,17 @@ def main(argv: list[str] | None = None) -> int:
                              "full attention: two groups), deepseek_v2 (MLA), qwen3 (bfloat16, one group), gemma3 "
                              "(three sliding-window layers to one global: four groups), llama4 (chunked local "
                              "attention: four groups); default llama")
+    parser.add_argument("--block-sizes", metavar="P,D",
+                        help="tokens per block of the prefill and the decode server, e.g. 64,128 (default: the "
+                             "model kind's, equal on both); blocks of different sizes are read in segments")
     args = parser.parse_args(argv)
+    block_sizes: tuple[int, int] | None = None
+    if args.block_sizes:
+        try:
+            p_block, d_block = (int(x) for x in args.block_sizes.split(","))
+        except ValueError:
+            parser.error(f"--block-sizes {args.block_sizes!r}: two integers P,D, e.g. 64,128")
+        block_sizes = (p_block, d_block)
 
     from kvsm.replay import analyse
     from kvsm.testing import build_tiny_model
@@ -226,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 1100
 
     specs = pd_specs(event_log_dir=str(log_dir), model_kind=args.model)
+    if block_sizes is not None:
+        specs[0].block_size, specs[1].block_size = block_sizes
     servers = [VLLMServer(s, model, workdir) for s in specs]
     prefill, decode = servers
     router_port = free_port()
