@@ -49,39 +49,43 @@ PROMPTS = [[RNG.randrange(10, 1100) for _ in range(n)] for n in (40, 150, 300)]
 SENSITIVE = [RNG.randrange(10, 1100) for _ in range(200)]
 
 
-def _engine_args(tp: int, cpu: int) -> dict[str, Any]:
-    return {"llm_kwargs": {"tensor_parallel_size": tp}, "env": BIND if tp > 1 else None,
+def _engine_args(tp: int, cpu: int, block: int = 128) -> dict[str, Any]:
+    return {"llm_kwargs": {"tensor_parallel_size": tp, "block_size": block}, "env": BIND if tp > 1 else None,
             "cpu": None if tp > 1 else cpu}
 
 
 class TPPairOffline:
-    def __init__(self, p_tp: int, d_tp: int, tmp: Path) -> None:
+    def __init__(self, p_tp: int, d_tp: int, tmp: Path, blocks: tuple[int, int] = (128, 128)) -> None:
         self.p_tp, self.d_tp = p_tp, d_tp
+        self.blocks = blocks
         self.model = build_tiny_model()
         self.logs = tmp / "logs"
         self.decode_id = f"decode-tp{d_tp}"
         prompts = [*PROMPTS, SENSITIVE]
         ref = run_engine_subprocess(
             "reference", self.model, prompts, MAX_TOKENS, workdir=tmp / "ref",
-            extra_args=["--llm-kwargs", json.dumps({"tensor_parallel_size": d_tp})], env=BIND if d_tp > 1 else None)
+            extra_args=["--llm-kwargs", json.dumps({"tensor_parallel_size": d_tp, "block_size": blocks[1]})],
+            env=BIND if d_tp > 1 else None)
         # (The reference first: three TP 2 worker processes at once would share 2 cores.)
         self.reference = {tuple(p): out for p, out in zip(prompts, wait_engine_subprocess(ref)["outputs"],
                                                           strict=True)}
         base = free_port_run(4)
         self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id=f"prefill-tp{p_tp}",
-                                log_dir=self.logs, workdir=tmp, **_engine_args(p_tp, 0))
+                                log_dir=self.logs, workdir=tmp, **_engine_args(p_tp, 0, blocks[0]))
         self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id=self.decode_id,
-                               log_dir=self.logs, workdir=tmp, **_engine_args(d_tp, 1))
+                               log_dir=self.logs, workdir=tmp, **_engine_args(d_tp, 1, blocks[1]))
 
     def close(self) -> None:
         self.prefill.close()
         self.decode.close()
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+# The last pair's block sizes differ too (64 -> 128): each decode rank reads its head in segments.
+@pytest.fixture(scope="module", params=[(1, 2, 128, 128), (2, 1, 128, 128), (1, 2, 64, 128)],
+                ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-b64-to-tp2-b128"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPPairOffline]:
-    p_tp, d_tp = request.param
-    p = TPPairOffline(p_tp, d_tp, tmp_path_factory.mktemp(f"pd-tp{p_tp}{d_tp}"))
+    p_tp, d_tp, p_block, d_block = request.param
+    p = TPPairOffline(p_tp, d_tp, tmp_path_factory.mktemp(f"pd-tp{p_tp}{d_tp}-b{p_block}"), (p_block, d_block))
     try:
         yield p
     finally:
@@ -106,11 +110,19 @@ def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPai
     matched = matched_tokens(pair.logs, pair.decode_id, remote)
     assert [matched[q] for q in remote] == [len(p) for p in PROMPTS]
     for rank in range(pair.d_tp):  # each decode rank's plan, in its own log (flushed in batches)
-        def plans_of(rank: int = rank) -> set[str]:
-            return {r["input"]["plan"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank{rank}.*.jsonl")
-                    if r.get("kind") == "transition" and r.get("event") == "matched"}
+        def matched_of(rank: int = rank) -> list[dict[str, Any]]:
+            return [r["input"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank{rank}.*.jsonl")
+                    if r.get("kind") == "transition" and r.get("event") == "matched"]
 
-        plans = wait_until(plans_of, 10, f"decode rank {rank}'s matched records")
+        records = wait_until(matched_of, 10, f"decode rank {rank}'s matched records")
+        plans = {m["plan"] for m in records}
+        segments = {m["segments"] for m in records}
+        p_block, d_block = pair.blocks
+        if p_block != d_block:  # each rank read its head in segments
+            assert segments and all(f"prefill blocks of {p_block} tokens into blocks of {d_block}" in s
+                                    for s in segments), segments
+        else:
+            assert segments <= {""}, segments
         assert len(plans) == 1, plans
         plan = plans.pop()
         assert plan.startswith(f"d{rank}/{pair.d_tp} from p*/{pair.p_tp}"), plan
@@ -175,8 +187,10 @@ def test_kill_9_of_one_prefill_rank_fails_the_request_fast_and_the_decode_engine
         assert state["worker"]["recv"] == {}, state
         (local,) = pair.decode.generate([PROMPTS[0]], MAX_TOKENS)  # no transfer: computed here
         assert local["token_ids"] == pair.reference[tuple(PROMPTS[0])]
-        errors = [r["input"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank0.*.jsonl")
-                  if r.get("kind") == "transition" and r.get("event") in ("error", "peer_dead", "timeout")]
-        assert errors, "the decode worker logged no cause"
+        def causes() -> list[dict[str, Any]]:  # (the log's writer thread flushes in batches)
+            return [r["input"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank0.*.jsonl")
+                    if r.get("kind") == "transition" and r.get("event") in ("error", "peer_dead", "timeout")]
+
+        wait_until(causes, 10, "the decode worker's record of the cause")
     finally:
         pair.close()
