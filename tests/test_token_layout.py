@@ -32,7 +32,7 @@ from kvsm.transport.layout import KVLayout, Segments, TokenPlanes, describe_kv_c
 from kvsm.transport.nixl import NixlTransport
 
 HEADS, HEAD = 2, 32
-KERNELS = [("vec", torch.float32), ("vec", torch.bfloat16)]
+KERNELS = [("vec", torch.float32), ("vec", torch.bfloat16), ("vec16", torch.float32)]
 if torch.cpu._is_amx_tile_supported():
     torch.cpu._init_amx()
     KERNELS.append(("amx", torch.bfloat16))
@@ -50,7 +50,7 @@ def test_the_planes_rebuild_the_writers_blocks_of_another_size(isa: str, dtype: 
 def test_wrong_planes_fail_the_check(isa: str, dtype: Any) -> None:
     elt = torch.empty(0, dtype=dtype).element_size()
     token_major = TokenPlanes(planes=((1, 2 * HEAD * elt),))  # what the tensor's shape would suggest
-    other = planes_of("amx" if isa == "vec" else "vec", HEAD, elt)
+    other = planes_of("vec" if isa == "amx" else "amx", HEAD, elt)
     assert other is not None
     for wrong in (token_major, other):
         assert not planes_hold(wrong, isa, dtype, HEADS, HEAD, 64, 128), wrong
@@ -59,7 +59,8 @@ def test_wrong_planes_fail_the_check(isa: str, dtype: Any) -> None:
 def test_token_planes_names_the_layout_or_declines() -> None:
     caches = {"l0": torch.zeros(4, HEADS, 64, 2 * HEAD), "l1": torch.zeros(4, HEADS, 64, 2 * HEAD)}
     tokens, name = token_planes(caches, "vec", HEAD, 64)
-    assert name == f"cpu-vec:{HEAD}x4,1x{HEAD * 4}/1" and set(tokens) == {"l0", "l1"}
+    assert name == f"cpu:{HEAD}x4,1x{HEAD * 4}/1" and set(tokens) == {"l0", "l1"}
+    assert token_planes(caches, "vec16", HEAD, 64)[1] == name  # the same layout, whichever vLLM picks
     assert tokens["l0"][0] == 64
     assert token_planes(caches, None, HEAD, 64) == ({}, "")  # not vLLM-CPU's attention
     assert token_planes(caches, "neon", HEAD, 64) == ({}, "")  # a kernel kvsm has not measured
@@ -152,10 +153,10 @@ def test_layouts_of_other_block_sizes_agree_only_on_one_token_layout() -> None:
 
 def test_the_compatibility_check_ignores_block_size_only_between_named_token_layouts() -> None:
     base = CompatInfo(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_size=32, block_size=64,
-                      kv_layout="block-major HxTx64", token_layout="cpu-vec:32x4,1x128/1")
+                      kv_layout="block-major HxTx64", token_layout="cpu:32x4,1x128/1")
     other = msgspec.structs.replace(base, block_size=128)
     assert compat_hash(base) == compat_hash(other) and compat_mismatch(base, other) == []
-    amx = msgspec.structs.replace(other, token_layout="cpu-amx:1x128,2x64/16")
+    amx = msgspec.structs.replace(other, token_layout="cpu:1x128,2x64/16")
     assert compat_hash(base) != compat_hash(amx)
     assert compat_mismatch(base, amx) == [f"token_layout: {base.token_layout!r} here, {amx.token_layout!r} "
                                           f"on the peer"]
