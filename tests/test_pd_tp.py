@@ -38,7 +38,7 @@ from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine, matched_tokens
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
-from kvsm.testing.tiny_model import build_tiny_model
+from kvsm.testing.tiny_model import build_tiny_model, vllm_args
 
 pytestmark = pytest.mark.slow
 
@@ -49,43 +49,53 @@ PROMPTS = [[RNG.randrange(10, 1100) for _ in range(n)] for n in (40, 150, 300)]
 SENSITIVE = [RNG.randrange(10, 1100) for _ in range(200)]
 
 
-def _engine_args(tp: int, cpu: int, block: int = 128) -> dict[str, Any]:
-    return {"llm_kwargs": {"tensor_parallel_size": tp, "block_size": block}, "env": BIND if tp > 1 else None,
+def _engine_args(tp: int, cpu: int, kw: dict[str, Any]) -> dict[str, Any]:
+    return {"llm_kwargs": {**kw, "tensor_parallel_size": tp}, "env": BIND if tp > 1 else None,
             "cpu": None if tp > 1 else cpu}
 
 
 class TPPairOffline:
-    def __init__(self, p_tp: int, d_tp: int, tmp: Path, blocks: tuple[int, int] = (128, 128)) -> None:
+    def __init__(self, p_tp: int, d_tp: int, tmp: Path, blocks: tuple[int, int] = (128, 128),
+                 kind: str = "llama") -> None:
         self.p_tp, self.d_tp = p_tp, d_tp
         self.blocks = blocks
-        self.model = build_tiny_model()
+        self.kind = kind
+        kw = vllm_args(kind)
+        p_kw = {**kw, "block_size": blocks[0]} if kw.get("block_size", 128) else kw  # (MLA: vLLM's choice)
+        d_kw = {**kw, "block_size": blocks[1]} if kw.get("block_size", 128) else kw
+        self.model = build_tiny_model(kind=kind)
         self.logs = tmp / "logs"
         self.decode_id = f"decode-tp{d_tp}"
         prompts = [*PROMPTS, SENSITIVE]
         ref = run_engine_subprocess(
             "reference", self.model, prompts, MAX_TOKENS, workdir=tmp / "ref",
-            extra_args=["--llm-kwargs", json.dumps({"tensor_parallel_size": d_tp, "block_size": blocks[1]})],
+            extra_args=["--llm-kwargs", json.dumps({**d_kw, "tensor_parallel_size": d_tp})],
             env=BIND if d_tp > 1 else None)
         # (The reference first: three TP 2 worker processes at once would share 2 cores.)
         self.reference = {tuple(p): out for p, out in zip(prompts, wait_engine_subprocess(ref)["outputs"],
                                                           strict=True)}
         base = free_port_run(4)
         self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id=f"prefill-tp{p_tp}",
-                                log_dir=self.logs, workdir=tmp, **_engine_args(p_tp, 0, blocks[0]))
+                                log_dir=self.logs, workdir=tmp, **_engine_args(p_tp, 0, p_kw))
         self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id=self.decode_id,
-                               log_dir=self.logs, workdir=tmp, **_engine_args(d_tp, 1, blocks[1]))
+                               log_dir=self.logs, workdir=tmp, **_engine_args(d_tp, 1, d_kw))
 
     def close(self) -> None:
         self.prefill.close()
         self.decode.close()
 
 
-# The last pair's block sizes differ too (64 -> 128): each decode rank reads its head in segments.
-@pytest.fixture(scope="module", params=[(1, 2, 128, 128), (2, 1, 128, 128), (1, 2, 64, 128)],
-                ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-b64-to-tp2-b128"])
+# The third pair's block sizes differ too (64 -> 128): each decode rank reads its head in
+# segments. The last two are DeepSeek-V2 (MLA): its latent is replicated on every rank, so a
+# decode rank reads it whole from one prefill rank (and tells the others they may free theirs).
+@pytest.fixture(scope="module", params=[(1, 2, 128, 128, "llama"), (2, 1, 128, 128, "llama"),
+                                        (1, 2, 64, 128, "llama"), (1, 2, 16, 16, "deepseek_v2"),
+                                        (2, 1, 16, 16, "deepseek_v2")],
+                ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-b64-to-tp2-b128", "mla-tp1-to-tp2", "mla-tp2-to-tp1"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPPairOffline]:
-    p_tp, d_tp, p_block, d_block = request.param
-    p = TPPairOffline(p_tp, d_tp, tmp_path_factory.mktemp(f"pd-tp{p_tp}{d_tp}-b{p_block}"), (p_block, d_block))
+    p_tp, d_tp, p_block, d_block, kind = request.param
+    p = TPPairOffline(p_tp, d_tp, tmp_path_factory.mktemp(f"pd-tp{p_tp}{d_tp}-b{p_block}-{kind}"),
+                      (p_block, d_block), kind)
     try:
         yield p
     finally:
@@ -126,7 +136,9 @@ def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPai
         assert len(plans) == 1, plans
         plan = plans.pop()
         assert plan.startswith(f"d{rank}/{pair.d_tp} from p*/{pair.p_tp}"), plan
-        if pair.p_tp < pair.d_tp:
+        if pair.kind == "deepseek_v2":
+            assert "[all]->[all]" in plan, plan  # the replicated latent, whole
+        elif pair.p_tp < pair.d_tp:
             assert f"p0[{rank}..{rank}/2]->[all]" in plan, plan  # its head of the one prefill rank's two
         else:
             assert "p0[all]->[0..0/2]" in plan and "p1[all]->[1..1/2]" in plan, plan
