@@ -192,6 +192,11 @@ class SchedulerHalf:
             self._ignore(req, f"remote_block_ids has {len(remote.remote_block_ids)} KV cache group(s), this "
                               f"engine's KV cache {len(self._group_block_sizes)} (another model or layout?)")
             return
+        theirs, ours = self._remote_block_sizes(remote)[0], self._group_block_sizes[0]
+        if max(theirs, ours) % min(theirs, ours):
+            self._ignore(req, f"the prefill engine's blocks hold {theirs} tokens, this engine's {ours}: blocks of "
+                              f"different sizes are read in segments, so one size must divide the other")
+            return
         pp_size = params.get("pp_size", 1)
         if pp_size != 1:
             self._ignore(req, f"the prefill engine runs pipeline parallel {pp_size!r}: its layers are split over "

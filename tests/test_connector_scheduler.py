@@ -91,6 +91,38 @@ def test_decode_request_waits_for_remote_blocks_then_runs(tmp_path: Path) -> Non
         drained(h)
 
 
+def test_prefill_blocks_of_another_size_are_paired_by_their_tokens(tmp_path: Path) -> None:
+    """The prefill's params say its blocks hold 32 tokens; this engine's hold 16: the
+    40-token prompt's three local blocks are filled from segments of the two prefill
+    blocks holding their tokens (a local prefix hit would be left out, and so is the
+    rest of the last block)."""
+    with harness("kv_consumer", tmp_path) as h:
+        params = {**remote_prefill_params(remote_block_ids=[7, 8], remote_request_id="p-s", remote_num_tokens=40),
+                  "remote_block_size": 32}
+        h.add_request(40, kv_transfer_params=params, max_tokens=2, request_id="d-s")
+        start = meta_of(h.step()).recv_start[0]
+        local = h.block_ids("d-s")[0]
+        assert start.num_tokens == 40 and start.problem == ""
+        assert start.local_block_ids == tuple(local) and len(local) == 3
+        assert start.remote_block_ids == (7, 7, 8)
+        assert (start.segment_tokens, start.local_segments, start.remote_segments, start.block_sizes) == (
+            16, (0, 0, 0), (0, 1, 0), (16, 32))
+        h.step(finished_recving={"d-s"})
+        h.run_until_idle()
+        drained(h)
+        # Sizes where neither divides the other: the request runs here, saying why.
+        params = {**remote_prefill_params(remote_block_ids=[7, 8], remote_request_id="p-t", remote_num_tokens=40),
+                  "remote_block_size": 24}
+        h.add_request(40, kv_transfer_params=params, max_tokens=2, request_id="d-t")
+        s = h.step()
+        assert not meta_of(s).recv_start and "d-t" in s.scheduled
+        h.run_until_idle()
+        drained(h)
+    reasons = [r["reason"] for r in log_records(h, tmp_path) if r["event"] == "sched.params_ignored"]
+    assert reasons == ["the prefill engine's blocks hold 24 tokens, this engine's 16: blocks of different sizes are "
+                       "read in segments, so one size must divide the other"], reasons
+
+
 def test_decode_partial_local_prefix_hit_reads_only_the_missing_blocks() -> None:
     with harness("kv_consumer") as h:
         prompt = h.make_prompt(40)

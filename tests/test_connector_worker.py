@@ -54,8 +54,10 @@ def test_registration_starts_the_loop_and_the_side_channel(connector: KVSMConnec
     worker = connector.worker_half
     assert worker is not None and worker.compat is not None
     assert worker.compat.num_layers == 2 and worker.compat.block_size == 16
-    # H: the heads dim, whatever this rank's share of the heads (tensor parallel sizes may differ).
-    assert worker.compat.dtype == "float32" and worker.compat.kv_layout == "block-major Hx16x64"
+    # H: the heads dim, whatever this rank's share of the heads (tensor parallel sizes may differ);
+    # T: the tokens of a block, whatever their number (the token layout says how they lie).
+    assert worker.compat.dtype == "float32" and worker.compat.kv_layout == "block-major HxTx64"
+    assert worker.compat.token_layout == "cpu:32x4,1x128/1"  # vLLM-CPU's vec16 kernel at block 16, head 32
     state = worker.debug_state()
     assert state["server"] is not None and state["client"] is not None  # kv_both: serves and reads
     # The side channel answers on its port.
