@@ -80,6 +80,9 @@ def test_happy_path_is_done_one_round_trip_and_one_read_after_the_start(pair: Vi
     assert pair.holds("d-1") and not pair.failed
     pair.run(0.01)
     assert pair.sent("A")["p-1"] == pair.recving["d-1"]  # the read's notification releases at once
+    # Nothing is read any more: no timer is left to fire on nothing (the read poll and the
+    # stalled-read probe went with the last read, not 0.5 s later).
+    assert pair.decode.resources()["loop_timers"] == 0, pair.decode.resources()
     assert replayed(pair) == {("recv", "d-1"): "done", ("send", "p-1"): "released"}
 
 

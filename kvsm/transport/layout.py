@@ -308,6 +308,18 @@ class KVLayout(msgspec.Struct, frozen=True):
         ``block_ids`` (region-major)."""
         return [(int(a), int(n), int(d)) for a, n, d in self.block_desc_array(block_ids)]
 
+    def num_segment_descs(self, pairs: int, heads: int | None = None) -> int:
+        """How many descriptors ``pairs`` segment pairs take (``segment_desc_array``'s
+        rows), ``heads`` of each block's heads (None: all)."""
+        total = 0
+        for r in self.regions:
+            t = r.tokens
+            if t is None or not r.block_tokens:
+                continue
+            rows = sum(rows for rows, _ in t.planes)
+            total += rows * (heads if heads is not None else r.block_bytes // t.head_bytes(r.block_tokens))
+        return pairs * total
+
     def check_segments(self, block_tokens: int, seg_tokens: int) -> None:
         """``ValueError`` unless every region's blocks hold ``block_tokens`` tokens
         and can be read in segments of ``seg_tokens``."""

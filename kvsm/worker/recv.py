@@ -245,10 +245,16 @@ class RecvSide(WorkerContext):
 
     def _compact_recv(self) -> None:
         """Nothing is receiving: rebuild the per-request tables, so memory returns to
-        its baseline after a burst (dicts and sets keep the capacity of their peak)."""
+        its baseline after a burst (dicts and sets keep the capacity of their peak). No
+        read is in flight, so the read poll and the stalled-read probe have nothing to
+        do: cancelled, rather than left to fire on nothing (a clean stop then finds no
+        timer that outlived its work)."""
         self._recv_io = {}
         self._polling = {}
         self.recv.compact()
+        for timer in (self._poll_timer, self._stall_timer):
+            self.loop.cancel(timer)
+        self._poll_timer = self._stall_timer = None
 
     # -- timers --------------------------------------------------------------------------
 
@@ -332,9 +338,16 @@ class RecvSide(WorkerContext):
                 tag=req, group_sizes=start.group_sizes, segments=segments, **heads)
             io.handles.append(link.handle)
         layout = getattr(self.transport, "layout", None)
-        num_descs = len(reads) * (layout.num_descs(len(start.local_block_ids), start.group_sizes)
-                                  if layout is not None else len(start.local_block_ids))
-        self._apply_recv(ev.ReadsPosted(req=req, num_blocks=len(start.local_block_ids), num_descs=num_descs))
+        pairs = len(start.local_block_ids)
+        if layout is None:
+            per_read = pairs
+        elif segments is not None:
+            src = reads[0].source
+            per_read = layout.num_segment_descs(pairs, None if src is None or src.local.whole else src.local.count)
+        else:
+            per_read = layout.num_descs(pairs, start.group_sizes)
+        self._apply_recv(ev.ReadsPosted(req=req, num_blocks=len(dict.fromkeys(start.local_block_ids)),
+                                        num_descs=len(reads) * per_read))
 
     def _settle(self, req: str) -> None:
         """Check a request's reads; once none is in flight, say how they ended."""
