@@ -171,6 +171,10 @@ class RemoteParams(msgspec.Struct, frozen=True):
 # connectors ignore it): a decode request whose prompt does not match is not
 # given those blocks.
 PROMPT_FINGERPRINT_KEY = "kvsm_prompt_fingerprint"
+# Says the params come from a kvsm prefill engine (its side-channel protocol's
+# version): a decode engine given params without it warns that the producer may
+# run another connector, whose side channel kvsm does not speak.
+PRODUCER_KEY = "kvsm_protocol"
 # CPython hashes ints modulo this prime and combines a tuple's items without a
 # per-process seed, so two processes agree; the scheme names it, and a peer
 # with another scheme is not checked rather than refused.

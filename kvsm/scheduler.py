@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.facts import (
+    PRODUCER_KEY,
     PROMPT_FINGERPRINT_KEY,
     BadTransferParams,
     HeartbeatTarget,
@@ -55,6 +56,7 @@ from kvsm.facts import (
     prompt_fingerprint,
     prompt_mismatch,
 )
+from kvsm.handshake.messages import PROTOCOL_VERSION
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.metadata import KVSMConnectorMetadata
 from kvsm.pin_channel import PinChannelClient, PinTarget
@@ -108,6 +110,7 @@ class SchedulerHalf:
         self._awaited: set[str] = set()
         self._sending: set[str] = set()
         self._bad: dict[str, str] = {}  # request -> why its kv_transfer_params were ignored
+        self._foreign: set[str] = set()  # prefill engines whose params lacked PRODUCER_KEY (warned once)
         # Heartbeat claims per prefill worker group: (engine, host, port, tp) -> remote ids.
         self._claims: dict[tuple[str, str, int, int], set[str]] = defaultdict(set)
         # The one request of this engine that reads each prefill request, until it finishes:
@@ -192,6 +195,8 @@ class SchedulerHalf:
             self._ignore(req, f"remote_block_ids has {len(remote.remote_block_ids)} KV cache group(s), this "
                               f"engine's KV cache {len(self._group_block_sizes)} (another model or layout?)")
             return
+        if PRODUCER_KEY not in params:
+            self._warn_foreign(req, remote.remote_engine)
         theirs, ours = self._remote_block_sizes(remote)[0], self._group_block_sizes[0]
         if max(theirs, ours) % min(theirs, ours):
             self._ignore(req, f"the prefill engine's blocks hold {theirs} tokens, this engine's {ours}: blocks of "
@@ -222,6 +227,20 @@ class SchedulerHalf:
         self._remote[req] = remote
         self._claims[key].add(remote.remote_req)
         self._claim_key[req] = (key, remote.remote_req)
+
+    def _warn_foreign(self, req: str, engine: str) -> None:
+        """Params without kvsm's producer key: a router that rebuilt them, or a prefill
+        engine on another connector (upstream ``NixlConnector``'s params look the same,
+        but its side channel speaks another protocol, and reading from it fails). Said
+        once per prefill engine; the request goes on."""
+        if engine in self._foreign or len(self._foreign) >= 64:
+            return
+        self._foreign.add(engine)
+        log.warning("kvsm: kv_transfer_params from prefill engine %r carry no %r key: if that engine does not run "
+                    "KVSMConnector (upstream NixlConnector, say), kvsm cannot read from it and its requests will "
+                    "fail at the handshake; a router that rebuilds the params must keep kvsm's keys", engine,
+                    PRODUCER_KEY)
+        self._note("sched.foreign_producer", req, remote_engine=engine, key=PRODUCER_KEY)
 
     def _remote_block_sizes(self, remote: RemoteParams) -> tuple[int, ...]:
         """Tokens per prefill block of each group: the params' ``remote_block_size``
@@ -401,6 +420,7 @@ class SchedulerHalf:
             "dcp_size": cfg.dcp_size,
             "pp_size": cfg.pp_size,
             "remote_num_tokens": num_tokens,
+            PRODUCER_KEY: PROTOCOL_VERSION,
             # One group: its tokens per block, so a decode engine of another block size pairs them
             # (several groups move block for block, each side's sizes equal: the compatibility check).
             **({"remote_block_size": self._group_block_sizes[0]} if len(self._group_block_sizes) == 1 else {}),

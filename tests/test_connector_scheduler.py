@@ -21,7 +21,8 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.facts import PROMPT_FINGERPRINT_KEY, prompt_fingerprint
+from kvsm.facts import PRODUCER_KEY, PROMPT_FINGERPRINT_KEY, prompt_fingerprint
+from kvsm.handshake import PROTOCOL_VERSION
 from kvsm.metadata import KVSMConnectorMetadata
 from kvsm.testing.pins import PinWorker
 from kvsm.testing.scheduler import (
@@ -121,6 +122,26 @@ def test_prefill_blocks_of_another_size_are_paired_by_their_tokens(tmp_path: Pat
     reasons = [r["reason"] for r in log_records(h, tmp_path) if r["event"] == "sched.params_ignored"]
     assert reasons == ["the prefill engine's blocks hold 24 tokens, this engine's 16: blocks of different sizes are "
                        "read in segments, so one size must divide the other"], reasons
+
+
+def test_params_without_kvsms_producer_key_are_warned_of_once_per_prefill_engine(tmp_path: Path) -> None:
+    """Upstream NixlConnector's params look like kvsm's, but its side channel speaks
+    another protocol: params without ``kvsm_protocol`` say so in the log, once per
+    prefill engine, and the request goes on (a router may have rebuilt them)."""
+    with harness("kv_consumer", tmp_path) as h:
+        for n, (engine, marked) in enumerate([("up", False), ("up", False), ("kv", True), ("up2", False)]):
+            params = remote_prefill_params(remote_block_ids=[7, 8, 9], remote_request_id=f"p-f{n}",
+                                           remote_engine_id=engine, remote_num_tokens=40)
+            if marked:
+                params[PRODUCER_KEY] = PROTOCOL_VERSION
+            h.add_request(40, kv_transfer_params=params, max_tokens=1, request_id=f"d-f{n}")
+            assert meta_of(h.step()).recv_start  # read as ever
+            h.step(finished_recving={f"d-f{n}"})
+            h.run_until_idle()
+        drained(h)
+    warned = [(r["req"], r["remote_engine"]) for r in log_records(h, tmp_path)
+              if r["event"] == "sched.foreign_producer"]
+    assert warned == [("d-f0", "up"), ("d-f3", "up2")], warned
 
 
 def test_decode_partial_local_prefix_hit_reads_only_the_missing_blocks() -> None:
@@ -386,6 +407,7 @@ def test_prefill_finish_pins_blocks_and_returns_upstream_params() -> None:
         out = s.finished["p-1"]
         params = out.kv_transfer_params
         assert UPSTREAM_PREFILL_KEYS <= set(params)
+        assert params[PRODUCER_KEY] == PROTOCOL_VERSION and params["remote_block_size"] == 16
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         assert params["remote_engine_id"] == "prefill-7" and params["remote_request_id"] == "p-1"
         assert (params["remote_host"], params["remote_port"], params["tp_size"]) == ("127.0.0.1", 23456, 1)
