@@ -93,11 +93,11 @@ def _figure(name: str, value: float, unit: str = "s") -> None:
 class Cluster:
     """The prefill and decode nodes, the router in front of them, and request helpers."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, kind: str = "llama") -> None:
         self.tmp = tmp
-        self.model = str(build_tiny_model())
+        self.model = str(build_tiny_model(kind=kind))
         self.logs = tmp / "events"
-        p_spec, d_spec = pd_specs(event_log_dir=str(self.logs), extra_config={
+        p_spec, d_spec = pd_specs(event_log_dir=str(self.logs), model_kind=kind, extra_config={
             "kv_lease_duration": LEASE_S, "handshake_timeout": HANDSHAKE_TIMEOUT_S,
             "peer_backoff": PEER_BACKOFF_S, "peer_backoff_max": PEER_BACKOFF_MAX_S})
         for spec in (p_spec, d_spec):
@@ -268,7 +268,26 @@ def test_decode_killed_prefill_frees_pinned_blocks_at_lease_expiry(pair: Cluster
     for one lease, no longer: kv_cache_usage goes up while they are pinned and back to
     where it was after the lease, leases_expired counts them, and each send machine in
     the prefill's event log ends ``expired`` (by ``lease_expired``)."""
-    c = pair
+    _pins_of_a_dead_decode_engine_are_freed_at_lease_expiry(pair)
+
+
+@pytest.fixture(scope="module")
+def gemma2_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("reliability-gemma2"), kind="gemma2")
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def test_a_hybrid_models_pins_of_a_dead_decode_engine_are_freed_at_lease_expiry(gemma2_cluster: Cluster) -> None:
+    """The same with Gemma 2 (sliding window + full attention: two KV cache groups, each
+    request pinning blocks of both): every group's blocks go back after one lease."""
+    _pins_of_a_dead_decode_engine_are_freed_at_lease_expiry(gemma2_cluster)
+
+
+def _pins_of_a_dead_decode_engine_are_freed_at_lease_expiry(c: Cluster) -> None:
     P, D = c.prefill, c.decode
     # The decode engine has read from this prefill engine (so it is a connected reader
     # that dies, not a stranger): one full request through the router.
