@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvsm.transport.layout import TokenPlanes
 
 if TYPE_CHECKING:
@@ -75,18 +77,18 @@ def planes_hold(planes: TokenPlanes, isa: str, dtype: torch.dtype, heads: int, h
     want = _write(isa, dtype, heads, head_size, big, tokens)
     src_bytes = src.view(torch.uint8).reshape(src.shape[0], -1).numpy()
     want_bytes = want.view(torch.uint8).reshape(want.shape[0], -1).numpy()
-    rebuilt = want_bytes.copy()
-    rebuilt[:] = 0
+    rebuilt = np.zeros_like(want_bytes)
     per = big // small
 
     head_small, head_big = planes.head_bytes(small), planes.head_bytes(big)
     if head_small * heads != src_bytes.shape[1] or head_big * heads != want_bytes.shape[1]:
         return False
-    whole = planes.runs(small, small, 0, head_small, range(heads))
+    whole = planes.runs(small, small, 0, head_small, range(heads)).tolist()
+    # Segment k's runs are the same in every block: one table per segment.
+    parts = [planes.runs(big, small, k, head_big, range(heads)).tolist() for k in range(per)]
     for j in range(want_bytes.shape[0]):
-        for k in range(per):
-            part = planes.runs(big, small, k, head_big, range(heads))
-            for (to, n), (fro, _) in zip(part.tolist(), whole.tolist()):
+        for k, part in enumerate(parts):
+            for (to, n), (fro, _) in zip(part, whole):
                 rebuilt[j, to:to + n] = src_bytes[j * per + k, fro:fro + n]
     return bool((rebuilt == want_bytes).all())
 
