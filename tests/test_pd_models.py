@@ -79,6 +79,8 @@ def _prompt(n: int) -> list[int]:
 PROMPTS = {kind: [_prompt(n) for n in ((260, 300, 270) if kind == "qwen3_next" else (40, 150, 300, 260))]
            for kind in LLM_KWARGS}
 SENSITIVE = {kind: [_prompt(280 if kind == "qwen3_next" else 200) for _ in range(3)] for kind in LLM_KWARGS}
+# Read once each, by the byte-exactness test (no local prefix hit on the decode side).
+FRESH = {kind: _prompt(270 if kind == "qwen3_next" else 190) for kind in LLM_KWARGS}
 # For a prefill leg that generates several tokens (a client's default max_tokens).
 SEVERAL = {kind: _prompt(260 if kind == "qwen3_next" else 180) for kind in LLM_KWARGS}
 # Kinds whose reference computes a prompt of N tokens as the pair does: N - 1 tokens
@@ -167,6 +169,32 @@ def test_outputs_equal_a_single_engine_and_the_prompt_kv_comes_by_transfer(pair:
     assert [matched[q] for q in remote] == [len(p) - held for p in prompts]
     if pair.kind in ("gemma2", "gemma3", "qwen3", "llama4"):  # (none without prefix caching, nor in 1152-token blocks)
         assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in prompts]
+
+
+def test_every_block_arrives_byte_for_byte(pair: KindPair) -> None:
+    """Each group's blocks, digested on the prefill side while pinned and on the
+    decode side when its worker reports the transfer done (before any step
+    computes on them), are the same bytes position by position: a Mamba/GDN
+    state page and an MLA latent as well as attention blocks. (The held-back
+    token's slot and a last block's tail move as they are: whole blocks.)"""
+    prompt = FRESH[pair.kind]
+    pair.decode.request({"op": "watch_arrivals"})
+    (params,) = pair.prefill_params([prompt])
+    sent = pair.prefill.request({"op": "digest", "block_ids": params["remote_block_ids"]})["digests"]
+    before = set(pair.decode.request({"op": "arrivals"})["arrivals"])
+    pair.generate([prompt], [params])
+    arrived = pair.decode.request({"op": "arrivals"})["arrivals"]
+    new = [r for r in arrived if r not in before]
+    assert len(new) == 1, f"arrivals recorded: {new}"
+    got = arrived[new[0]]
+    assert len(got) == len(sent), (len(got), len(sent))
+    compared = 0
+    for group, (ours, theirs) in enumerate(zip(sent, got, strict=True)):
+        for pos, digest in enumerate(ours):
+            if digest:  # (the prefill's null block: nothing read there)
+                assert pos < len(theirs) and theirs[pos] == digest, f"{pair.kind}: group {group} block {pos}"
+                compared += 1
+    assert compared >= len(sent)
 
 
 def test_a_corrupted_transfer_changes_the_output(pair: KindPair) -> None:

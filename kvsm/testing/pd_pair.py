@@ -14,6 +14,11 @@ Commands::
         -> {"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens", "finish_reason"}]}
     {"op": "corrupt", "block_ids": [...]}     overwrite those KV blocks with noise (prefill side)
     {"op": "state"}                           kvsm's worker and scheduler state, free blocks
+    {"op": "digest", "block_ids": [[...], ...]}
+        -> {"digests": [[sha256, ...], ...]}  per KV cache group, each block's bytes in that group's layers
+    {"op": "watch_arrivals"}                  from now on, digest each request's blocks when the
+                                              worker reports its transfer done (before any step uses them)
+    {"op": "arrivals"}                        -> {"arrivals": {req_id: [[sha256, ...], ...]}}
     {"op": "quit"}
 
 ``PDEngine`` is the parent's handle on one such process.
@@ -71,6 +76,33 @@ def corrupt_blocks(worker: Any, block_ids: list[int], seed: int) -> int:
     return len(block_ids)
 
 
+def group_digests(runner: Any, kv_cache_config: Any, block_ids: Sequence[Sequence[int]]) -> list[list[str]]:
+    """sha256 of each block's bytes in every layer of its KV cache group (every
+    state view of a Mamba layer), group by group: what lets a test show that a
+    block arrived byte for byte. Block 0 is vLLM's null block: digested as ''."""
+    import hashlib
+
+    ctx = runner.compilation_config.static_forward_context
+    out = []
+    for group, ids in zip(kv_cache_config.kv_cache_groups, block_ids, strict=True):
+        views = []
+        for name in group.layer_names:
+            cache = ctx[name].kv_cache
+            cache = cache[0] if isinstance(cache, list) and cache and isinstance(cache[0], (list, tuple)) else cache
+            views += list(cache) if isinstance(cache, (list, tuple)) else [cache]
+        digests = []
+        for b in ids:
+            if b == 0:
+                digests.append("")
+                continue
+            h = hashlib.sha256()
+            for t in views:
+                h.update(t[b].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+            digests.append(h.hexdigest())
+        out.append(digests)
+    return out
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kvsm.testing.engine import apply_engine_env
 
@@ -100,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stdout.write(MARKER + json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    arrivals: dict[str, list[list[str]]] = {}
     reply({"ready": True, "pid": os.getpid()})
     for raw in sys.stdin:
         line = raw.strip()
@@ -132,6 +165,14 @@ def _serve(args: argparse.Namespace) -> int:
                        "scheduler": sched.pending_counts() if sched else None,
                        "free_blocks": pool.get_num_free_blocks(),
                        "requests": len(core.scheduler.requests)})
+            elif op == "digest":
+                _, _, core = connector_halves()
+                reply({"digests": group_digests(_runner(core), core.scheduler.kv_cache_config, cmd["block_ids"])})
+            elif op == "watch_arrivals":
+                _watch_arrivals(connector_halves()[2], arrivals)
+                reply({"watching": True})
+            elif op == "arrivals":
+                reply({"arrivals": arrivals})
             elif op == "quit":
                 reply({"bye": True})
                 break
@@ -152,6 +193,35 @@ def _serve(args: argparse.Namespace) -> int:
             sched.shutdown()
     finally:
         os._exit(0)  # vLLM's atexit teardown of a single-process engine can hang; logs are closed
+
+
+def _runner(core: Any) -> Any:
+    """This process's model runner (a single-process engine: the executor's one worker)."""
+    worker = core.model_executor.driver_worker
+    return getattr(worker, "model_runner", None) or worker.worker.model_runner
+
+
+def _watch_arrivals(core: Any, arrivals: dict[str, list[list[str]]]) -> None:
+    """Wrap the worker half's result call (vLLM calls it at the end of each step,
+    before the next step computes on what arrived) to digest each arrived request's
+    blocks."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    if getattr(connector, "_kvsm_digesting", False):
+        return
+    connector._kvsm_digesting = True
+    take = connector.get_transfer_results
+    runner = _runner(core)
+
+    def digesting(finished_req_ids: set[str]) -> Any:
+        results = take(finished_req_ids)
+        for req in results.finished_recving or ():
+            ids = core.scheduler.kv_cache_manager.get_block_ids(req)
+            arrivals[req] = group_digests(runner, core.scheduler.kv_cache_config, ids)
+        return results
+
+    connector.get_transfer_results = digesting
 
 
 def _jsonable(value: Any) -> Any:
