@@ -80,11 +80,13 @@ def test_the_demo_runs_green_with_other_model_kinds(tmp_path: Path, kind: str) -
 
 
 @pytest.mark.timeout(960)
-def test_the_demo_runs_green_with_block_sizes_that_differ(tmp_path: Path) -> None:
-    """Two API servers and the router, prefill blocks of 64 tokens, decode blocks of
-    128 (read in segments): every output equal to a single engine's, every prompt
-    token by transfer (but the repeat's locally cached blocks), replay clean."""
-    out = subprocess.run([sys.executable, str(REPO / "tools" / "pd_demo.py"), "--block-sizes", "64,128",
+@pytest.mark.parametrize("p_block,d_block", [(64, 128), (128, 64)], ids=["b64-to-b128", "b128-to-b64"])
+def test_the_demo_runs_green_with_block_sizes_that_differ(tmp_path: Path, p_block: int, d_block: int) -> None:
+    """Two API servers and the router, prefill blocks of 64 tokens and decode blocks
+    of 128, and the other way round (read in segments): every output equal to a
+    single engine's, every prompt token by transfer (but the repeat's locally
+    cached blocks), replay clean."""
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "pd_demo.py"), "--block-sizes", f"{p_block},{d_block}",
                           "--requests", "4", "--workdir", str(tmp_path)],
                          capture_output=True, text=True, timeout=900, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
@@ -96,7 +98,8 @@ def test_the_demo_runs_green_with_block_sizes_that_differ(tmp_path: Path) -> Non
     assert "no violations" in out.stdout
     matched = [json.loads(line)["input"] for f in (tmp_path / "event-logs").glob("decode.worker.*.jsonl")
                for line in f.read_text().splitlines() if '"event":"matched"' in line.replace(" ", "")]
-    assert matched and all("prefill blocks of 64 tokens into blocks of 128" in m["segments"] for m in matched)
+    assert matched and all(f"prefill blocks of {p_block} tokens into blocks of {d_block}" in m["segments"]
+                           for m in matched)
 
 
 class Pair:

@@ -24,6 +24,10 @@ for the Llama:
   MLA backend (AMX_MLA on a CPU with AMX, prefix caching on).
 * ``gemma3``: three sliding-window layers to one global one: four KV cache
   groups of one layer each, all overlaid on one buffer.
+* ``qwen2``, ``mistral`` (every layer sliding-window: one group whose early
+  blocks are null), ``phi3`` (fused projections, head size 96), ``gpt2``
+  (learned positions, as many KV heads as query heads) and ``opt``: more
+  architecture families (``kvsm.testing.tiny_families``), one group each.
 
 For each: the decode outputs equal a single engine's, the prompt's KV came by
 transfer (``num_cached_tokens`` and the decode worker's ``matched`` records), a
@@ -50,6 +54,7 @@ from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine, matched_tokens
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
+from kvsm.testing.tiny_families import FAMILIES
 from kvsm.testing.tiny_model import build_tiny_model, vllm_args
 
 pytestmark = pytest.mark.slow
@@ -58,7 +63,7 @@ MAX_TOKENS = 10
 # vllm.LLM arguments per kind (both engines and the reference alike): the recipe's
 # own (dtype, attention backend: CPU_MLA, float32, block 16, on any CPU).
 LLM_KWARGS: dict[str, dict[str, Any]] = {kind: vllm_args(kind) for kind in ("gemma2", "deepseek_v2", "qwen3_next",
-                                                                            "qwen3", "gemma3", "llama4")}
+                                                                            "qwen3", "gemma3", "llama4", *FAMILIES)}
 # DeepSeek-V2 as vLLM runs it by default in bfloat16: the AMX_MLA backend on a CPU
 # with AMX (it keeps prefix caching on), CPU_MLA on one without.
 LLM_KWARGS["deepseek_v2_bf16"] = {"dtype": "bfloat16", "block_size": None}
@@ -167,7 +172,7 @@ def test_outputs_equal_a_single_engine_and_the_prompt_kv_comes_by_transfer(pair:
     # the decode engine computes it.
     held = 1 if pair.kind == "qwen3_next" else 0
     assert [matched[q] for q in remote] == [len(p) - held for p in prompts]
-    if pair.kind in ("gemma2", "gemma3", "qwen3", "llama4"):  # (none without prefix caching, nor in 1152-token blocks)
+    if pair.kind in ("gemma2", "gemma3", "qwen3", "llama4", *FAMILIES):  # (none without prefix caching, nor in 1152-token blocks)
         assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in prompts]
 
 

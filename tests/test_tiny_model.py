@@ -172,6 +172,11 @@ def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
 # ---------------------------------------------------------------------------
 
 NEW_KINDS = ("gemma2", "deepseek_v2", "qwen3_next", "qwen3", "gemma3", "llama4")
+# kvsm.testing.tiny_families: built and laid out as checked here; their outputs'
+# dependence on the KV cache is checked by the offline pairs (test_pd_models.py:
+# a corrupted and a swapped transfer change them), not by the probe below, whose
+# one-token change at the start of a long prompt a sliding window cannot see.
+FAMILIES = ("qwen2", "mistral", "phi3", "gpt2", "opt")
 
 # What each kind's KV cache looks like to the connector on vLLM 0.32's CPU
 # backend: (spec class, block size, layers) per KV cache group.
@@ -361,7 +366,7 @@ def _probe_engine(kind: str, model_dir: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def kind_dirs(model_dir: Path) -> dict[str, Path]:
     """Every new kind, built into the same cache as the Llama model."""
-    return {kind: build_tiny_model(model_dir.parent, kind=kind) for kind in NEW_KINDS}
+    return {kind: build_tiny_model(model_dir.parent, kind=kind) for kind in (*NEW_KINDS, *FAMILIES)}
 
 
 def test_kinds_are_built_cached_and_apart(model_dir: Path, kind_dirs: dict[str, Path]) -> None:
@@ -369,7 +374,7 @@ def test_kinds_are_built_cached_and_apart(model_dir: Path, kind_dirs: dict[str, 
 
     from kvsm.testing.tiny_model import KINDS, model_dtype, vllm_args
 
-    assert KINDS == ("llama", *NEW_KINDS)
+    assert KINDS == ("llama", *NEW_KINDS, *FAMILIES)
     # The Llama API and directory are what they were: kind="llama" is the default.
     assert model_dir_for(model_dir.parent, kind="llama") == model_dir
     assert model_dir.name.startswith("tiny-llama-")
@@ -383,7 +388,8 @@ def test_kinds_are_built_cached_and_apart(model_dir: Path, kind_dirs: dict[str, 
         assert _sha(path / "tokenizer.json") == _sha(model_dir / "tokenizer.json")
         cfg = AutoConfig.from_pretrained(str(path))
         assert cfg.model_type == {"gemma3": "gemma3_text", "llama4": "llama4_text"}.get(kind, kind)
-        assert cfg.hidden_size == 128 and cfg.max_position_embeddings >= 2048
+        # (Phi-3: four heads of 96, another head size for the attention kernel)
+        assert cfg.hidden_size == (384 if kind == "phi3" else 128) and cfg.max_position_embeddings >= 2048
         assert str(cfg.dtype).removeprefix("torch.") == model_dtype(kind) == vllm_args(kind)["dtype"]
     assert model_dtype("qwen3_next") == "bfloat16"
     assert AutoConfig.from_pretrained(str(kind_dirs["gemma2"])).layer_types == [
@@ -397,7 +403,7 @@ def test_kinds_are_built_cached_and_apart(model_dir: Path, kind_dirs: dict[str, 
         "linear_attention", "full_attention"
     ] * 2  # fmt: skip
     with pytest.raises(ValueError, match="unknown tiny model kind"):
-        model_dir_for(model_dir.parent, kind="gpt2")
+        model_dir_for(model_dir.parent, kind="gpt3")
 
 
 def _run_probe(kind: str, path: Path, workdir: Path) -> dict:

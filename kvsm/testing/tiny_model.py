@@ -158,6 +158,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvsm.testing.tiny_families import DIR_PREFIX as FAMILY_DIR_PREFIX
+from kvsm.testing.tiny_families import VLLM_ARGS as FAMILY_VLLM_ARGS
+from kvsm.testing.tiny_families import family_recipes
+
 __all__ = [
     "KINDS",
     "RECIPE",
@@ -482,6 +486,9 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
 }
 
+# More architecture families (kvsm.testing.tiny_families), on the same rules.
+RECIPES.update(family_recipes(_TOKENIZER_RECIPE, _SMALL_ATTENTION, _ATTENTION_GAINS, _MLP_GAINS))
+
 KINDS: tuple[str, ...] = tuple(RECIPES)
 """The model kinds :func:`build_tiny_model` can build."""
 
@@ -494,6 +501,7 @@ _DIR_PREFIX = {
     "qwen3": "tiny-qwen3",
     "gemma3": "tiny-gemma3",
     "llama4": "tiny-llama4",
+    **FAMILY_DIR_PREFIX,
 }
 
 
@@ -550,6 +558,7 @@ _VLLM_ARGS: dict[str, dict[str, Any]] = {
     "qwen3": {"dtype": "bfloat16"},
     "gemma3": {"dtype": "float32"},
     "llama4": {"dtype": "float32"},
+    **FAMILY_VLLM_ARGS,
 }
 
 
