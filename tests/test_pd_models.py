@@ -172,7 +172,8 @@ def test_outputs_equal_a_single_engine_and_the_prompt_kv_comes_by_transfer(pair:
     # the decode engine computes it.
     held = 1 if pair.kind == "qwen3_next" else 0
     assert [matched[q] for q in remote] == [len(p) - held for p in prompts]
-    if pair.kind in ("gemma2", "gemma3", "qwen3", "llama4", *FAMILIES):  # (none without prefix caching, nor in 1152-token blocks)
+    # (Not without prefix caching, nor in 1152-token blocks.)
+    if pair.kind in ("gemma2", "gemma3", "qwen3", "llama4", *FAMILIES):
         assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in prompts]
 
 
