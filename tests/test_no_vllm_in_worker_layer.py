@@ -25,7 +25,7 @@ from kvsm.facts import RecvAbort, SendFinish, StepFacts
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER_LAYER = ["kvsm.stats", "kvsm.facts", "kvsm.pin_channel", "kvsm.transport.memory", "kvsm.lifecycle",
-                "kvsm.eventlog"]
+                "kvsm.block_pairing", "kvsm.eventlog"]
 WITHOUT_ZMQ = ["kvsm.handshake.messages", "kvsm.handshake.codec"]
 
 

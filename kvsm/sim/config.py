@@ -61,6 +61,12 @@ class SimConfig:
     # KV cache groups (vLLM's hybrid KV cache manager): each request's blocks are
     # split over them (``kvsm.sim.engines.group_split``), one pool for all.
     kv_groups: int = 1
+    # Tokens per block on the prefill and on the decode engine when they differ
+    # (None: both BLOCK_TOKENS, blocks of block_bytes moved whole). Blocks then hold
+    # tokens as kvsm.sim.engines.SIM_PLANES lays them out, and the decode side reads
+    # them in segments, paired by kvsm.block_pairing as kvsm's scheduler pairs them.
+    # One KV cache group only (as kvsm's scheduler: segments are for one group).
+    block_tokens: tuple[int, int] | None = None
     arrival_gap_ns: int = 1 * MS
     lease_ns: int = 30 * S
     handshake_timeout_ns: int = 2 * S

@@ -18,9 +18,10 @@ import functools
 import random
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from kvsm.block_pairing import pair_segments
 from kvsm.facts import (
     HeartbeatTarget,
     RecvAbandon,
@@ -33,7 +34,8 @@ from kvsm.facts import (
 from kvsm.lifecycle.invariants import InvariantViolation
 from kvsm.pin_channel import PinChannelClient
 from kvsm.sim.config import DECODE_FAULTS, MS
-from kvsm.transport.memory import Fault, InMemoryAgent
+from kvsm.transport.layout import TokenPlanes
+from kvsm.transport.memory import Fault, InMemoryAgent, token_layout_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvsm.sim.harness import Simulation
@@ -47,6 +49,13 @@ SILENT_HOST = "inproc:nobody-listens"
 # The engine id a restarted prefill engine had: the server answers as prefill-0.
 STALE_ENGINE = "prefill-0-before-restart"
 
+# How a simulated block keeps its tokens when the engines' block sizes differ:
+# like vLLM-CPU's vec kernel, per head a K plane of 4 rows of 2 bytes per token
+# (transposed) and a V plane of 1 row of 8 bytes per token; two heads.
+SIM_PLANES = TokenPlanes(((4, 2), (1, 8)))
+SIM_HEADS = 2
+SIM_TOKEN_LAYOUT = "sim:4x2,1x8/1"
+
 TRANSFER_FAULTS = {"transfer_error": Fault.ERROR, "transfer_hang": Fault.HANG, "transfer_stuck": Fault.STUCK,
                    "transfer_corrupt": Fault.CORRUPT, "peer_dead": Fault.DISCONNECT}
 
@@ -54,10 +63,11 @@ TRANSFER_FAULTS = {"transfer_error": Fault.ERROR, "transfer_hang": Fault.HANG, "
 class BlockPool:
     """vLLM's block allocator, reduced to what the simulation needs."""
 
-    def __init__(self, name: str, num_blocks: int, rng: random.Random) -> None:
+    def __init__(self, name: str, num_blocks: int, rng: random.Random, null_block: bool = False) -> None:
         self.name = name
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks))
+        # vLLM never hands out its null block (block 0), which kvsm's pairing reads as "nothing here".
+        self.num_blocks = num_blocks - 1 if null_block else num_blocks
+        self._free = list(range(1 if null_block else 0, num_blocks))
         self._rng = rng
         self.owner: dict[int, str] = {}
 
@@ -103,15 +113,50 @@ def block_pattern(req_index: int, block_index: int, size: int) -> bytes:
     return (unit * (size // len(unit) + 1))[:size]
 
 
+def token_block(req_index: int, block_index: int, block_tokens: int) -> bytes:
+    """A block of ``block_tokens`` tokens laid out by ``SIM_PLANES``: each token's
+    bytes in each head, plane and row say which request, position, head, plane and
+    row they are, so a block of any size can be checked token by token."""
+    out = bytearray(SIM_HEADS * SIM_PLANES.head_bytes(block_tokens))
+    base = 0
+    for head in range(SIM_HEADS):
+        for plane, (rows, tb) in enumerate(SIM_PLANES.planes):
+            for row in range(rows):
+                for t in range(block_tokens):
+                    unit = struct.pack("<IIBBH", req_index, block_index * block_tokens + t, head, plane, row)
+                    at = base + (row * block_tokens + t) * tb
+                    out[at:at + tb] = (unit * (tb // len(unit) + 1))[:tb]
+            base += rows * block_tokens * tb
+    return bytes(out)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A decode block as kvsm.block_pairing sees vLLM's: new (no hash), not null."""
+
+    block_id: int
+    block_hash: None = None
+    is_null: bool = False
+
+
 class _Engine:
     """What both sides share: pool, agent, worker, the step being built."""
 
-    def __init__(self, sim: Simulation, engine_id: str) -> None:
+    def __init__(self, sim: Simulation, engine_id: str, side: int) -> None:
         cfg = sim.config
         self.sim = sim
         self.engine_id = engine_id
-        self.pool = BlockPool(engine_id, cfg.num_blocks, sim.rng)
-        self.agent = InMemoryAgent(sim.fabric, engine_id, cfg.num_blocks, cfg.block_bytes, cfg.kv_groups)
+        self.pool = BlockPool(engine_id, cfg.num_blocks, sim.rng, null_block=cfg.block_tokens is not None)
+        if cfg.block_tokens is None:
+            self.block_tokens = BLOCK_TOKENS
+            self.agent = InMemoryAgent(sim.fabric, engine_id, cfg.num_blocks, cfg.block_bytes, cfg.kv_groups)
+        else:  # blocks of this side's size, tokens laid out by SIM_PLANES
+            if cfg.kv_groups != 1:
+                raise ValueError("block sizes that differ are simulated with one KV cache group only")
+            self.block_tokens = cfg.block_tokens[side]
+            layout = token_layout_of(engine_id, cfg.num_blocks, self.block_tokens, SIM_PLANES, SIM_HEADS)
+            self.agent = InMemoryAgent(sim.fabric, engine_id, cfg.num_blocks, layout.regions[0].block_bytes,
+                                       layout=layout)
         self.worker: WorkerHalf | None = None
         self._step = 0
         self.facts = StepFacts(0)
@@ -140,9 +185,10 @@ class PrefillEngine(_Engine):
     """The prefill engine: runs prefills, pins finished ones, frees on finished_sending."""
 
     def __init__(self, sim: Simulation) -> None:
-        super().__init__(sim, "prefill-0")
+        super().__init__(sim, "prefill-0", 0)
         self.blocks: dict[str, tuple[int, ...]] = {}  # allocated, by request
         self.pinned: set[str] = set()  # vLLM delays their free until finished_sending
+        self.num_tokens: dict[int, int] = {}  # each prompt's tokens (block sizes that differ)
         self.pins: PinChannelClient | None = None
 
     def connect(self) -> None:
@@ -156,8 +202,13 @@ class PrefillEngine(_Engine):
         req = f"p-{i}"
         n = sim.rng.randint(1, sim.config.max_blocks_per_request)
         blocks = self.blocks[req] = self.pool.allocate(req, n)
-        for j, b in enumerate(blocks):
-            self.agent.write_block(b, block_pattern(i, j, sim.config.block_bytes))
+        if sim.config.block_tokens is None:
+            for j, b in enumerate(blocks):
+                self.agent.write_block(b, block_pattern(i, j, sim.config.block_bytes))
+        else:  # the prompt ends somewhere in its last block
+            self.num_tokens[i] = n * self.block_tokens - sim.rng.randrange(self.block_tokens)
+            for j, b in enumerate(blocks):
+                self.agent.write_block(b, token_block(i, j, self.block_tokens))
         self.facts.send_start.append(SendStart(req))
         prefill_ns = sim.rng.randint(100_000, 2 * MS)
         if sim.chance(f.prefill_abort):
@@ -225,13 +276,14 @@ class _DecodeReq:
     fault: str = ""
     blocks: tuple[int, ...] = ()
     delay_ns: int = 0  # how long its read takes (0: the wire latency)
+    segments: dict[str, Any] = field(default_factory=dict)  # RecvStart's segment fields (sizes that differ)
 
 
 class DecodeEngine(_Engine):
     """The decode engine: matches remote tokens, allocates, waits for finished_recving."""
 
     def __init__(self, sim: Simulation) -> None:
-        super().__init__(sim, "decode-0")
+        super().__init__(sim, "decode-0", 1)
         self.reqs: dict[str, _DecodeReq] = {}
         self.waiting: dict[str, _DecodeReq] = {}  # matched, blocks not allocated yet (heartbeats)
         self.awaited: set[str] = set()  # vLLM holds their blocks until finished_recving
@@ -282,6 +334,9 @@ class DecodeEngine(_Engine):
         if dr.fault == "nothing_to_read":  # a full local prefix hit: nothing to read, notify only
             local: tuple[int, ...] = ()
             remote: tuple[int, ...] = ()
+        elif self.sim.config.block_tokens is not None:
+            self._allocate_segments(dr)
+            return
         else:
             local = dr.blocks = self.pool.allocate(req, len(dr.remote_blocks))
             remote = dr.remote_blocks
@@ -291,6 +346,20 @@ class DecodeEngine(_Engine):
             remote_port=SIDE_CHANNEL_PORT, remote_tp_size=1, remote_block_ids=remote, local_block_ids=local,
             num_tokens=len(local) * BLOCK_TOKENS, awaited=bool(local),
             group_sizes=group_split(len(local), self.sim.config.kv_groups) if local else ()))
+
+    def _allocate_segments(self, dr: _DecodeReq) -> None:
+        """Blocks of this engine's size for the prompt's tokens, each filled in
+        segments from the prefill blocks holding them (kvsm.block_pairing)."""
+        p_tokens, d_tokens = self.sim.config.block_tokens or (BLOCK_TOKENS, BLOCK_TOKENS)
+        tokens = self.sim.prefill.num_tokens[dr.index]
+        dr.blocks = self.pool.allocate(dr.req, -(-tokens // d_tokens))
+        self.awaited.add(dr.req)
+        local, remote, dr.segments, problem = pair_segments([_Block(b) for b in dr.blocks], dr.remote_blocks,
+                                                            d_tokens, p_tokens, tokens)
+        self.facts.recv_start.append(RecvStart(
+            req=dr.req, remote_engine=dr.remote_engine, remote_req=dr.remote_req, remote_host=dr.remote_host,
+            remote_port=SIDE_CHANNEL_PORT, remote_tp_size=1, remote_block_ids=remote, local_block_ids=local,
+            num_tokens=tokens, awaited=True, problem=problem, **dr.segments))
 
     def abort(self, req: str) -> None:
         """The client went away: request_finished for a decode request."""
@@ -352,6 +421,8 @@ class DecodeEngine(_Engine):
             if missing:
                 self.violation("load_errors_missing", dr.req, f"failed, but blocks {sorted(missing)} were not "
                                                               "reported by get_block_ids_with_load_errors")
+        elif final == "done" and dr.segments:
+            self._check_segments(dr)
         elif final == "done":
             size = self.sim.config.block_bytes
             for j, b in enumerate(dr.blocks):
@@ -359,6 +430,23 @@ class DecodeEngine(_Engine):
                     self.violation("corrupt_delivery", dr.req,
                                    f"block {j} (local {b}) differs from what prefill computed")
                     return
+
+    def _check_segments(self, dr: _DecodeReq) -> None:
+        """Every segment read (those holding prompt tokens) holds, byte run by byte
+        run, the tokens the prefill computed at those positions."""
+        unit, size = dr.segments["segment_tokens"], self.block_tokens
+        tokens = self.sim.prefill.num_tokens[dr.index]
+        head_bytes = SIM_PLANES.head_bytes(size)
+        for j, b in enumerate(dr.blocks):
+            want, got = token_block(dr.index, j, size), self.agent.read_block(b)
+            for k in range(size // unit):
+                if j * size + k * unit >= tokens:
+                    break
+                for at, n in SIM_PLANES.runs(size, unit, k, head_bytes, range(SIM_HEADS)).tolist():
+                    if got[at:at + n] != want[at:at + n]:
+                        self.violation("corrupt_delivery", dr.req, f"block {j} (local {b}) segment {k} differs "
+                                                                   f"from the prompt's tokens the prefill computed")
+                        return
 
     def _free(self, req: str) -> None:
         self.freeing -= 1

@@ -53,6 +53,8 @@ from kvsm.sim.engines import (
     BLOCK_TOKENS,
     PREFILL_HOST,
     SIDE_CHANNEL_PORT,
+    SIM_HEADS,
+    SIM_TOKEN_LAYOUT,
     BlockPool,
     DecodeEngine,
     PrefillEngine,
@@ -203,13 +205,17 @@ class Simulation:
                             head_size=cfg.block_bytes, block_size=BLOCK_TOKENS, kv_layout="in-memory")
         for engine, observer, role in ((self.prefill, self.prefill_observer, "kv_producer"),
                                        (self.decode, self.decode_observer, "kv_consumer")):
-            worker_cfg = self._worker_config(engine.engine_id, role)
+            if cfg.block_tokens is not None:  # each side its block size, one token layout named
+                compat = CompatInfo(model="kvsm-sim", dtype="uint8", num_layers=1, num_kv_heads=SIM_HEADS,
+                                    head_size=8, block_size=engine.block_tokens, kv_layout="in-memory",
+                                    token_layout=SIM_TOKEN_LAYOUT)
+            worker_cfg = self._worker_config(engine.engine_id, role, engine.block_tokens)
             engine.worker = WorkerHalf(worker_cfg, 0, event_log=self._log(engine.engine_id, observer),
                                        clock=self.clock, loop_options=self.loops.loop_options())
             engine.worker.start(engine.agent, compat)
         self.prefill.connect()
 
-    def _worker_config(self, engine_id: str, kv_role: str) -> KVSMConfig:
+    def _worker_config(self, engine_id: str, kv_role: str, block_tokens: int = BLOCK_TOKENS) -> KVSMConfig:
         cfg = self.config
         return KVSMConfig(
             engine_id=engine_id, kv_role=kv_role, kv_buffer_device="cpu",
@@ -218,7 +224,7 @@ class Simulation:
             handshake_timeout_s=cfg.handshake_timeout_ns / S, transfer_timeout_s=cfg.transfer_timeout_ns / S,
             peer_backoff_s=cfg.peer_backoff_ns / S, peer_backoff_max_s=16 * cfg.peer_backoff_ns / S,
             notif_poll_interval_s=cfg.notif_poll_ns / S, event_log_dir=None, backends=("memory",), tp_size=1,
-            dp_rank=0, pp_size=1, dcp_size=1, block_size=BLOCK_TOKENS, kv_load_failure_policy="fail")
+            dp_rank=0, pp_size=1, dcp_size=1, block_size=block_tokens, kv_load_failure_policy="fail")
 
     def _log(self, engine_id: str, observer: EngineObserver) -> Any:
         if self.config.log_dir is None:

@@ -13,6 +13,11 @@ that ended in error says why in ``handle.error`` (a dead peer's reads say
 cannot be cancelled makes ``release`` return False until it settles, and
 ``remove_peer`` settles every read from that peer (none writes afterwards).
 
+An agent built with a token layout (``token_layout_of``: one region over its
+pool, tokens laid out by ``TokenPlanes``) also reads blocks of another size in
+segments, byte run by byte run, from the descriptors the real layout code
+builds (``KVLayout.segment_desc_array``, as the NIXL transport uses them).
+
 ``on_write`` / ``on_read`` hooks let the simulation check that a read never
 writes into a block its request no longer holds, and never reads a block that
 its sender has freed. ``cancel_lies`` plants a transport bug (for tests that
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 
 from kvsm.lifecycle.clock import Clock
 from kvsm.transport.base import Heads, TransferState, Transport, XferHandle
-from kvsm.transport.layout import Segments
+from kvsm.transport.layout import KVLayout, Region, Segments, TokenPlanes
 
 
 class Fault(enum.Enum):
@@ -49,7 +54,7 @@ DISCONNECT_ERROR = "nixlRemoteDisconnectError: the peer's agent disconnected"
 class MemoryXferHandle(XferHandle):
     """A posted in-memory read; ``error`` says why it ended in ERROR."""
 
-    __slots__ = ("error", "local_heads", "remote_heads")
+    __slots__ = ("error", "local_heads", "remote_heads", "runs")
 
     def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                  notif: bytes, tag: str = "", local_heads: Heads | None = None,
@@ -58,6 +63,8 @@ class MemoryXferHandle(XferHandle):
         self.error = ""
         self.local_heads = local_heads
         self.remote_heads = remote_heads
+        # A read in segments: (local offset, remote offset, length) of each byte run.
+        self.runs: list[tuple[int, int, int]] | None = None
 
 
 @dataclass(eq=False)
@@ -126,7 +133,10 @@ class InMemoryFabric:
             sender.on_read(h.remote_blocks, h.tag)
         if reader.on_write is not None:
             reader.on_write(h.local_blocks, h.tag)
-        if h.local_heads is None and h.remote_heads is None:
+        if h.runs is not None:
+            for at, src, n in h.runs:
+                reader.memory[at:at + n] = sender.memory[src:src + n]
+        elif h.local_heads is None and h.remote_heads is None:
             for lb, rb in zip(h.local_blocks, h.remote_blocks):
                 reader.write_block(lb, sender.read_block(rb))
         else:
@@ -199,13 +209,29 @@ def _byte_run(block_bytes: int, heads: Heads | None) -> tuple[int, int]:
     return start * unit, count * unit
 
 
+def token_layout_of(name: str, num_blocks: int, block_tokens: int, planes: TokenPlanes, heads: int) -> KVLayout:
+    """The layout of an in-memory pool of ``num_blocks`` blocks of ``block_tokens``
+    tokens, ``heads`` heads each laid out by ``planes``: one region at offset 0."""
+    block_bytes = heads * planes.head_bytes(block_tokens)
+    region = Region(layer=name, part=0, base_addr=0, num_blocks=num_blocks, block_bytes=block_bytes,
+                    block_stride=block_bytes, device_id=0, heads=heads, block_tokens=block_tokens, tokens=planes)
+    return KVLayout(regions=(region,), mem_type="DRAM", num_blocks=num_blocks)
+
+
 class InMemoryAgent(Transport):
     """One engine's registered block pool on an ``InMemoryFabric``."""
 
     def __init__(self, fabric: InMemoryFabric, name: str, num_blocks: int, block_bytes: int,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, layout: KVLayout | None = None) -> None:
+        if layout is not None and (layout.num_blocks != num_blocks or len(layout.regions) != 1
+                                   or layout.regions[0].block_bytes != block_bytes
+                                   or layout.regions[0].base_addr != 0):
+            raise ValueError(f"agent {name!r}: the layout is not one region over {num_blocks} blocks of "
+                             f"{block_bytes} bytes at offset 0 (build it with token_layout_of)")
         self.fabric = fabric
         self.name = name
+        # Blocks of another size are read in segments only where a token layout says how.
+        self.layout = layout
         # Groups share the one pool (block ids are global): only the split of a read is checked.
         self.num_groups = num_groups
         self.block_bytes = block_bytes
@@ -251,9 +277,6 @@ class InMemoryAgent(Transport):
                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
                   local_heads: Heads | None = None, remote_heads: Heads | None = None,
                   segments: Segments | None = None) -> MemoryXferHandle:
-        if segments is not None:
-            raise ValueError(f"agent {self.name!r}: the in-memory transport keeps blocks as opaque bytes and "
-                             f"moves them whole; segments of another block size need a token layout (NIXL)")
         if self.closed:
             raise RuntimeError(f"agent {self.name!r} is closed")
         if peer not in self.peers:
@@ -269,8 +292,35 @@ class InMemoryAgent(Transport):
         if local_heads is not None and remote_heads is not None and local_heads[1] != remote_heads[1]:
             raise ValueError(f"heads {local_heads} here and {remote_heads} on {peer!r}: the runs differ in size")
         handle = MemoryXferHandle(peer, local_blocks, remote_blocks, notif, tag, local_heads, remote_heads)
+        if segments is None and local_heads is None and remote_heads is None:
+            theirs = self.fabric.agents[peer].block_bytes
+            if theirs != self.block_bytes:
+                raise ValueError(f"blocks of {theirs} bytes on {peer!r} and {self.block_bytes} here: whole blocks "
+                                 f"cannot be read across sizes, they must go in segments")
+        if segments is not None:
+            handle.runs = self._segment_runs(peer, local_blocks, remote_blocks, local_heads, remote_heads, segments)
         self.fabric._post(self.name, handle)
         return handle
+
+    def _segment_runs(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                      local_heads: Heads | None, remote_heads: Heads | None,
+                      segments: Segments) -> list[tuple[int, int, int]]:
+        """The byte runs of a read in segments, checked as the NIXL transport checks them."""
+        mine, theirs = self.layout, self.fabric.agents[peer].layout
+        if mine is None or theirs is None:
+            raise ValueError(f"agent {self.name if mine is None else peer!r} keeps its blocks as opaque bytes (no "
+                             f"token layout): they move whole, and blocks of another size cannot be read in segments")
+        if not len(segments.local) == len(segments.remote) == len(local_blocks):
+            raise ValueError(f"{len(segments.local)} local and {len(segments.remote)} remote segments for "
+                             f"{len(local_blocks)} block pairs")
+        mine.check_segments(segments.local_block, segments.tokens)
+        theirs.check_segments(segments.remote_block, segments.tokens)
+        local = mine.segment_desc_array(local_blocks, segments.local, segments.tokens, local_heads)
+        remote = theirs.segment_desc_array(remote_blocks, segments.remote, segments.tokens, remote_heads)
+        if local.shape != remote.shape or (local[:, 1] != remote[:, 1]).any():
+            raise ValueError(f"segments of {segments.tokens} tokens: {local.shape[0]} byte runs here and "
+                             f"{remote.shape[0]} on {peer!r}, or runs of other lengths (token layouts differ)")
+        return [(int(a), int(b), int(n)) for a, b, n in zip(local[:, 0], remote[:, 0], local[:, 1])]
 
     def check(self, handle: XferHandle) -> TransferState:
         return self.fabric._find(handle).state
