@@ -219,6 +219,42 @@ def test_reading_the_wrong_blocks_is_caught_by_the_comparison(pair: Pair) -> Non
     assert swapped[0] != ref_cd[0] and swapped[1] != ref_cd[1], "a misdirected transfer went unnoticed"
 
 
+def test_vllms_toy_proxy_flow_and_its_edge_cases(pair: Pair) -> None:
+    """The two legs as vLLM's toy proxy sends them (``toy_proxy_server.py``: one
+    X-Request-Id for both, the prefill leg's params with every remote field
+    null, ``stream`` false, ``max_tokens`` 1, the decode leg the client's body
+    and the params returned), through vLLM's edge cases
+    (``test_edge_cases.py``: a prompt shorter than a block, a full prefix-cache
+    hit on the decode server only, a partial one), with text prompts and the
+    server's default ``max_tokens``: each equal to one server alone."""
+    import uuid
+
+    def proxied(prompt: str) -> str:
+        rid = {"X-Request-Id": str(uuid.uuid4())}
+        body = {"model": pair.model, "prompt": prompt, "temperature": 0}
+        first = pair.prefill.post("/v1/completions", {
+            **body, "stream": False, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                   "remote_block_ids": None, "remote_host": None, "remote_port": None}}, headers=rid)
+        kv = first.get("kv_transfer_params")
+        assert kv and kv["remote_block_ids"], first
+        return str(pair.decode.post("/v1/completions", {**body, "kv_transfer_params": kv}, headers=rid)
+                   ["choices"][0]["text"])
+
+    def alone(server: VLLMServer, prompt: str) -> str:
+        out = server.post("/v1/completions", {"model": pair.model, "prompt": prompt, "temperature": 0})
+        return str(out["choices"][0]["text"])
+
+    short = "Toy proxy: "
+    prompt = ("The operator sends every prompt through the proxy, which asks the prefill server first and the "
+              "decode server next, with one request id for both legs of the request.")
+    longer = prompt + " Then it streams the decode server's answer back to the client, as it came."
+    assert proxied(short) == alone(pair.prefill, short)
+    primed = alone(pair.decode, prompt)  # the decode server's cache now holds the whole prompt
+    assert proxied(prompt) == primed
+    assert proxied(longer) == alone(pair.prefill, longer)  # a partial hit: the prompt's blocks are local
+
+
 def test_healthy_transfers_never_wait_on_a_timer(pair: Pair) -> None:
     """40 requests, 4 at a time: no handshake or transfer timeout, no lease expiry, no
     dead peer; every output equal to a single engine's; every request done on both

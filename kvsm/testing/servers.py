@@ -253,9 +253,10 @@ class VLLMServer:
 
     # -- requests --------------------------------------------------------------
 
-    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0,
+             headers: dict[str, str] | None = None) -> dict[str, Any]:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
