@@ -63,6 +63,31 @@ def test_a_slow_read_from_a_peer_that_answers_goes_on(tmp_path: Path) -> None:
     assert peer_deaths(vp) == []
 
 
+def test_a_decode_loop_that_wakes_late_takes_the_answer_that_came_in_time(tmp_path: Path) -> None:
+    """The decode worker's loop starved (its process compiling a first forward
+    on the same cores: seen on TP 2 servers here) while its liveness probe is
+    out: the prefill's answer arrives in time, but the loop next runs after the
+    probe's deadline, with both waiting. The answer wins (the handshake client
+    reads what its sockets hold before it times a request out): the peer is not
+    taken for dead, and the slow read is delivered."""
+    vp = make(tmp_path)
+    vp.finish("A", {"p-4": (7, 8)})
+    vp.delay_of["d-4"] = 6 * S
+    vp.start("d-4", "A", "p-4", (7, 8))
+    vp.run(0.05)
+    vp.freeze("A")  # the probe, sent at the watch's tick, goes unanswered for now
+    vp.run(1.0)
+    assert peer_deaths(vp) == [] and vp.state("d-4") == "transferring"
+    decode_loop = id(vp.decode.loop)
+    vp.loops.frozen.add(decode_loop)  # the decode loop stops running ...
+    vp.freeze("A", False)  # ... as the prefill answers: the answer waits in its socket
+    vp.run(STALL_S * 1.5)  # past the probe's deadline
+    vp.loops.frozen.discard(decode_loop)
+    vp.run(until=lambda: "d-4" in vp.recving or "d-4" in vp.failed, limit_s=60)
+    assert peer_deaths(vp) == []
+    assert "d-4" in vp.recving and "d-4" not in vp.failed
+
+
 def test_a_partition_between_the_read_and_its_notification(tmp_path: Path) -> None:
     """The read completes, its notification is lost with the network: the decode
     request is served (done); the prefill worker, never told, frees the blocks
