@@ -208,13 +208,16 @@ class SchedulerHalf:
             self._ignore(req, f"the prefill engine runs pipeline parallel {pp_size!r}: its layers are split over "
                               f"{pp_size!r} workers, and kvsm reads from pipeline parallel 1 only")
             return
+        key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
+        source = (*key, remote.remote_req)
+        if getattr(request, "abort_immediately", False):
+            self._rejected_upstream(request, remote, source)
+            return
         mismatch = prompt_mismatch(params, remote.remote_num_tokens, request.prompt_token_ids,
                                    request.num_prompt_tokens)
         if mismatch:
             self._ignore(req, mismatch)
             return
-        key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
-        source = (*key, remote.remote_req)
         reader = self._reader_of.setdefault(source, req)
         if reader != req:
             # The prefill side frees the blocks once the first read's notification is in:
@@ -228,6 +231,21 @@ class SchedulerHalf:
         self._remote[req] = remote
         self._claims[key].add(remote.remote_req)
         self._claim_key[req] = (key, remote.remote_req)
+
+    def _rejected_upstream(self, request: Request, remote: RemoteParams, source: tuple[Any, ...]) -> None:
+        """vLLM's stand-in for a decode request its API server rejected before the
+        engine saw it (a bad argument, say): prompt ``[0]``, that request's params,
+        aborted at once, so that the connector frees what the prefill side holds
+        (``AsyncLLM.notify_kv_transfer_request_rejected``). Nothing is read: the
+        abort that follows abandons the prefill request (``_decode_finished``),
+        unless a live request of this engine reads it (a retry that got in)."""
+        req = request.request_id
+        reader = self._reader_of.get(source)
+        if reader is not None:
+            self._note("sched.rejected_upstream", req, remote_req=remote.remote_req, kept_for=reader)
+            return
+        self._remote[req] = remote
+        self._note("sched.rejected_upstream", req, remote_req=remote.remote_req)
 
     def _warn_foreign(self, req: str, engine: str) -> None:
         """Params without kvsm's producer key: a router that rebuilt them, or a prefill

@@ -222,6 +222,36 @@ def test_abort_before_allocation_tells_the_prefill_side() -> None:
         drained(h)
 
 
+def test_a_request_the_api_server_rejected_frees_the_prefill_sides_blocks(tmp_path: Path) -> None:
+    """vLLM's API server, rejecting a decode request before the engine sees it (a
+    bad argument), submits a stand-in: prompt [0], the request's params, aborted at
+    once (``notify_kv_transfer_request_rejected``). Its params describe another
+    prompt, but they are not the request to run: the prefill request is abandoned
+    in the next step (not left pinned until its lease ends), and no warning says
+    the request "will not use KV transfer". A stand-in for params that a live
+    request of this engine reads abandons nothing."""
+    with harness("kv_consumer", tmp_path) as h:
+        params = remote_prefill_params(remote_block_ids=[5, 6], remote_request_id="p-r", remote_num_tokens=40)
+        h.add_request([0], kv_transfer_params=params, request_id="rejected", abort_immediately=True)
+        meta = meta_of(h.step())
+        assert [(a.req, a.remote_req) for a in meta.recv_abandon] == [("rejected", "p-r")]
+        assert not meta.recv_start and not meta.recv_abort
+        h.run_until_idle()
+        drained(h)
+        live = remote_prefill_params(remote_block_ids=[7, 8], remote_request_id="p-l", remote_num_tokens=40)
+        h.add_request(40, kv_transfer_params=live, max_tokens=2, request_id="d-live")
+        h.add_request([0], kv_transfer_params=live, request_id="rejected-2", abort_immediately=True)
+        meta = meta_of(h.step())
+        assert [r.req for r in meta.recv_start] == ["d-live"] and not meta.recv_abandon
+        h.step(finished_recving={"d-live"})
+        h.run_until_idle()
+        drained(h)
+    records = log_records(h, tmp_path)
+    assert not [r for r in records if r["event"] == "sched.params_ignored"]
+    rejected = {r["req"]: r.get("kept_for") for r in records if r["event"] == "sched.rejected_upstream"}
+    assert rejected == {"rejected": None, "rejected-2": "d-live"}, rejected
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_load_follows_the_engine_policy(policy: str) -> None:
     with harness("kv_consumer", kv_load_failure_policy=policy) as h:

@@ -286,8 +286,14 @@ class SchedulerHarness:
         kv_transfer_params: dict | None = None,
         max_tokens: int = 1,
         request_id: str | None = None,
+        abort_immediately: bool = False,
     ) -> Request:
         """Add a request, as the engine core does after preprocessing.
+
+        ``abort_immediately``: what the engine core does with the stand-in that
+        vLLM's API server submits for a request it rejected before the engine
+        saw it (``AsyncLLM.notify_kv_transfer_request_rejected``): add it, then
+        finish it as aborted at once (``EngineCore.add_request``).
 
         ``prompt``: a token count (a fresh prompt, see :meth:`make_prompt`) or
         explicit token ids (to test prefix hits). ``kv_transfer_params`` is
@@ -320,8 +326,11 @@ class SchedulerHarness:
             sampling_params=params,
             pooling_params=None,
             block_hasher=self._block_hasher,
+            abort_immediately=abort_immediately,
         )
         self.scheduler.add_request(request)
+        if abort_immediately:
+            self.abort(request_id)
         return request
 
     def abort(self, request_ids: Iterable[str] | str) -> None:
