@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -322,6 +323,35 @@ def test_metrics_show_the_prompts_came_over_the_transfer(pair: Pair) -> None:
         by_source["external_kv_transfer"]
     assert delta(prefill, prefill0, "vllm:kvsm_reads_served_total") == n
     assert metric(prefill, "vllm:kvsm_leases_expired_total") == 0
+
+
+def test_a_decode_request_the_server_rejects_frees_the_prefill_blocks_at_once(pair: Pair) -> None:
+    """A decode request that vLLM's API server rejects before its engine sees it
+    (max_tokens past the context: HTTP 400): vLLM hands the engine a stand-in with
+    the request's params, aborted at once, so that the connector frees the
+    prefill side's blocks. kvsm abandons the prefill request in the next step: its
+    blocks are released within seconds, not when their 30 s lease ends."""
+    rng = random.Random(12)
+    prompt = _ids(rng, 200)
+    kv = pair.complete(pair.prefill, prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
+    remote_req = kv["remote_request_id"]
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as rejected:
+        pair.complete(pair.decode, prompt, 100_000, kv)
+    assert rejected.value.code == 400
+
+    def released() -> list[dict[str, Any]] | None:
+        records = _records(pair.logs)
+        ends = [r for r in records if r.get("lifecycle") == "send" and r.get("req") == remote_req
+                and r.get("dst") == "released"]
+        return records if ends else None
+
+    records = wait_until(released, 10, f"prefill request {remote_req} released")
+    assert time.monotonic() - t0 < 10
+    events = [r["event"] for r in records if r.get("req") == remote_req]
+    assert "remote_abandoned" in events and "lease_expired" not in events, events
+    assert [r for r in records if r["event"] == "sched.rejected_upstream" and r.get("remote_req") == remote_req]
+    assert not [r for r in records if r["event"] == "sched.params_ignored" and "this prompt has 1" in r["reason"]]
 
 
 def test_a_list_of_prompts_reads_only_its_own_prompts_blocks(pair: Pair) -> None:
