@@ -88,10 +88,13 @@ class TPPairOffline:
 # The third pair's block sizes differ too (64 -> 128): each decode rank reads its head in
 # segments. The last two are DeepSeek-V2 (MLA): its latent is replicated on every rank, so a
 # decode rank reads it whole from one prefill rank (and tells the others they may free theirs).
+# Then Gemma 2 both ways: two KV cache groups (sliding window and full attention) split by head.
 @pytest.fixture(scope="module", params=[(1, 2, 128, 128, "llama"), (2, 1, 128, 128, "llama"),
                                         (1, 2, 64, 128, "llama"), (1, 2, 16, 16, "deepseek_v2"),
-                                        (2, 1, 16, 16, "deepseek_v2")],
-                ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-b64-to-tp2-b128", "mla-tp1-to-tp2", "mla-tp2-to-tp1"])
+                                        (2, 1, 16, 16, "deepseek_v2"), (1, 2, 128, 128, "gemma2"),
+                                        (2, 1, 128, 128, "gemma2")],
+                ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-b64-to-tp2-b128", "mla-tp1-to-tp2", "mla-tp2-to-tp1",
+                     "hybrid-tp1-to-tp2", "hybrid-tp2-to-tp1"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPPairOffline]:
     p_tp, d_tp, p_block, d_block, kind = request.param
     p = TPPairOffline(p_tp, d_tp, tmp_path_factory.mktemp(f"pd-tp{p_tp}{d_tp}-b{p_block}-{kind}"),
