@@ -268,8 +268,8 @@ VLLM_ARGS: dict[str, dict[str, Any]] = {
     # with AMX picks AMX_MLA, which needs bfloat16 weights, keeps prefix
     # caching on, and so behaves differently from a CPU without AMX.
     "deepseek_v2": {"dtype": "float32", "block_size": None, "attention_backend": "CPU_MLA"},
-    # block_size None: vLLM sizes the attention block (1152) so that an
-    # attention page is as large as a Mamba state page.
+    # block_size None: vLLM sizes the attention block (1152, or 640 on a CPU without
+    # AVX-512 BF16) so that an attention page is as large as a Mamba state page.
     "qwen3_next": {"dtype": "bfloat16", "block_size": None},
     "qwen3": {"dtype": "bfloat16"},
     "gemma3": {"dtype": "float32"},

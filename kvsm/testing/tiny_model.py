@@ -112,12 +112,13 @@ Qwen3-Next (``kind="qwen3_next"``)
 4 layers alternating gated-delta-net linear attention (4 value / 2 key heads
 of 128) and full attention (4 heads, 2 KV heads, head size 32, output gate,
 partial RoPE), MoE of 2 experts (top-1) + a shared expert; bfloat16 (vLLM's
-CPU GDN kernels need it; vLLM keeps the SSM state in float32). Two groups:
-``MambaSpec`` (layers 0, 2: a conv state ``[3, 1024]`` bf16 and an SSM state
-``[4, 128, 128]`` float32 per request, in one padded page) and
-``FullAttentionSpec`` (layers 1, 3), both with block 1152 (vLLM sizes the
-attention block so that its page equals the Mamba page); the groups overlay
-the same memory like Gemma2's.
+CPU GDN kernels need it). Two groups: ``MambaSpec`` (layers 0, 2: a conv
+state ``[3, 1024]`` bf16 and an SSM state ``[4, 128, 128]`` per request, in one
+padded page) and ``FullAttentionSpec`` (layers 1, 3), both with one block size
+(vLLM sizes the attention block so that its page equals the Mamba page): 1152
+where vLLM keeps the SSM state in float32 (a CPU with AVX-512 BF16, its
+accelerated GDN), 640 where it stays bfloat16. The groups overlay the same
+memory like Gemma2's.
 
 * Its ``(1 + w)`` RMSNorms stay at ``w = 0``, except ``q_norm``/``k_norm``
   at ``w = 1``: q and k are RMS-normalized per head, so the projection gains
