@@ -179,7 +179,6 @@ NEW_KINDS = ("gemma2", "deepseek_v2", "qwen3_next", "qwen3", "gemma3", "llama4")
 FAMILIES = ("qwen2", "mistral", "phi3", "gpt2", "opt")
 
 
-
 def _gdn_block_size() -> int:
     """Qwen3-Next's block: vLLM sizes the attention block so that an attention page
     is as large as a Mamba state page. On a CPU with AVX-512 BF16 (vLLM's
