@@ -340,17 +340,21 @@ def test_a_decode_request_the_server_rejects_frees_the_prefill_blocks_at_once(pa
         pair.complete(pair.decode, prompt, 100_000, kv)
     assert rejected.value.code == 400
 
-    def released() -> list[dict[str, Any]] | None:
+    def released_and_noted() -> list[dict[str, Any]] | None:
+        # Each process's log writer flushes on its own thread: the prefill side's
+        # release can reach its file before the decode scheduler's note of the
+        # stand-in reaches its own, so wait for both.
         records = _records(pair.logs)
         ends = [r for r in records if r.get("lifecycle") == "send" and r.get("req") == remote_req
                 and r.get("dst") == "released"]
-        return records if ends else None
+        noted = [r for r in records if r["event"] == "sched.rejected_upstream" and r.get("remote_req") == remote_req]
+        return records if ends and noted else None
 
-    records = wait_until(released, 10, f"prefill request {remote_req} released")
+    records = wait_until(released_and_noted, 10,
+                         f"prefill request {remote_req} released and the stand-in noted by the decode scheduler")
     assert time.monotonic() - t0 < 10
     events = [r["event"] for r in records if r.get("req") == remote_req]
     assert "remote_abandoned" in events and "lease_expired" not in events, events
-    assert [r for r in records if r["event"] == "sched.rejected_upstream" and r.get("remote_req") == remote_req]
     assert not [r for r in records if r["event"] == "sched.params_ignored" and "this prompt has 1" in r["reason"]]
 
 
