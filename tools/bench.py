@@ -93,7 +93,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from bench_scale import bench_scale  # tools/bench_scale.py: section 8
-from bench_serve import serve_all_rates, serve_rows, single_engine_serve  # tools/bench_serve.py: 6.'s client
+from bench_serve import (  # tools/bench_serve.py: 6.'s client
+    serve_all_rates,
+    serve_rows,
+    single_engine_serve,
+    tp_pair_serve,
+    tp_rows,
+)
 
 from benchlib import (  # tools/benchlib.py: the tables, shared with bench_nixl
     E2E_DEFAULT_REPEAT,
@@ -928,6 +934,11 @@ def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
         return lambda run: max(load_values(run, what), default=math.nan)
 
     serve_rows(sec, runs, singles, failed, sizes.serve_prompts)
+    tp_runs = _runs_per_connector(
+        repeat, lambda label, connector, model, rep: tp_pair_serve(
+            connector, model, tmp / f"e2e-{rep}-tp-{label}", num_prompts=sizes.serve_prompts, seed=7 + rep,
+            event_log_dir=tmp / f"e2e-{rep}-tp-{label}" / "event-logs" if connector == "KVSMConnector" else None))
+    tp_rows(sec, tp_runs, sizes.serve_prompts)
     p50_target = Target("ratio_max", 1.0, "<= 1.0x")
     p99_target = Target("ratio_max", 0.5, "<= 0.5x")
     n = sizes.e2e_requests

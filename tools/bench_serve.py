@@ -17,6 +17,8 @@ import math
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,11 @@ SERVE_CONCURRENCY = 8
 SERVE_RATES = ("inf", "8")  # requests per second; "inf": all at once, bounded by the concurrency
 SERVE_TIMEOUT_S = 600.0
 OVERHEAD_GOAL_MS = 8.0  # kvsm's P/D TTFT p50 over the single engine's, at rate 8
+
+
+# The tensor parallel rows: a TP 1 prefill -> TP 2 decode pair, one rate.
+TP_RATE = "8"
+TP_TITLE = "TP 1 -> 2 (a TP 1 prefill server on core 0, a TP 2 decode server, a worker per core)"
 
 
 def rate_title(rate: str) -> str:
@@ -130,3 +137,61 @@ def serve_rows(sec: Section, runs: dict[str, list[dict[str, Any]]], singles: Seq
         f"requests; the same client and prompts against a single engine with no connector on core 1 "
         f"(medians over repetitions): {single}. TTFT at the client includes the router's prefill leg.")
     sec.extra["serve_single"] = list(singles)
+
+
+def tp_pair_serve(connector: str, model: str, workdir: Path, *, num_prompts: int, seed: int,
+                  event_log_dir: Path | None = None) -> dict[str, Any]:
+    """A TP 1 prefill server (core 0) and a TP 2 decode server (a worker per core)
+    with ``connector``, kvsm's router in front, one warm-up request through it (the
+    handshake, and the TP 2 engine's first forward, which compiles), then ``vllm
+    bench serve`` at ``TP_RATE``. Every process in this session (see
+    ``kvsm.testing.servers``: in sessions of their own the TP 2 workers' spinning
+    starves the prefill server on this kernel)."""
+    from kvsm.testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, stop_pair
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    http_p, http_d, side_p, side_d = free_ports(4)
+    logs = str(event_log_dir) if event_log_dir is not None else None
+    prefill = VLLMServer(ServerSpec("prefill", "kv_producer", http_p, side_p, "prefill", cpu=0, connector=connector,
+                                    event_log_dir=logs), model, workdir)
+    decode = VLLMServer(ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", cpu=None, connector=connector,
+                                   event_log_dir=logs, extra_args=["--tensor-parallel-size", "2"],
+                                   env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}), model, workdir)
+    router = RouterProcess([prefill.url], [decode.url], workdir, timeout_s=SERVE_TIMEOUT_S)
+    t0 = time.perf_counter()
+    try:
+        for s in (prefill, decode):
+            s.start()
+        for s in (prefill, decode):
+            s.wait_ready(timeout=600)
+        router.start(ready_timeout=60)
+        startup_s = time.perf_counter() - t0
+        warm = {"model": model, "prompt": list(range(10, 10 + SERVE_INPUT_LEN)), "max_tokens": SERVE_OUTPUT_LEN,
+                "temperature": 0, "ignore_eos": True}
+        req = urllib.request.Request(router.url + "/v1/completions", json.dumps(warm).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=SERVE_TIMEOUT_S) as r:
+            r.read()
+        serve = {TP_RATE: vllm_bench_serve(router.url, model, workdir, rate=TP_RATE, num_prompts=num_prompts,
+                                           seed=seed)}
+        return {"serve": serve, "startup_s": startup_s}
+    finally:
+        stop_pair(prefill, decode, router)
+
+
+def tp_rows(sec: Section, runs: dict[str, list[dict[str, Any]]], num_prompts: int) -> None:
+    """Section 6's tensor parallel rows: kvsm and upstream at TP 1 -> 2 (``tp_pair_serve``)."""
+    def row(measure: str, key: str, target: Target = NO_TARGET, unit: str = "ms") -> Row:
+        return Row(f"{TP_TITLE}, vllm bench serve, {rate_title(TP_RATE)}: {measure}", unit,
+                   _values(runs["kvsm"], TP_RATE, key), _values(runs["upstream"], TP_RATE, key), target)
+
+    for measure, key in (("TTFT p50", "p50_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "p50_tpot_ms")):
+        sec.rows.append(row(measure, key))
+    sec.rows.append(row(f"failed requests (of {num_prompts})", "failed", Target("each_max", 0, "0"), unit=""))
+    sec.notes.append(
+        f"{TP_TITLE} rows: a fresh pair per connector and repetition, kvsm.router in front, one warm-up request "
+        f"through it (the handshake, and the TP 2 engine's first forward, which compiles), then the same client "
+        f"and dataset as above at {rate_title(TP_RATE)}. All processes in the benchmark's session: in sessions of "
+        f"their own, the TP 2 decode workers' spinning (vLLM's shared-memory queue, sched_yield) starves the "
+        f"prefill server on this kernel (kvsm/testing/servers.py says how).")
+    sec.extra["tp_runs"] = runs

@@ -8,6 +8,17 @@ anything they started, on success, failure or Ctrl-C alike. Two servers of a
 pair are bound to different cores (``taskset`` plus
 ``VLLM_CPU_OMP_THREADS_BIND``) when the machine has two.
 
+Servers stay in the caller's session (a process group of their own, not a
+session: ``NEW_SESSION = False``), as servers started from one shell script
+are. On this machine's kernel (6.18, EEVDF with autogroups) each session is a
+scheduling group, and a group whose task spins on ``sched_yield`` (vLLM's
+shared-memory broadcast queue does, ``shm_broadcast.SpinCondition``: a TP > 1
+engine's workers, for a second after each message) is charged almost none of
+the time it runs: every other session on that core starves for seconds
+(measured: the other group's entity frozen in ``/sys/kernel/debug/sched/debug``
+while the spinner's group ran 504 ms and was charged 3). Inside one group
+the spinner forfeits its time at each yield and the others run.
+
 The connector is kvsm's (``KVSMConnector``) or upstream's (``NixlConnector``,
 for side-by-side benchmarks); both get the same model, core binding and
 engine settings.
@@ -33,9 +44,20 @@ from typing import Any, TextIO
 from kvsm.testing.engine import engine_env
 from kvsm.testing.ports import free_port, free_ports
 
-__all__ = ["RouterProcess", "ServerSpec", "VLLMServer", "free_port", "free_ports", "pd_specs", "running_pair",
-           "server_pids", "stop_pair",
-           "side_channel_pid", "vm_rss_bytes"]
+__all__ = ["RouterProcess", "ServerSpec", "VLLMServer", "free_port", "free_ports", "group_kwargs", "pd_specs",
+           "running_pair", "server_pids", "side_channel_pid", "stop_pair", "vm_rss_bytes"]
+
+
+# A process group of its own in the caller's session (see the module's docstring),
+# rather than a session of its own.
+NEW_SESSION = False
+
+
+def group_kwargs() -> dict[str, Any]:
+    """``Popen`` arguments that start a child in a process group of its own (so
+    ``killpg`` takes down everything it starts) and, unless ``NEW_SESSION``, in
+    the caller's session, so that the kernel schedules it in the caller's group."""
+    return {"start_new_session": True} if NEW_SESSION else {"process_group": 0}
 
 
 def _kill_group(pgid: int, grace: float = 5.0) -> None:
@@ -179,7 +201,7 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.command(), env=self.environment(), cwd=str(self.workdir),
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=self._log, stderr=subprocess.STDOUT, **group_kwargs())
         return self
 
     def ready(self) -> bool:
@@ -339,7 +361,7 @@ class RouterProcess:
         repo_root = str(Path(__file__).resolve().parents[2])
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, cwd=repo_root, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         **group_kwargs())
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:

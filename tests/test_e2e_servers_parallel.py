@@ -1,0 +1,215 @@
+"""Tensor and data parallel deployments on real vLLM API servers, through kvsm's router.
+
+Two deployments of the tiny Llama (2 KV heads), each with a TP 2 or DP 2 engine
+on each side, so that every rank of every engine has business:
+
+* ``p_dp2-d_tp2``: a data parallel prefill server (two engines, TP 1 each, on
+  side-channel ports base + 0 and base + 1, engine ids ``prefill_dp0`` and
+  ``prefill_dp1``) and a TP 2 decode server: each decode rank reads one KV
+  head of the one prefill rank (1 -> 2);
+* ``p_tp2-d_dp2``: a TP 2 prefill server (one port for both ranks) and a data
+  parallel decode server (two engines, TP 1 each): each decode engine reads
+  one head from each prefill rank (2 -> 1).
+
+For each: every output through the router equals the decode server computing the
+prompt by itself (a ``cache_salt`` keeps it off the transferred blocks), every
+prompt token comes by transfer to every decode rank, both data
+parallel engines serve, each rank's read plan is in its ``matched`` record, a
+transfer with its blocks out of order is caught by the comparison, and the replay
+of every rank's log is clean with no request left on any rank.
+
+These pairs run on a 2-core machine only because the servers stay in the test's
+session (``kvsm.testing.servers.NEW_SESSION``): see that module for the kernel
+behaviour that starves a server in a session of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import require
+
+require("vllm")
+require("nixl")
+
+from kvsm.lifecycle.table import LIFECYCLES
+from kvsm.replay import analyse
+from kvsm.testing import build_tiny_model
+from kvsm.testing.reliability import read_records, wait_until
+from kvsm.testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, stop_pair
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 12
+PROMPT_LEN = 300  # two full blocks of 128 and a partial one
+PROMPTS = 4
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp: int = 1
+    dp: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.dp
+
+    def server_fields(self) -> dict[str, Any]:
+        args = [*(["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []),
+                *(["--data-parallel-size", str(self.dp)] if self.dp > 1 else [])]
+        # Two worker processes: a core each (vLLM-CPU refuses to start TP 2 without it).
+        return {"cpu": None, "extra_args": args, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+DEPLOYMENTS = {"p_dp2-d_tp2": (Parallel(dp=2), Parallel(tp=2)),
+               "p_tp2-d_dp2": (Parallel(tp=2), Parallel(dp=2))}
+
+
+class ParallelPair:
+    def __init__(self, name: str, tmp: Path) -> None:
+        self.p_par, self.d_par = DEPLOYMENTS[name]
+        self.model = str(build_tiny_model())
+        self.logs = tmp / "logs"
+        http_p, http_d, side_p, side_d = free_ports(4)
+        common = {"event_log_dir": str(self.logs)}
+        self.prefill = VLLMServer(ServerSpec("prefill", "kv_producer", http_p, side_p, "prefill", **common,
+                                             **self.p_par.server_fields()), self.model, tmp)
+        self.decode = VLLMServer(ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", **common,
+                                            **self.d_par.server_fields()), self.model, tmp)
+        self.router = RouterProcess([self.prefill.url], [self.decode.url], tmp)
+        self.closed = False
+        try:
+            for s in (self.prefill, self.decode):
+                s.start()
+            for s in (self.prefill, self.decode):
+                s.wait_ready(timeout=600)
+            self.router.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def complete(self, url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, **extra}
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out: dict[str, Any] = json.load(r)
+        return out
+
+    def tokens(self, out: dict[str, Any]) -> list[int]:
+        ids = out["choices"][0].get("token_ids")
+        assert ids is not None, f"no token_ids in the reply: {out}"
+        return list(ids)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            stop_pair(self.prefill, self.decode, self.router)
+
+
+@pytest.fixture(scope="module", params=sorted(DEPLOYMENTS))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ParallelPair]:
+    p = ParallelPair(request.param, tmp_path_factory.mktemp(f"e2e-{request.param}"))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1100) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def _transitions(records: list[dict[str, Any]], lifecycle: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("lifecycle") == lifecycle and r.get("kind") in ("create", "transition")]
+
+
+def test_outputs_equal_the_decode_engine_alone_and_every_rank_reads_its_plan(pair: ParallelPair) -> None:
+    prompts = _prompts(20261204, PROMPTS)
+    # The decode server computing each prompt by itself, at its own parallel sizes,
+    # one at a time (greedy output can depend on the batch).
+    reference = [pair.tokens(pair.complete(pair.decode.url, p, cache_salt=f"alone-{i}"))
+                 for i, p in enumerate(prompts)]
+    through_router = [pair.tokens(pair.complete(pair.router.url, p)) for p in prompts]
+    assert through_router == reference
+
+    d_ranks = pair.d_par.tp  # decode ranks per decode engine
+    recv_terminal = LIFECYCLES["recv"].terminal
+
+    def settled() -> list[dict[str, Any]] | None:
+        records = read_records(sorted(pair.logs.glob("*.jsonl")))
+        matched = [r for r in _transitions(records, "recv") if r["event"] == "matched"]
+        last = {(r["engine_id"], r["rank"], r["req"]): r["dst"] for r in _transitions(records, "recv")}
+        sends = [r for r in _transitions(records, "send") if r["dst"] in LIFECYCLES["send"].terminal]
+        done = (len(matched) == PROMPTS * d_ranks and len(sends) == PROMPTS * pair.p_par.tp
+                and all(last[(r["engine_id"], r["rank"], r["req"])] in recv_terminal for r in matched))
+        return records if done else None
+
+    records = wait_until(settled, 15.0, "every rank's machines terminal in the event logs")
+    recv = _transitions(records, "recv")
+    matched = [r for r in recv if r["event"] == "matched"]
+    # Every prompt token by transfer, on every rank.
+    assert {r["input"]["num_tokens"] for r in matched} == {PROMPT_LEN}, [r["input"] for r in matched]
+    assert {r["dst"] for r in recv if r["event"] == "all_reads_done"} == {"done"}
+    assert len([r for r in recv if r["dst"] == "done"]) == PROMPTS * d_ranks
+    # Each decode rank's plan: which prefill ranks it reads, which heads.
+    plans = {r["input"]["plan"] for r in matched}
+    if pair.d_par.tp == 2:  # 1 -> 2: each decode rank reads its head of the one prefill rank
+        assert plans == {"d0/2 from p*/1: p0[0..0/2]->[all]", "d1/2 from p*/1: p0[1..1/2]->[all]"}, plans
+    else:  # 2 -> 1: each decode engine reads one head from each prefill rank
+        assert plans == {"d0/1 from p*/2: p0[all]->[0..0/2], p1[all]->[1..1/2]"}, plans
+    # Both data parallel engines of the parallel side served (each its own engine id).
+    if pair.p_par.dp == 2:
+        assert {r["input"]["remote_engine"] for r in matched} == {"prefill_dp0", "prefill_dp1"}
+        assert len({r["input"]["remote_port"] for r in matched}) == 2  # base + 0 and base + 1
+    if pair.d_par.dp == 2:
+        assert {r["engine_id"] for r in matched} == {"decode_dp0", "decode_dp1"}
+    # Every prefill rank released every request: each decode rank's read notified it.
+    sends = [r for r in _transitions(records, "send") if r["dst"] in LIFECYCLES["send"].terminal]
+    assert {r["dst"] for r in sends} == {"released"}
+    assert {r["rank"] for r in sends} == set(range(pair.p_par.tp))
+
+
+def test_a_transfer_with_its_blocks_out_of_order_is_caught(pair: ParallelPair) -> None:
+    """The comparison can fail: the prefill leg's block ids reversed (a router that
+    garbled them) are read without error, into the wrong places, and the output
+    differs from the decode engine's own."""
+    (prompt,) = _prompts(7, 1)
+    reference = pair.tokens(pair.complete(pair.decode.url, prompt, cache_salt="alone-reversed"))
+    kv = pair.complete(pair.prefill.url, prompt, max_tokens=1,
+                       kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    kv.pop("remote_prefill_cached_tokens", None)
+    blocks = kv["remote_block_ids"]
+    kv["remote_block_ids"] = [list(reversed(g)) for g in blocks] if blocks and isinstance(blocks[0], list) \
+        else list(reversed(blocks))
+    garbled = pair.tokens(pair.complete(pair.decode.url, prompt, kv_transfer_params=kv))
+    assert garbled != reference, "a garbled transfer went unnoticed"
+
+
+def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: ParallelPair) -> None:
+    pair.close()
+    logs = sorted(pair.logs.glob("*.jsonl"))
+    workers = [f for f in logs if ".worker." in f.name]
+    assert len(workers) == pair.p_par.ranks + pair.d_par.ranks, [f.name for f in logs]
+    report = analyse(logs)
+    assert not report.findings, [str(f) for f in report.findings]
+    assert {m.final_state for m in report.machines if m.lifecycle == "recv"} == {"done"}
+    assert {m.final_state for m in report.machines if m.lifecycle == "send"} == {"released"}
+    # A worker that wrote its clean stop shows nothing live. vLLM's API server stops its
+    # engines in "abort" mode (no shutdown timeout) and force-kills their worker
+    # processes, often before a worker's stop is written: then the replay above, which
+    # found every machine of every process terminal, is what says nothing was left.
+    for f in workers:
+        stops = [r for r in read_records([f]) if r.get("event") == "worker.shutdown"]
+        if stops:
+            assert stops[-1]["clean"] and stops[-1]["live"] == {"recv": {}, "send": {}}, (f.name, stops)
