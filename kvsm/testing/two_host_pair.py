@@ -57,7 +57,7 @@ class TwoHostPair:
 
     def __init__(self, hosts: TwoHosts, model: str, workdir: Path, *, connector: str = "KVSMConnector",
                  extra_config: dict[str, Any] | None = None, kv_load_failure_policy: str = "recompute",
-                 router_timeout_s: float = 60.0, log_stats: bool = True) -> None:
+                 router_timeout_s: float = 60.0, log_stats: bool = True, prefill_tp: int = 1) -> None:
         self.hosts = hosts
         self.model = model
         self.workdir = workdir
@@ -72,6 +72,10 @@ class TwoHostPair:
             spec.log_stats = log_stats
             spec.extra_args = (*spec.extra_args, "--shutdown-timeout", "10")
         d_spec.kv_load_failure_policy = kv_load_failure_policy
+        if prefill_tp > 1:  # a worker process per rank, one per core (vLLM-CPU needs the binding)
+            p_spec.cpu = None
+            p_spec.extra_args = (*p_spec.extra_args, "--tensor-parallel-size", str(prefill_tp))
+            p_spec.env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(prefill_tp))
         self.prefill = VLLMServer(p_spec, model, workdir)
         self.decode = VLLMServer(d_spec, model, workdir)
         self.router = RouterProcess([f"http://{hosts.prefill.front_addr}:{p_spec.port}"],

@@ -1,0 +1,131 @@
+"""``kill -9`` of one prefill rank while the decode side's reads from both ranks
+are in flight, on real engines across two hosts.
+
+A TP 2 prefill server on one host (``kvsm.testing.netns``), a TP 1 decode server
+on the other (2 -> 1: the decode worker reads one KV head from each prefill
+rank, two NIXL reads), UCX on TCP over the KV link, capped at 2 Mbit/s so that a
+400-token prompt's reads take about two seconds. Once the decode worker has
+posted both reads (its ``reads_posted`` record), prefill rank 1's worker process
+is killed. Then:
+
+* the client still gets the right answer: the decode engine recomputes the
+  prompt (``kv_load_failure_policy: recompute``), equal to the decode engine
+  computing it alone;
+* the request fails from ``transferring`` through ``failing``: the blocks go
+  back to vLLM only once no read, rank 0's included, can still write into them;
+* the decode engine holds nothing afterwards and serves on;
+* the decode engine's logs replay clean and name the cause.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from conftest import require, require_all
+
+require("vllm")
+require("nixl")
+
+from kvsm.replay import analyse
+from kvsm.testing import build_tiny_model
+from kvsm.testing.netns import TwoHosts, netns_unavailable_reason
+from kvsm.testing.reliability import live_kvsm_requests, read_records, wait_until
+from kvsm.testing.two_host_pair import TwoHostPair
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+_REASON = netns_unavailable_reason()
+if _REASON is not None:
+    if require_all():
+        pytest.fail(f"two-host tests cannot run: {_REASON}, and KVSM_REQUIRE_ALL or CI is set", pytrace=False)
+    pytest.skip(f"two-host tests need network namespaces: {_REASON}", allow_module_level=True)
+
+KVSM_CONFIG = {"kv_lease_duration": 10.0, "handshake_timeout": 5, "stall_timeout": 2,
+               "peer_backoff": 1, "peer_backoff_max": 4}
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHostPair]:
+    model = str(build_tiny_model())
+    hosts = TwoHosts()
+    try:
+        p = TwoHostPair(hosts, model, tmp_path_factory.mktemp("tp2h"), extra_config=KVSM_CONFIG, prefill_tp=2)
+        try:
+            yield p.start()
+        finally:
+            p.close()
+    finally:
+        hosts.close()
+
+
+def _alone(pair: TwoHostPair, prompt: list[int], salt: str) -> str:
+    """The decode engine computing ``prompt`` by itself (a salt keeps it off any cached block)."""
+    out = pair.decode.post("/v1/completions", {"model": pair.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                               "temperature": 0, "ignore_eos": True, "cache_salt": salt})
+    text: str = out["choices"][0]["text"]
+    return text
+
+
+def _recv(pair: TwoHostPair, rid: str) -> list[dict[str, Any]]:
+    return [r for r in read_records(sorted(pair.logs.glob("decode.worker.*.jsonl")))
+            if r.get("lifecycle") == "recv" and rid in (r.get("req") or "")]
+
+
+def test_kill_9_of_one_prefill_rank_mid_read(pair: TwoHostPair) -> None:
+    warm = list(range(20, 420))
+    took, out = pair.complete(warm, MAX_TOKENS, rid="warm")  # both prefill ranks' agents known
+    assert "error" not in out, out
+    assert any(r.get("dst") == "done" for r in wait_until(lambda: _recv(pair, "warm") or None, 10, "warm-up")), \
+        _recv(pair, "warm")
+
+    victim = list(range(500, 900))
+    reference = _alone(pair, victim, "reference")
+    follow = list(range(1000, 1100))
+    follow_reference = _alone(pair, follow, "before")
+    pair.hosts.rate_limit("2mbit")
+    answer: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: answer.update(zip(("took", "out"), pair.complete(
+        victim, MAX_TOKENS, rid="victim"))), daemon=True)
+    thread.start()
+    posted = wait_until(lambda: [r for r in _recv(pair, "victim") if r.get("event") == "reads_posted"] or None,
+                        20, "the decode worker's reads_posted for the victim")
+    assert len(posted) == 1, posted
+    (rank1,) = sorted(pair.logs.glob("prefill.worker.rank1.*.jsonl"))
+    os.kill(int(rank1.name.split(".")[-2]), signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(60)
+    pair.hosts.heal()
+    assert not thread.is_alive(), "no answer within 60 s"
+    assert "error" not in answer["out"], answer
+    assert answer["out"]["choices"][0]["text"] == reference  # recomputed by the decode engine
+    assert time.monotonic() - killed_at < 15
+
+    recs = wait_until(lambda: (r := _recv(pair, "victim")) and r[-1].get("dst") == "failed" and r, 15,
+                      "the victim's machine failed")
+    steps = [(r["event"], r.get("src"), r["dst"]) for r in recs if r.get("kind") == "transition"]
+    # Both reads were in flight (one request, two prefill ranks: one reads_posted with two sources);
+    # the failure came while transferring, and the blocks went back only from failing, once no
+    # read could still write.
+    assert any(src == "transferring" and dst == "failing" for _, src, dst in steps), steps
+    assert steps[-1][1] == "failing", steps
+    matched = next(r for r in recs if r.get("event") == "matched")
+    assert matched["input"]["sources"] == 2, matched
+
+    # The decode engine holds nothing and serves on (the prefill engine died with its rank).
+    assert not {k: v for k, v in live_kvsm_requests(pair.decode.metrics()).items()
+                if k.startswith(("recv:", "send:"))}
+    assert _alone(pair, follow, "after") == follow_reference
+
+    pair.close()
+    report = analyse(sorted(pair.logs.glob("decode.*.jsonl")))
+    assert not report.findings, [str(f) for f in report.findings][:10]
+    (cause,) = [c for c in report.causes if c.lifecycle == "recv" and "victim" in c.req]
+    assert cause.line, cause
