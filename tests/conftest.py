@@ -41,6 +41,18 @@ def require_all() -> bool:
     return _env_set("KVSM_REQUIRE_ALL") or _env_set("CI")
 
 
+def require_netns() -> None:
+    """Skip the calling test module where network namespaces cannot be made (fail
+    it instead when :func:`require_all`: CI runs the two-host tests). Module level."""
+    from kvsm.testing.netns import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        if require_all():
+            pytest.fail(f"two-host tests cannot run: {reason}, and KVSM_REQUIRE_ALL or CI is set", pytrace=False)
+        pytest.skip(f"two-host tests need network namespaces: {reason}", allow_module_level=True)
+
+
 def require(module: str, reason: str = "") -> ModuleType:
     """Import and return ``module`` for the calling test module; skip that module
     when its distribution is not installed, or fail when :func:`require_all`.

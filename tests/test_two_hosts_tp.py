@@ -28,24 +28,20 @@ from typing import Any
 
 import pytest
 
-from conftest import require, require_all
+from conftest import require, require_netns
 
 require("vllm")
 require("nixl")
 
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
-from kvsm.testing.netns import TwoHosts, netns_unavailable_reason
+from kvsm.testing.netns import TwoHosts
 from kvsm.testing.reliability import live_kvsm_requests, read_records, wait_until
 from kvsm.testing.two_host_pair import TwoHostPair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-_REASON = netns_unavailable_reason()
-if _REASON is not None:
-    if require_all():
-        pytest.fail(f"two-host tests cannot run: {_REASON}, and KVSM_REQUIRE_ALL or CI is set", pytrace=False)
-    pytest.skip(f"two-host tests need network namespaces: {_REASON}", allow_module_level=True)
+require_netns()
 
 KVSM_CONFIG = {"kv_lease_duration": 10.0, "handshake_timeout": 5, "stall_timeout": 2,
                "peer_backoff": 1, "peer_backoff_max": 4}
