@@ -176,10 +176,10 @@ def _closed(port: int) -> bool:
     return False
 
 
-@pytest.mark.timeout(1100)
+@pytest.mark.timeout(900)
 def test_bench_servers_smoke(tmp_path: Path) -> None:
     """Sections 6 and 7 on real servers, kvsm and upstream pairs one after the other."""
-    out, data = _run(tmp_path, "e2e,handshake", timeout=840)
+    out, data = _run(tmp_path, "e2e,handshake", timeout=600)
 
     e2e = _table(out, 6, "e2e")
     for start in ("decode TTFT p50", "decode TTFT p99", "end to end p50", "end to end p99", "end to end max",
@@ -218,17 +218,10 @@ def test_bench_servers_smoke(tmp_path: Path) -> None:
             assert r["completed"] == 16 and r["failed"] == 0 and r["total_output_tokens"] == 16 * 16, (label, rate, r)
             assert r["max_concurrency"] == 8 and float(r["request_rate"]) == float(rate), (label, r)
     assert set(runs) == {"kvsm", "upstream"} and all(len(rs) == 1 for rs in runs.values()), runs.keys()
-    # TP 1 -> 2 (a TP 2 decode server): the same client, kvsm and upstream side by side, every prompt answered.
-    tp_title = "TP 1 -> 2 (a TP 1 prefill server on core 0, a TP 2 decode server, a worker per core)"
-    for measure in ("TTFT p50", "TTFT p99", "TPOT p50"):
-        row = _find(e2e, f"{tp_title}, vllm bench serve, rate 8/s: {measure}")
-        _side_by_side(row)
-        assert _num(row[1]) > 0 and _num(row[2]) > 0, row
-    row = _find(e2e, f"{tp_title}, vllm bench serve, rate 8/s: failed requests (of 16)")
-    assert row[1] == "0" and row[2] == "0", row
-    for label, (tp_run,) in extra["tp_runs"].items():
-        r = tp_run["serve"]["8"]
-        assert r["completed"] == 16 and r["failed"] == 0 and r["total_output_tokens"] == 16 * 16, (label, r)
+    # The TP 1 -> 2 rows are left out at --smoke (two more server pairs: CI's time), and it says so.
+    assert "tp_runs" not in extra and not any(measure.startswith("TP 1 -> 2") for measure in e2e), list(e2e)
+    assert any("TP 1 -> 2 rows are not run at --smoke" in n for n in data["sections"]["e2e"]["notes"]), \
+        data["sections"]["e2e"]["notes"]
     for label, (run,) in runs.items():
         # first + second + the demo's 11 + 4 through the router at once + 4 straight to the decode engine
         assert len(run["requests"]) == 21, (label, len(run["requests"]))

@@ -128,6 +128,7 @@ QUICK_SIZES = Sizes((200, 1_000), 256, 50_000, 200_000, 100_000, 10, 200, worker
                     scale_sim=(500, 5_000), scale_worker=(500, 5_000))
 SMOKE_SIZES = Sizes((64, 256), 64, 5_000, 20_000, 10_000, 3, 100, worker_inflight=(4, 16), worker_steps=5,
                     transfer_blocks=64, transfer_block_kib=16, e2e_requests=4, hs_server_repeat=1, serve_prompts=16,
+                    tp_rows=False,
                     scale_sched=(64, 256), scale_sim=(50, 200), scale_worker=(64, 256))
 
 
@@ -934,11 +935,14 @@ def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
         return lambda run: max(load_values(run, what), default=math.nan)
 
     serve_rows(sec, runs, singles, failed, sizes.serve_prompts)
-    tp_runs = _runs_per_connector(
-        repeat, lambda label, connector, model, rep: tp_pair_serve(
-            connector, model, tmp / f"e2e-{rep}-tp-{label}", num_prompts=sizes.serve_prompts, seed=7 + rep,
-            event_log_dir=tmp / f"e2e-{rep}-tp-{label}" / "event-logs" if connector == "KVSMConnector" else None))
-    tp_rows(sec, tp_runs, sizes.serve_prompts)
+    if sizes.tp_rows:  # (not at --smoke: CI's time; tests/test_e2e_servers_parallel.py runs such pairs)
+        tp_runs = _runs_per_connector(
+            repeat, lambda label, connector, model, rep: tp_pair_serve(
+                connector, model, tmp / f"e2e-{rep}-tp-{label}", num_prompts=sizes.serve_prompts, seed=7 + rep,
+                event_log_dir=tmp / f"e2e-{rep}-tp-{label}" / "event-logs" if connector == "KVSMConnector" else None))
+        tp_rows(sec, tp_runs, sizes.serve_prompts)
+    else:
+        sec.notes.append("the TP 1 -> 2 rows are not run at --smoke (two more server pairs).")
     p50_target = Target("ratio_max", 1.0, "<= 1.0x")
     p99_target = Target("ratio_max", 0.5, "<= 0.5x")
     n = sizes.e2e_requests

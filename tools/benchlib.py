@@ -232,6 +232,7 @@ class Sizes:
     transfer_block_kib: int = 64  # 3. bytes per block
     e2e_requests: int = 50  # 6. concurrent requests after the prompt mix
     serve_prompts: int = 200  # 6. vllm bench serve --num-prompts, per rate
+    tp_rows: bool = True  # 6. the TP 1 -> 2 rows (two more server pairs, ~1 min each)
     hs_server_repeat: int = E2E_DEFAULT_REPEAT  # 7. most repetitions on servers (0: none), ~2 min each
     scale_sched: tuple[int, ...] = (1_000, 10_000, 100_000)  # 8. requests through vLLM's Scheduler
     scale_sim: tuple[int, ...] = (1_000, 10_000, 100_000)  # 8. requests through the simulation
