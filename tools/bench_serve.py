@@ -153,11 +153,11 @@ def tp_pair_serve(connector: str, model: str, workdir: Path, *, num_prompts: int
     http_p, http_d, side_p, side_d = free_ports(4)
     logs = str(event_log_dir) if event_log_dir is not None else None
     prefill = VLLMServer(ServerSpec("prefill", "kv_producer", http_p, side_p, "prefill", cpu=0, connector=connector,
-                                    event_log_dir=logs), model, workdir)
+                                    event_log_dir=logs, own_session=False), model, workdir)
     decode = VLLMServer(ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", cpu=None, connector=connector,
                                    event_log_dir=logs, extra_args=["--tensor-parallel-size", "2"],
-                                   env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}), model, workdir)
-    router = RouterProcess([prefill.url], [decode.url], workdir, timeout_s=SERVE_TIMEOUT_S)
+                                   env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, own_session=False), model, workdir)
+    router = RouterProcess([prefill.url], [decode.url], workdir, timeout_s=SERVE_TIMEOUT_S, own_session=False)
     t0 = time.perf_counter()
     try:
         for s in (prefill, decode):

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvsm.replay import analyse
     from kvsm.testing import build_tiny_model
-    from kvsm.testing.servers import VLLMServer, free_port, group_kwargs, pd_specs
+    from kvsm.testing.servers import VLLMServer, free_port, pd_specs
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvsm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         router = subprocess.Popen(
             [sys.executable, "-m", "kvsm.router", "--prefill", prefill.url, "--decode", decode.url,
              "--port", str(router_port), "--host", "127.0.0.1"],
-            cwd=str(REPO), stdout=router_log, stderr=subprocess.STDOUT, **group_kwargs())
+            cwd=str(REPO), stdout=router_log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
             try:

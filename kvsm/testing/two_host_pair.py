@@ -73,6 +73,7 @@ class TwoHostPair:
             spec.extra_args = (*spec.extra_args, "--shutdown-timeout", "10")
         d_spec.kv_load_failure_policy = kv_load_failure_policy
         if prefill_tp > 1:  # a worker process per rank, one per core (vLLM-CPU needs the binding)
+            p_spec.own_session = d_spec.own_session = False  # one session: see kvsm.testing.servers
             p_spec.cpu = None
             p_spec.extra_args = (*p_spec.extra_args, "--tensor-parallel-size", str(prefill_tp))
             p_spec.env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(prefill_tp))
@@ -81,7 +82,7 @@ class TwoHostPair:
         self.router = RouterProcess([f"http://{hosts.prefill.front_addr}:{p_spec.port}"],
                                     [f"http://127.0.0.1:{d_spec.port}"], workdir, timeout_s=router_timeout_s,
                                     netns=hosts.decode.netns, bind_host="0.0.0.0",
-                                    url_host=hosts.decode.client_addr)
+                                    url_host=hosts.decode.client_addr, own_session=prefill_tp == 1)
 
     def start(self, ready_timeout: float = 600.0) -> TwoHostPair:
         try:
