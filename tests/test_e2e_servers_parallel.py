@@ -64,7 +64,8 @@ class Parallel:
 
     def server_fields(self) -> dict[str, Any]:
         args = [*(["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []),
-                *(["--data-parallel-size", str(self.dp)] if self.dp > 1 else [])]
+                *(["--data-parallel-size", str(self.dp)] if self.dp > 1 else []),
+                "--shutdown-timeout", "10"]  # (its engines stop in order: each worker writes its clean stop)
         # Two worker processes: a core each (vLLM-CPU refuses to start TP 2 without it).
         return {"cpu": None, "extra_args": args, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "own_session": False}
 
@@ -205,11 +206,13 @@ def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: Par
     assert not report.findings, [str(f) for f in report.findings]
     assert {m.final_state for m in report.machines if m.lifecycle == "recv"} == {"done"}
     assert {m.final_state for m in report.machines if m.lifecycle == "send"} == {"released"}
-    # A worker that wrote its clean stop shows nothing live. vLLM's API server stops its
-    # engines in "abort" mode (no shutdown timeout) and force-kills their worker
-    # processes, often before a worker's stop is written: then the replay above, which
-    # found every machine of every process terminal, is what says nothing was left.
+    # Every worker's clean stop shows nothing live (the servers run with a shutdown
+    # timeout: without one, vLLM's API server stops its engines in "abort" mode and
+    # force-kills their workers before they can write it).
+    stopped = []
     for f in workers:
         stops = [r for r in read_records([f]) if r.get("event") == "worker.shutdown"]
         if stops:
+            stopped.append(f.name)
             assert stops[-1]["clean"] and stops[-1]["live"] == {"recv": {}, "send": {}}, (f.name, stops)
+    assert len(stopped) == len(workers), f"clean stops from {stopped} of {[f.name for f in workers]}"
