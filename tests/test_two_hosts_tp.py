@@ -3,8 +3,8 @@ are in flight, on real engines across two hosts.
 
 A TP 2 prefill server on one host (``kvsm.testing.netns``), a TP 1 decode server
 on the other (2 -> 1: the decode worker reads one KV head from each prefill
-rank, two NIXL reads), UCX on TCP over the KV link, capped at 2 Mbit/s so that a
-400-token prompt's reads take about two seconds. Once the decode worker has
+rank, two NIXL reads), UCX on TCP over the KV link, capped at 1 Mbit/s so that a
+400-token prompt's reads take about four seconds. Once the decode worker has
 posted both reads (its ``reads_posted`` record), prefill rank 1's worker process
 is killed. Then:
 
@@ -86,7 +86,7 @@ def test_kill_9_of_one_prefill_rank_mid_read(pair: TwoHostPair) -> None:
     reference = _alone(pair, victim, "reference")
     follow = list(range(1000, 1100))
     follow_reference = _alone(pair, follow, "before")
-    pair.hosts.rate_limit("2mbit")
+    pair.hosts.rate_limit("1mbit")
     answer: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: answer.update(zip(("took", "out"), pair.complete(
         victim, MAX_TOKENS, rid="victim"))), daemon=True)
