@@ -44,7 +44,7 @@ from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
 from kvsm.testing.reliability import read_records, wait_until
-from kvsm.testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, stop_pair
+from kvsm.testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, running_pair, stop_pair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -86,16 +86,6 @@ class ParallelPair:
         self.decode = VLLMServer(ServerSpec("decode", "kv_consumer", http_d, side_d, "decode", **common,
                                             **self.d_par.server_fields()), self.model, tmp)
         self.router = RouterProcess([self.prefill.url], [self.decode.url], tmp, own_session=False)
-        self.closed = False
-        try:
-            for s in (self.prefill, self.decode):
-                s.start()
-            for s in (self.prefill, self.decode):
-                s.wait_ready(timeout=600)
-            self.router.start()
-        except BaseException:
-            self.close()
-            raise
 
     def complete(self, url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -112,18 +102,14 @@ class ParallelPair:
         return list(ids)
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            stop_pair(self.prefill, self.decode, self.router)
+        stop_pair(self.prefill, self.decode, self.router)  # (idempotent: the fixture stops them again)
 
 
 @pytest.fixture(scope="module", params=sorted(DEPLOYMENTS))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ParallelPair]:
     p = ParallelPair(request.param, tmp_path_factory.mktemp(f"e2e-{request.param}"))
-    try:
+    with running_pair(p.prefill, p.decode, p.router):
         yield p
-    finally:
-        p.close()
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:

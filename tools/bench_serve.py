@@ -147,7 +147,7 @@ def tp_pair_serve(connector: str, model: str, workdir: Path, *, num_prompts: int
     bench serve`` at ``TP_RATE``. Every process in this session (see
     ``kvsm.testing.servers``: in sessions of their own the TP 2 workers' spinning
     starves the prefill server on this kernel)."""
-    from kvsm.testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, stop_pair
+    from kvsm.testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, running_pair
 
     workdir.mkdir(parents=True, exist_ok=True)
     http_p, http_d, side_p, side_d = free_ports(4)
@@ -159,12 +159,7 @@ def tp_pair_serve(connector: str, model: str, workdir: Path, *, num_prompts: int
                                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, own_session=False), model, workdir)
     router = RouterProcess([prefill.url], [decode.url], workdir, timeout_s=SERVE_TIMEOUT_S, own_session=False)
     t0 = time.perf_counter()
-    try:
-        for s in (prefill, decode):
-            s.start()
-        for s in (prefill, decode):
-            s.wait_ready(timeout=600)
-        router.start(ready_timeout=60)
+    with running_pair(prefill, decode, router):
         startup_s = time.perf_counter() - t0
         warm = {"model": model, "prompt": list(range(10, 10 + SERVE_INPUT_LEN)), "max_tokens": SERVE_OUTPUT_LEN,
                 "temperature": 0, "ignore_eos": True}
@@ -175,8 +170,6 @@ def tp_pair_serve(connector: str, model: str, workdir: Path, *, num_prompts: int
         serve = {TP_RATE: vllm_bench_serve(router.url, model, workdir, rate=TP_RATE, num_prompts=num_prompts,
                                            seed=seed)}
         return {"serve": serve, "startup_s": startup_s}
-    finally:
-        stop_pair(prefill, decode, router)
 
 
 def tp_rows(sec: Section, runs: dict[str, list[dict[str, Any]]], num_prompts: int) -> None:
