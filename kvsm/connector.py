@@ -171,11 +171,6 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.kv_groups = kv_groups_of(kv_cache_config)
         cfg = KVSMConfig.from_vllm(vllm_config)
-        if cfg.pp_size > 1:
-            # Each stage would register only its own layers; reading a request then means one read
-            # per stage into a subset of the decode side's layers, which is not built yet.
-            raise ValueError(f"KVSMConnector: pipeline_parallel_size={cfg.pp_size} is not supported yet; kvsm "
-                             f"moves the KV cache of engines with pipeline parallel 1 (any tensor parallel size)")
         if any(g.kind.startswith("mamba") for g in self.kv_groups):
             # Its conv and recurrent state are split over heads inside one page, not heads-major.
             cfg = dataclasses.replace(cfg, tp_share="none: Mamba/GDN state pages are not laid out by heads")
@@ -192,11 +187,12 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                                             hold_back_tokens=int(any(g.kind.startswith("mamba")
                                                                      for g in self.kv_groups)))
         else:
-            rank = _tp_rank()
+            rank, stage = _tp_rank(), _pp_rank()
             # One source per worker: vLLM adds their state counts up.
-            self.stats = StatsRecorder(source=f"{self.cfg.engine_id}/tp{rank}")
-            self._worker = WorkerHalf(self.cfg, rank, event_log=_open_log(self.cfg, "worker", rank),
-                                      stats=self.stats)
+            self.stats = StatsRecorder(source=f"{self.cfg.engine_id}/tp{rank}" + (f"/pp{stage}" if stage else ""))
+            # (a pipeline stage's workers hold a run of the layers: see kvsm.worker.recv)
+            self._worker = WorkerHalf(self.cfg, rank, pp_rank=stage, stats=self.stats,
+                                      event_log=_open_log(self.cfg, "worker", stage * self.cfg.tp_size + rank))
 
     # ================================================================ worker side
 
@@ -227,14 +223,17 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                 f"{'cuda' if layout.mem_type == 'VRAM' else 'cpu'}")
         if layout.mem_type == "DRAM":
             _allow_amx(kv_caches)
-        name = f"kvsm-{self.cfg.engine_id}-dp{self.cfg.dp_rank}-tp{worker.tp_rank}"
+        name = (f"kvsm-{self.cfg.engine_id}-dp{self.cfg.dp_rank}-tp{worker.tp_rank}"
+                + (f"-pp{worker.pp_rank}" if worker.pp_rank else ""))
         transport = NixlTransport(name, layout, backends=self.cfg.backends, num_threads=self.cfg.num_threads)
         first = next(iter(kv_caches.values()))
         model_config = self._vllm_config.model_config
         compat = CompatInfo(
             model=str(model_config.model),
             dtype=str(first.dtype).removeprefix("torch."),
-            num_layers=len(kv_caches),
+            # The model's, not this worker's: pipeline stages hold runs of the layers (the
+            # layouts then say which, and a read moves the layers both workers hold).
+            num_layers=int(model_config.get_total_num_hidden_layers()),
             # The model's, not this rank's: engines of other tensor parallel sizes agree on it.
             num_kv_heads=self.cfg.kv_heads,
             head_size=int(model_config.get_head_size()),
@@ -379,6 +378,16 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             raise RuntimeError("KVSMConnector: a scheduler-side method was called on the worker-side instance")
         return self._scheduler
+
+
+def _pp_rank() -> int:
+    """This worker's pipeline parallel stage (0 where vLLM's groups are not set up)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except (AssertionError, RuntimeError, ImportError, AttributeError):
+        return int(os.environ.get("KVSM_PP_RANK", "0"))
 
 
 def _tp_rank() -> int:

@@ -56,6 +56,9 @@ class RecvStart(_RemoteRequest, frozen=True):
     local_segments: tuple[int, ...] = ()
     remote_segments: tuple[int, ...] = ()
     block_sizes: tuple[int, int] = (0, 0)  # (local, remote) tokens per block when segmented
+    # The prefill engine's pipeline parallel stages: each holds a run of the model's
+    # layers, and the request reads each stage's from that stage's workers.
+    remote_pp_size: int = 1
 
     def group_block_ids(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(local, remote) block ids of each KV cache group."""
@@ -79,6 +82,8 @@ class RecvAbort(msgspec.Struct, frozen=True):
 class RecvAbandon(_RemoteRequest, frozen=True):
     """Decode side: a remote-prefill request ended before any block was
     allocated; the prefill side must be told so it can unpin at once."""
+
+    remote_pp_size: int = 1
 
 
 class SendStart(msgspec.Struct, frozen=True):
@@ -109,6 +114,7 @@ class HeartbeatTarget(msgspec.Struct, frozen=True):
     remote_port: int
     remote_tp_size: int
     claims: tuple[str, ...]
+    remote_pp_size: int = 1
 
 
 # --- one step ----------------------------------------------------------------
@@ -165,6 +171,7 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_block_ids: tuple[tuple[int, ...], ...]  # one tuple per KV cache group, by position (0: none)
     remote_num_tokens: int | None
     remote_block_size: int | None = None  # tokens per prefill block (kvsm's key; None: not said)
+    remote_pp_size: int = 1  # the prefill engine's pipeline stages (each holds a run of the layers)
 
 
 # The prefill's fingerprint of the prompt tokens it computed (kvsm's own key; other
@@ -175,6 +182,8 @@ PROMPT_FINGERPRINT_KEY = "kvsm_prompt_fingerprint"
 # version): a decode engine given params without it warns that the producer may
 # run another connector, whose side channel kvsm does not speak.
 PRODUCER_KEY = "kvsm_protocol"
+# Pipeline stages a decode request reads from at most (one claim and read per stage and rank).
+MAX_PP_SIZE = 64
 # CPython hashes ints modulo this prime and combines a tuple's items without a
 # per-process seed, so two processes agree; the scheme names it, and a peer
 # with another scheme is not checked rather than refused.
@@ -248,6 +257,9 @@ def parse_remote_params(params: Mapping[str, Any]) -> RemoteParams:
     tp_size = params.get("tp_size", 1)
     if type(tp_size) is not int or tp_size < 1:
         raise BadTransferParams(f"tp_size must be a positive integer, got {tp_size!r}")
+    pp_size = params.get("pp_size", 1)
+    if type(pp_size) is not int or not 1 <= pp_size <= MAX_PP_SIZE:
+        raise BadTransferParams(f"pp_size must be an integer from 1 to {MAX_PP_SIZE}, got {pp_size!r}")
     num_tokens = params.get("remote_num_tokens")
     if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 0):
         raise BadTransferParams(f"remote_num_tokens must be a non-negative integer, got {num_tokens!r}")
@@ -261,4 +273,4 @@ def parse_remote_params(params: Mapping[str, Any]) -> RemoteParams:
         remote_engine=params["remote_engine_id"], remote_req=params["remote_request_id"],
         remote_host=params["remote_host"], remote_port=port, remote_tp_size=tp_size,
         remote_block_ids=_block_ids(params["remote_block_ids"]), remote_num_tokens=num_tokens,
-        remote_block_size=block_size)
+        remote_block_size=block_size, remote_pp_size=pp_size)

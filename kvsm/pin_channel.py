@@ -123,6 +123,7 @@ class PinTarget:
     pid: int
     endpoint: str
     token: bytes
+    pp_rank: int = 0  # its pipeline stage (every stage's workers hold pins of their own layers)
 
 
 def _socket_directory() -> str:
@@ -162,8 +163,9 @@ class PinChannelServer:
         self._sock = sock
         _register_in_process(self.token, self.post_in_process)
 
-    def target(self, tp_rank: int) -> PinTarget:
-        return PinTarget(tp_rank=tp_rank, pid=os.getpid(), endpoint=self.endpoint, token=self.token)
+    def target(self, tp_rank: int, pp_rank: int = 0) -> PinTarget:
+        return PinTarget(tp_rank=tp_rank, pid=os.getpid(), endpoint=self.endpoint, token=self.token,
+                         pp_rank=pp_rank)
 
     def sockets(self) -> list[zmq.Socket]:
         return [self._sock]
@@ -241,7 +243,7 @@ class PinChannelClient:
         self._remote: list[tuple[PinTarget, zmq.Socket]] = []
         self._lock = threading.Lock()
         ctx = context or zmq.Context.instance()
-        for t in sorted(targets, key=lambda t: t.tp_rank):
+        for t in sorted(targets, key=lambda t: (t.pp_rank, t.tp_rank)):
             post = _in_process(t.token) if t.pid == os.getpid() else None
             if post is not None:
                 self._direct.append((t.tp_rank, post))

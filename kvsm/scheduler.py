@@ -113,12 +113,12 @@ class SchedulerHalf:
         self._bad: dict[str, str] = {}  # request -> why its kv_transfer_params were ignored
         self._foreign: set[str] = set()  # prefill engines whose params lacked PRODUCER_KEY (warned once)
         # Heartbeat claims per prefill worker group: (engine, host, port, tp) -> remote ids.
-        self._claims: dict[tuple[str, str, int, int], set[str]] = defaultdict(set)
+        self._claims: dict[tuple[str, str, int, int, int], set[str]] = defaultdict(set)
         # The one request of this engine that reads each prefill request, until it finishes:
         # (engine, host, port, tp, remote id) -> request.
-        self._reader_of: dict[tuple[str, str, int, int, str], str] = {}
-        self._reads_from: dict[str, tuple[str, str, int, int, str]] = {}  # its inverse
-        self._claim_key: dict[str, tuple[tuple[str, str, int, int], str]] = {}
+        self._reader_of: dict[tuple[str, str, int, int, int, str], str] = {}
+        self._reads_from: dict[str, tuple[str, str, int, int, int, str]] = {}  # its inverse
+        self._claim_key: dict[str, tuple[tuple[str, str, int, int, int], str]] = {}
         self._next_heartbeat = time.monotonic() + cfg.heartbeat_interval_s
         self._step = 0
         self._meta = KVSMConnectorMetadata(0)
@@ -133,7 +133,8 @@ class SchedulerHalf:
         self._pins = PinChannelClient(targets) if targets else None
         self._note("sched.workers_connected", None, workers=len(targets),
                    via=self._pins.via if self._pins else None,
-                   ranks=sorted(t.tp_rank for t in targets), pin_via_step=self._pin_via_step)
+                   ranks=sorted(t.tp_rank for t in targets), pin_via_step=self._pin_via_step,
+                   **({"stages": sorted({t.pp_rank for t in targets})} if any(t.pp_rank for t in targets) else {}))
 
     def _path(self) -> str:
         """How a finish decided now reaches the workers."""
@@ -203,12 +204,8 @@ class SchedulerHalf:
             self._ignore(req, f"the prefill engine's blocks hold {theirs} tokens, this engine's {ours}: blocks of "
                               f"different sizes are read in segments, so one size must divide the other")
             return
-        pp_size = params.get("pp_size", 1)
-        if pp_size != 1:
-            self._ignore(req, f"the prefill engine runs pipeline parallel {pp_size!r}: its layers are split over "
-                              f"{pp_size!r} workers, and kvsm reads from pipeline parallel 1 only")
-            return
-        key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size)
+        key = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size,
+               remote.remote_pp_size)
         source = (*key, remote.remote_req)
         if getattr(request, "abort_immediately", False):
             self._rejected_upstream(request, remote, source)
@@ -348,7 +345,7 @@ class SchedulerHalf:
             remote_host=remote.remote_host, remote_port=remote.remote_port,
             remote_tp_size=remote.remote_tp_size, remote_block_ids=remote_ids,
             local_block_ids=local, num_tokens=num_external_tokens, awaited=awaited, group_sizes=sizes,
-            problem=problem, **segmented))
+            problem=problem, remote_pp_size=remote.remote_pp_size, **segmented))
         # Only one transfer per request (vLLM may call again once it is loaded).
         params["do_remote_prefill"] = False
 
@@ -380,7 +377,7 @@ class SchedulerHalf:
             self._meta.recv_abandon.append(RecvAbandon(
                 req=req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
                 remote_host=remote.remote_host, remote_port=remote.remote_port,
-                remote_tp_size=remote.remote_tp_size))
+                remote_tp_size=remote.remote_tp_size, remote_pp_size=remote.remote_pp_size))
             self._note("sched.finished_unallocated", req, status=request.status.name)
         elif req in self._awaited:
             # Finished while its blocks were still being loaded (vLLM keeps them
@@ -471,8 +468,8 @@ class SchedulerHalf:
                 self._next_heartbeat = now + self.cfg.heartbeat_interval_s
                 meta.heartbeats = [
                     HeartbeatTarget(remote_engine=engine, remote_host=host, remote_port=port,
-                                    remote_tp_size=tp, claims=tuple(claims))
-                    for (engine, host, port, tp), claims in self._claims.items()]
+                                    remote_tp_size=tp, claims=tuple(claims), remote_pp_size=pp)
+                    for (engine, host, port, tp, pp), claims in self._claims.items()]
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

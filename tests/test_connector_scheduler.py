@@ -315,19 +315,28 @@ def test_bad_params_run_the_request_locally_and_say_why(tmp_path: Path) -> None:
     assert ignored and "remote_host" in ignored[0]["reason"]
 
 
-def test_a_pipeline_parallel_prefill_is_not_read_and_the_request_runs_locally(tmp_path: Path) -> None:
-    """kvsm reads from pipeline parallel 1 only: params from a PP 2 prefill (upstream's,
-    say) run the request here, saying why, rather than reading half its layers."""
+def test_a_pipeline_parallel_prefill_is_read_stage_by_stage(tmp_path: Path) -> None:
+    """Params from a prefill engine of pipeline parallel 2 are read: the worker is told
+    the stages (it reads each stage's layers from that stage's workers). A
+    ``pp_size`` that is not a positive integer (or more stages than kvsm reads
+    from) runs the request here, saying why."""
     with harness("kv_consumer", tmp_path) as h:
         params = {**remote_prefill_params(remote_block_ids=[1], remote_request_id="p-pp"), "pp_size": 2}
         h.add_request(20, kv_transfer_params=params, max_tokens=2, request_id="d-pp")
         s = h.step()
-        assert not meta_of(s).recv_start and "d-pp" in s.scheduled
+        starts = meta_of(s).recv_start
+        assert [(r.req, r.remote_pp_size, r.remote_tp_size) for r in starts] == [("d-pp", 2, 1)]
+        for n, bad in enumerate((0, "2", 2.0, 65)):
+            params = {**remote_prefill_params(remote_block_ids=[1], remote_request_id=f"p-bad{n}"), "pp_size": bad}
+            h.add_request(20, kv_transfer_params=params, max_tokens=2, request_id=f"d-bad{n}")
+            s = h.step()
+            assert not meta_of(s).recv_start and f"d-bad{n}" in s.scheduled
+        h.step(finished_recving={"d-pp"})
         h.run_until_idle()
         drained(h)
     records = log_records(h, tmp_path)
     ignored = [r["reason"] for r in records if r["event"] == "sched.params_ignored"]
-    assert ignored and "pipeline parallel 2" in ignored[0], ignored
+    assert len(ignored) == 4 and all("pp_size must be an integer from 1 to 64" in r for r in ignored), ignored
 
 
 def test_params_of_another_prompt_are_not_read_and_the_request_runs_locally(tmp_path: Path) -> None:

@@ -201,3 +201,56 @@ def test_a_clean_shutdown_ends_the_log_with_what_was_live(tmp_path: Any) -> None
     crashed = tmp_path / "crashed.jsonl"
     crashed.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
     assert [f.kind for f in analyse([crashed]).findings] == ["not_terminal_at_end"]
+
+
+def test_each_pipeline_stage_registers_its_layers_behind_the_engines_one_port(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine of pipeline parallel 2 (the tiny model's two layers, one per stage, as
+    vLLM splits them): each stage's worker registers its own layer under an agent of its
+    own, both say the model's layer count (so a decode engine of another split agrees
+    with them), stage 0 binds the engine's port, and a decode side asking for stage 1
+    there gets stage 1's agent and its layer's layout through the relay."""
+    import msgspec
+
+    from kvsm.handshake import HandshakeClient, MetadataReply
+    from kvsm.transport.nixl import NixlPeerInfo
+
+    cfg = {"side_channel_host": "127.0.0.1", "side_channel_port": _free_port()}
+    h = make_scheduler(kv_role="kv_producer", extra_config=cfg, engine_id="w-pp", pipeline_parallel_size=2)
+    h.close()
+    stages = []
+    try:
+        for stage in (1, 0):  # stage 1 first: its endpoint exists before stage 0 relays to it
+            monkeypatch.setenv("KVSM_PP_RANK", str(stage))
+            c = KVSMConnector(h.vllm_config, KVConnectorRole.WORKER, h.worker_kv_cache_configs[stage])
+            stages.append(c)
+            name = f"model.layers.{stage}.self_attn.attn"
+            c.register_kv_caches({name: torch.zeros(8, 2, 16, 64)})
+            worker = c.worker_half
+            assert worker is not None and worker.compat is not None and worker.pp_rank == stage
+            assert worker.agent_name == "kvsm-w-pp-dp0-tp0" + ("-pp1" if stage else "")
+            assert worker.compat.num_layers == 2
+        s1, s0 = (c.worker_half for c in stages)
+        assert s0 is not None and s1 is not None and s0.server is not None and s1.server is not None
+        assert s0.server.address.endswith(f":{cfg['side_channel_port']}") and "-tp0-pp1" in s1.server.address
+        assert s0.compat is not None
+        client = HandshakeClient(s0.compat, "decode-agent")
+        try:
+            rid = client.fetch_metadata(f"tcp://127.0.0.1:{cfg['side_channel_port']}", tp_rank=0, pp_rank=1,
+                                        deadline_ns=time.monotonic_ns() + 10 * 10**9)
+            end = time.monotonic() + 10
+            got = []
+            while not got and time.monotonic() < end:
+                got = client.poll_results() or [r for s in client.sockets() for r in client.on_readable(s)]
+                time.sleep(0.005)
+            (result,) = got
+            reply = result.outcome
+            assert result.request_id == rid and isinstance(reply, MetadataReply), reply
+            assert reply.agent_name == "kvsm-w-pp-dp0-tp0-pp1" and reply.pp_rank == 1
+            info = msgspec.msgpack.decode(reply.agent_metadata, type=NixlPeerInfo)
+            assert info.layout.layer_names() == ("model.layers.1.self_attn.attn",)
+        finally:
+            client.close()
+    finally:
+        for c in stages:
+            c.shutdown()

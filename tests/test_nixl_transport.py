@@ -338,20 +338,37 @@ def test_argument_errors(decode):
 
 
 def test_incompatible_layouts_are_named(decode):
+    """A layout whose blocks differ is refused, naming the first difference. A peer
+    holding some of our layers (a pipeline parallel stage) is loaded, and a read
+    from it fills those layers only; one sharing none of them, only notifies."""
     t, _ = decode()
     geom = dict(GEOM, head_size=64)  # twice the block bytes
     wide = NixlTransport("wide", describe_kv_caches(make_caches(1, **geom), num_blocks=64))
     one = NixlTransport("one-layer", describe_kv_caches(make_caches(1, **dict(GEOM, layers=1)),
                                                         num_blocks=64))
+    other = NixlTransport("other-layers", describe_kv_caches(
+        {f"model.other.{i}": c for i, c in enumerate(make_caches(1, **GEOM).values())}, num_blocks=64))
     try:
         with pytest.raises(ValueError, match=r"'wide'.*block_bytes of region 0.*local 8192, remote 16384"):
             t.add_peer(wide.metadata())
-        with pytest.raises(ValueError, match="number of regions: local 2, remote 1"):
-            t.add_peer(one.metadata())
         assert t.peers == []
+        assert t.add_peer(one.metadata()) == "one-layer"
+        assert t.layers_read("one-layer") == ("model.layers.0.self_attn.attn",)
+        assert t.read_layout("one-layer") is not None and len(t.read_layout("one-layer").regions) == 1
+        assert t.add_peer(other.metadata()) == "other-layers"
+        assert t.layers_read("other-layers") == () and t.read_layout("other-layers") is None
+        h = t.post_read("other-layers", [1, 2], [3, 4], b"nothing-shared")
+        assert t.check(h) is TransferState.DONE and t.release(h)
+        deadline = time.monotonic() + 5
+        got: list = []
+        while not got and time.monotonic() < deadline:
+            t.get_notifs()
+            got = other.get_notifs()
+        assert got == [(t.name, b"nothing-shared")]
     finally:
         wide.close()
         one.close()
+        other.close()
     t.close()
     t.close()
     with pytest.raises(RuntimeError, match="closed"):

@@ -41,16 +41,20 @@ MS = 1_000_000
 class Rank:
     """One rank's server and the loop thread that drives it (sockets, then expiry)."""
 
-    def __init__(self, rank: int, **kw: object) -> None:
+    def __init__(self, rank: int, pp_rank: int = 0, **kw: object) -> None:
         self.calls: list[tuple[str, list[str], int]] = []
-        self.server = HandshakeServer("prefill-e", COMPAT, self.provide, self.on_claims, rank=rank, **kw)  # type: ignore[arg-type]
+        self.server = HandshakeServer("prefill-e", COMPAT, self.provide, self.on_claims, rank=rank,  # type: ignore[arg-type]
+                                      pp_rank=pp_rank, **kw)
         self.rank = rank
+        self.pp_rank = pp_rank
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def provide(self, tp_rank: int, pp_rank: int) -> tuple[str, bytes, bytes, int] | None:
-        return (f"agent-tp{tp_rank}", b"meta", b"layout", 1) if tp_rank == self.rank else None
+        if (tp_rank, pp_rank) != (self.rank, self.pp_rank):
+            return None
+        return f"agent-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_rank else ""), b"meta", b"layout", 1
 
     def on_claims(self, kind: str, requester: str, claims: list[str], readers: int = 1) -> dict[str, str]:
         self.calls.append((kind, list(claims), readers))
@@ -138,6 +142,40 @@ def test_a_rank_that_does_not_answer_is_named_and_an_unknown_rank_refused(engine
     e = got[unknown].outcome
     assert isinstance(e, HandshakeRejected) and e.code == "unknown_rank" and "tp_rank=5" in str(e), e
     assert r0.server._relay.pending_count() == 0  # type: ignore[union-attr]
+
+
+def test_a_later_pipeline_stage_is_reached_through_the_engines_port(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipeline parallel: worker (tp 0, pp 1) binds its own private endpoint, and every
+    request for it (metadata and claim, heartbeat, abandon) reaches it through stage 0's
+    port and is answered by it; stage 0 answers for itself; a stage the engine does not
+    have is refused, naming it."""
+    monkeypatch.setenv("KVSM_RUNTIME_DIR", str(tmp_path))
+    endpoint = internal_endpoint("127.0.0.1", 0, "prefill-e", 0, 1)
+    assert endpoint.endswith("-tp0-pp1") and endpoint != internal_endpoint("127.0.0.1", 0, "prefill-e", 0)
+    s1 = Rank(0, pp_rank=1, internal=endpoint)
+    s0 = Rank(0, relay_to={(0, 1): endpoint})
+    client = HandshakeClient(COMPAT, "decode-agent-0")
+    try:
+        port = s0.server.address
+        deadline = time.monotonic_ns() + 10_000 * MS
+        meta = client.fetch_metadata(port, tp_rank=0, pp_rank=1, claims=["req-a"], deadline_ns=deadline)
+        beat = client.heartbeat(port, ["req-a"], deadline_ns=deadline, tp_rank=0, pp_rank=1)
+        gone = client.abandon(port, ["req-a"], deadline_ns=deadline, tp_rank=0, pp_rank=1, readers=2)
+        own = client.fetch_metadata(port, tp_rank=0, pp_rank=0, claims=["req-b"], deadline_ns=deadline)
+        unknown = client.fetch_metadata(port, tp_rank=0, pp_rank=2, claims=["req-c"], deadline_ns=deadline)
+        got = results(client, {meta, beat, gone, own, unknown})
+        reply = got[meta].outcome
+        assert isinstance(reply, MetadataReply) and (reply.agent_name, reply.pp_rank) == ("agent-tp0-pp1", 1)
+        assert isinstance(got[own].outcome, MetadataReply) and got[own].outcome.agent_name == "agent-tp0"
+        assert s1.calls == [("claim", ["req-a"], 1), ("heartbeat", ["req-a"], 1), ("abandon", ["req-a"], 2)]
+        assert s0.calls == [("claim", ["req-b"], 1)]
+        e = got[unknown].outcome
+        assert isinstance(e, HandshakeRejected) and e.code == "unknown_rank" and "pp_rank=2" in str(e), e
+    finally:
+        client.close()
+        s0.stop()
+        s1.stop()
 
 
 def _vllm_config(dp_index: int, tp: int, base: int) -> SimpleNamespace:

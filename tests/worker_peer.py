@@ -29,7 +29,13 @@ one reply on stdout. Commands (``w`` names a worker):
 
 A worker spec may carry ``"geometry"`` (overrides of ``GEOMETRY``, e.g. bigger
 blocks so that a read takes long enough to kill the process during it); the
-decode side must then use the same overrides.
+decode side must then use the same overrides. ``"pp_size"``, ``"pp_rank"`` and
+``"layers"`` (global layer indices) make it one pipeline parallel stage of its
+engine, holding those layers only (``pattern(seed)``'s rows of them); stage 0
+binds the engine's port and relays to the others.
+
+``pin_target`` w           where the worker's pin channel is (``PinTarget`` fields),
+                            for a real scheduler half to pin through
 
 Start-up prints ``{"ready": true, "pid": ..., "workers": {name: {"agent", "port"}}}``.
 A background thread drains every worker's ``take_results`` every 2 ms and
@@ -83,13 +89,17 @@ def pattern(seed: int, geom: dict[str, int] | None = None) -> np.ndarray:
                                                 dtype=np.int32)
 
 
-def make_caches(seed: int | None, geom: dict[str, int] | None = None) -> dict[str, Any]:
-    """Per-layer float32 KV caches: ``pattern(seed)`` (prefill) or zeros (``seed=None``, decode)."""
+def make_caches(seed: int | None, geom: dict[str, int] | None = None,
+                layers: list[int] | None = None) -> dict[str, Any]:
+    """Per-layer float32 KV caches: ``pattern(seed)`` (prefill) or zeros (``seed=None``, decode).
+    ``layers``: only those (a pipeline parallel stage's), each with its row of the pattern."""
     import torch
 
     caches = {}
     pat = pattern(seed, geom) if seed is not None else None
     for i, name in enumerate(layer_names(geometry(geom)["layers"])):
+        if layers is not None and i not in layers:
+            continue
         t = torch.zeros(shape(geom), dtype=torch.float32)
         if pat is not None:
             t.view(torch.int32).numpy()[...] = pat[i]
@@ -121,9 +131,9 @@ def config_fields(engine_id: str, kv_role: str, port: int, geom: dict[str, int] 
     return fields
 
 
-def agent_name(engine_id: str) -> str:
+def agent_name(engine_id: str, pp_rank: int = 0) -> str:
     """The agent name kvsm.connector gives rank 0 of ``engine_id`` (a restart keeps it)."""
-    return f"kvsm-{engine_id}-dp0-tp0"
+    return f"kvsm-{engine_id}-dp0-tp0" + (f"-pp{pp_rank}" if pp_rank else "")
 
 
 # --------------------------------------------------------------------- fault injection
@@ -292,13 +302,16 @@ class _Worker:
         self.engine_id = spec["engine_id"]
         self.port = spec["port"]
         self.geom = spec.get("geometry")
-        self.caches = make_caches(spec["seed"], self.geom)
-        self.transport = NixlTransport(agent_name(self.engine_id), describe_kv_caches(self.caches))
+        self.layers = spec.get("layers")
+        self.caches = make_caches(spec["seed"], self.geom, self.layers)
+        stage = spec.get("pp_rank", 0)
+        self.transport = NixlTransport(agent_name(self.engine_id, stage), describe_kv_caches(self.caches))
         self.compat = CompatInfo(**compat_fields(self.geom, **spec.get("compat", {})))
         self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_producer", self.port, self.geom,
-                                              lease_s=spec.get("lease_s", 30.0)))
-        self.log = EventLog(spec["log"], role="worker", engine_id=self.engine_id, rank=0) if spec.get("log") else None
-        self.half = WorkerHalf(self.cfg, 0, event_log=self.log)
+                                              lease_s=spec.get("lease_s", 30.0), pp_size=spec.get("pp_size", 1)))
+        self.log = (EventLog(spec["log"], role="worker", engine_id=self.engine_id, rank=stage)
+                    if spec.get("log") else None)
+        self.half = WorkerHalf(self.cfg, 0, pp_rank=stage, event_log=self.log)
         self.started = False
         self.sent: dict[str, float] = {}
         self.other: dict[str, list[str]] = {"recving": [], "failed": [], "invalid": []}
@@ -334,6 +347,8 @@ class _Worker:
 
         new = pattern(seed, self.geom)
         for i, name in enumerate(layer_names(geometry(self.geom)["layers"])):
+            if name not in self.caches:
+                continue  # another pipeline stage's layer
             self.caches[name].view(torch.int32).numpy()[blocks] = new[i][blocks]
 
     def drain(self) -> None:
@@ -415,6 +430,11 @@ class Peer:
                 f.restore()
             w.faults.clear()
             return {}
+        if op == "pin_target":
+            target = self.workers[cmd["w"]].half.pin_target()
+            assert target is not None, f"worker {cmd['w']} has no pin channel (not started?)"
+            return {"target": {"tp_rank": target.tp_rank, "pid": target.pid, "endpoint": target.endpoint,
+                               "token": target.token.hex(), "pp_rank": target.pp_rank}}
         if op == "fill":
             self.workers[cmd["w"]].fill(cmd["blocks"], cmd["seed"])
             return {}

@@ -147,18 +147,18 @@ class HandshakeClient:
         return self.send(peer, request, deadline_ns, expected_engine_id=expected_engine_id)
 
     def heartbeat(self, peer: str, claims: Iterable[str], *, deadline_ns: int, readers: int = 1,
-                  tp_rank: int = 0) -> int:
-        """Extend the leases of ``claims`` on ``peer``'s rank ``tp_rank``."""
+                  tp_rank: int = 0, pp_rank: int = 0) -> int:
+        """Extend the leases of ``claims`` on ``peer``'s worker (tp_rank, pp_rank)."""
         request = Heartbeat(protocol=PROTOCOL_VERSION, requester=self.requester, claims=list(claims),
-                            readers=readers, tp_rank=tp_rank)
+                            readers=readers, tp_rank=tp_rank, pp_rank=pp_rank)
         return self.send(peer, request, deadline_ns)
 
     def abandon(self, peer: str, claims: Iterable[str], *, deadline_ns: int, readers: int = 1,
-                tp_rank: int = 0) -> int:
-        """Tell ``peer``'s rank ``tp_rank`` these requests will never be read (by us:
-        ``readers`` ranks of our engine have business with them there)."""
+                tp_rank: int = 0, pp_rank: int = 0) -> int:
+        """Tell ``peer``'s worker (tp_rank, pp_rank) these requests will never be read
+        (by us: ``readers`` workers of our engine have business with them there)."""
         request = Abandon(protocol=PROTOCOL_VERSION, requester=self.requester, claims=list(claims),
-                          readers=readers, tp_rank=tp_rank)
+                          readers=readers, tp_rank=tp_rank, pp_rank=pp_rank)
         return self.send(peer, request, deadline_ns)
 
     def send(self, peer: str, request: Request, deadline_ns: int, *,

@@ -12,8 +12,8 @@ holding one msgpack map with a ``"type"`` key:
 type           fields
 ============== ======================================================================
 metadata_req   protocol, nonce, requester, tp_rank, pp_rank, compat_hash, claims
-heartbeat      protocol, nonce, requester, claims
-abandon        protocol, nonce, requester, claims
+heartbeat      protocol, nonce, requester, claims, readers, tp_rank, pp_rank
+abandon        protocol, nonce, requester, claims, readers, tp_rank, pp_rank
 metadata       nonce, engine_id, tp_rank, pp_rank, compat, compat_hash, agent_name,
                agent_metadata (bin), layout (bin), meta_version, claims {id: status}, lease_ms
 claims         nonce, claims {id: status}, lease_ms   (answers heartbeat and abandon)
@@ -138,6 +138,7 @@ class Heartbeat(_Message, tag="heartbeat", kw_only=True, frozen=True):
     claims: Claims
     readers: Readers = 1
     tp_rank: Rank = 0  # the rank the claims are for (one side-channel port serves every rank)
+    pp_rank: Rank = 0  # and its pipeline parallel stage
 
 
 class Abandon(_Message, tag="abandon", kw_only=True, frozen=True):
@@ -150,6 +151,7 @@ class Abandon(_Message, tag="abandon", kw_only=True, frozen=True):
     claims: Claims
     readers: Readers = 1
     tp_rank: Rank = 0
+    pp_rank: Rank = 0
 
 
 class MetadataReply(_Message, tag="metadata", kw_only=True, frozen=True):

@@ -1,9 +1,10 @@
 """One side-channel port per engine: rank 0 relays the other ranks' requests.
 
 An engine listens on one port (``VLLM_NIXL_SIDE_CHANNEL_PORT`` + its data
-parallel index, as upstream), whatever its tensor parallel size: rank 0's
-``HandshakeServer`` binds it. A request names the rank it is for
-(``tp_rank``); one for rank k is passed, as received, to rank k's own server,
+parallel index, as upstream), whatever its tensor and pipeline parallel sizes:
+rank 0's (tensor rank 0 of stage 0) ``HandshakeServer`` binds it. A request
+names the worker it is for (``tp_rank``, ``pp_rank``); one for worker k is
+passed, as received, to worker k's own server,
 which listens on a private endpoint of this host (``internal_endpoint``:
 ``ipc://`` in a 0700 directory, or ``inproc://`` for engines sharing one
 process), and rank k's reply is passed back to the client unchanged. Every
@@ -41,33 +42,39 @@ def runtime_dir() -> str:
     return path
 
 
-def internal_endpoint(host: str, port: int, engine_id: str, rank: int) -> str:
-    """The private endpoint rank ``rank`` of the engine on ``host:port`` listens on
-    (the same string in every rank: rank 0 connects, rank k binds)."""
+def internal_endpoint(host: str, port: int, engine_id: str, rank: int, pp_rank: int = 0) -> str:
+    """The private endpoint worker (``rank``, ``pp_rank``) of the engine on
+    ``host:port`` listens on (the same string in every worker: rank 0 connects,
+    worker k binds)."""
+    worker = f"tp{rank}" + (f"-pp{pp_rank}" if pp_rank else "")
     if host.startswith(INPROC_PREFIX):
-        return f"inproc://{host[len(INPROC_PREFIX):]}-{port}-tp{rank}"
+        return f"inproc://{host[len(INPROC_PREFIX):]}-{port}-{worker}"
     tag = hashlib.sha256(f"{engine_id}@{host}:{port}".encode()).hexdigest()[:12]
-    return f"ipc://{runtime_dir()}/sc-{port}-{tag}-tp{rank}"
+    return f"ipc://{runtime_dir()}/sc-{port}-{tag}-{worker}"
+
+
+Worker = tuple[int, int]  # (tp_rank, pp_rank)
 
 
 @dataclass(slots=True)
 class _Pending:
     envelope: list[bytes]
     nonce: int
-    rank: int
+    worker: Worker
     deadline_ns: int
 
 
 class RankRelay:
-    """Rank 0's DEALER to each other rank's server, and the requests in flight."""
+    """Rank 0's DEALER to each other worker's server, and the requests in flight.
+    ``endpoints``: by (tp_rank, pp_rank), or by a tp_rank of stage 0."""
 
-    def __init__(self, ctx: zmq.Context, endpoints: Mapping[int, str], *,
+    def __init__(self, ctx: zmq.Context, endpoints: Mapping[int | Worker, str], *,
                  timeout_ns: int = DEFAULT_RELAY_TIMEOUT_NS, max_pending: int = MAX_PENDING) -> None:
         self.timeout_ns = timeout_ns
         self.max_pending = max_pending
-        self.endpoints = dict(endpoints)
-        self._socks: dict[int, zmq.Socket] = {}
-        self._rank_of: dict[zmq.Socket, int] = {}
+        self.endpoints: dict[Worker, str] = {k if isinstance(k, tuple) else (k, 0): v for k, v in endpoints.items()}
+        self._socks: dict[Worker, zmq.Socket] = {}
+        self._rank_of: dict[zmq.Socket, Worker] = {}
         self._pending: dict[bytes, _Pending] = {}
         self._ids = itertools.count(1)
         for rank, endpoint in self.endpoints.items():
@@ -84,9 +91,9 @@ class RankRelay:
     def owns(self, sock: zmq.Socket) -> bool:
         return sock in self._rank_of
 
-    def forward(self, rank: int, envelope: list[bytes], payload: bytes, nonce: int, now_ns: int) -> str:
-        """Pass a request on to ``rank``; "" if on its way, else why not (an error code)."""
-        sock = self._socks.get(rank)
+    def forward(self, worker: Worker, envelope: list[bytes], payload: bytes, nonce: int, now_ns: int) -> str:
+        """Pass a request on to ``worker``; "" if on its way, else why not (an error code)."""
+        sock = self._socks.get(worker)
         if sock is None:
             return "unknown_rank"
         if len(self._pending) >= self.max_pending:
@@ -96,7 +103,7 @@ class RankRelay:
             sock.send_multipart([corr, payload], zmq.NOBLOCK)
         except zmq.ZMQError:
             return "rank_unavailable"
-        self._pending[corr] = _Pending(envelope, nonce, rank, now_ns + self.timeout_ns)
+        self._pending[corr] = _Pending(envelope, nonce, worker, now_ns + self.timeout_ns)
         return ""
 
     def replies(self, sock: zmq.Socket, limit: int = 1024) -> list[tuple[list[bytes], bytes]]:
@@ -117,13 +124,13 @@ class RankRelay:
     def next_deadline_ns(self) -> int | None:
         return min((p.deadline_ns for p in self._pending.values()), default=None)
 
-    def expire(self, now_ns: int) -> list[tuple[list[bytes], int, int]]:
-        """Requests whose rank did not answer in time: (envelope, nonce, rank) each."""
+    def expire(self, now_ns: int) -> list[tuple[list[bytes], int, Worker]]:
+        """Requests whose worker did not answer in time: (envelope, nonce, worker) each."""
         late = [corr for corr, p in self._pending.items() if p.deadline_ns <= now_ns]
         out = []
         for corr in late:
             p = self._pending.pop(corr)
-            out.append((p.envelope, p.nonce, p.rank))
+            out.append((p.envelope, p.nonce, p.worker))
         return out
 
     def pending_count(self) -> int:

@@ -105,14 +105,17 @@ class HandshakeServer:
                  on_claims: ClaimsHandler, *, host: str = "127.0.0.1", port: int = 0,
                  context: zmq.Context | None = None, max_batch: int = 1024,
                  rcvhwm: int = 16, sndhwm: int = 1000, lease_ms: int = 0, rank: int | None = None,
-                 relay_to: Mapping[int, str] | None = None, internal: str = "",
+                 pp_rank: int = 0, relay_to: Mapping[int | tuple[int, int], str] | None = None,
+                 internal: str = "",
                  now_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.engine_id = engine_id
-        # The rank this server answers for; requests for other ranks are relayed
-        # (``relay_to``: rank -> its internal endpoint) or refused (None: any rank is
-        # answered here, ``provide`` decides). ``internal``: bind that private
-        # endpoint instead of host:port, for rank 0's relay only.
+        # The worker this server answers for, (tp_rank, pp_rank); requests for other
+        # workers are relayed (``relay_to``: (tp_rank, pp_rank), or a tp_rank of stage
+        # 0, -> its internal endpoint) or refused (rank None: any rank is answered
+        # here, ``provide`` decides). ``internal``: bind that private endpoint instead
+        # of host:port, for rank 0's relay only.
         self.rank = rank
+        self.pp_rank = pp_rank
         self._internal = bool(internal)
         self._now_ns = now_ns
         self.lease_ms = lease_ms
@@ -280,7 +283,7 @@ class HandshakeServer:
         except HandshakeProtocolError as e:
             self._refuse(envelope, e.nonce, e.code, e.detail)
             return
-        if self.rank is not None and request.tp_rank != self.rank:
+        if self.rank is not None and (request.tp_rank, request.pp_rank) != (self.rank, self.pp_rank):
             self._relay_request(request, envelope, payload)
             return
         try:
@@ -321,16 +324,15 @@ class HandshakeServer:
     # ---- other ranks (one port per engine: see kvsm.handshake.relay)
 
     def _relay_request(self, request: Request, envelope: list[bytes], payload: bytes) -> None:
-        rank = request.tp_rank
-        if self._relay is None or rank not in self._relay.endpoints:
+        worker = (request.tp_rank, request.pp_rank)
+        if self._relay is None or worker not in self._relay.endpoints:
             self._refuse(envelope, request.nonce, "unknown_rank",
-                         f"engine {self.engine_id} has no worker tp_rank={rank} "
-                         f"pp_rank={getattr(request, 'pp_rank', 0)}")
+                         f"engine {self.engine_id} has no worker tp_rank={worker[0]} pp_rank={worker[1]}")
             return
-        why = self._relay.forward(rank, envelope, payload, request.nonce, self._now_ns())
+        why = self._relay.forward(worker, envelope, payload, request.nonce, self._now_ns())
         if why:
             self._refuse(envelope, request.nonce, why, f"engine {self.engine_id} could not pass the request on to "
-                                                       f"its tp_rank {rank} ({why})")
+                                                       f"its worker {_worker_name(worker)} ({why})")
             return
         self._counts["relayed"] += 1
 
@@ -355,9 +357,9 @@ class HandshakeServer:
         if self._relay is None:
             return 0
         late = self._relay.expire(now_ns)
-        for envelope, nonce, rank in late:
+        for envelope, nonce, worker in late:
             self._refuse(envelope, nonce, "rank_unavailable",
-                         f"tp_rank {rank} of engine {self.engine_id} did not answer within "
+                         f"worker {_worker_name(worker)} of engine {self.engine_id} did not answer within "
                          f"{self._relay.timeout_ns / 1e9:.1f} s (its process gone, or not started yet)")
         return len(late)
 
@@ -425,3 +427,8 @@ def _check_provided(provided: Any) -> tuple[str, bytes, bytes, int]:
         raise ValueError(f"provide(): {len(agent_metadata) + len(layout)} bytes of metadata and "
                          f"layout do not fit a {MAX_REPLY_BYTES}-byte reply")
     return agent_name, bytes(agent_metadata), bytes(layout), meta_version
+
+
+def _worker_name(worker: tuple[int, int]) -> str:
+    """``tp_rank 1``, or ``tp_rank 1 pp_rank 2`` for a later pipeline stage."""
+    return f"tp_rank {worker[0]}" + (f" pp_rank {worker[1]}" if worker[1] else "")

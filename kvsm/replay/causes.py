@@ -274,7 +274,8 @@ class _Context:
                     if type(req) is str:
                         entry = failed.setdefault(req, [0, None])
                         entry[0] += 1
-                        entry[1] = f.get("error")
+                        worker = f.get("worker")  # (one port per engine: which worker it asked)
+                        entry[1] = f.get("error") if not worker else f"{f.get('error')}, asking {worker}"
         got = self._claims[stream] = _Claims(answers, failed, logged)
         return got
 
@@ -313,7 +314,7 @@ def _claims_said(ctx: _Context, m: Machine) -> str:
     text = "claims answered " + ", ".join(said) if unknown or ok or expired else "no claim answered"
     fails = c.failed.get(req)
     if fails:
-        text += f", a claim failed {_times(fails[0])} (last: {_clip(fails[1], 120)})"
+        text += f", a claim failed {_times(fails[0])} (last: {_clip(fails[1], 160)})"
     return text
 
 

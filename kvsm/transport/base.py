@@ -91,6 +91,15 @@ class Transport(ABC):
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """Notifications received since the last call: (peer name, message)."""
 
+    def layers(self) -> tuple[str, ...] | None:
+        """The layers of the registered pool, in order (None: a pool without layers)."""
+        return None
+
+    def layers_read(self, peer: str) -> tuple[str, ...] | None:
+        """Our layers a read from ``peer`` fills: all of ours, unless the peer is a
+        pipeline parallel stage that holds other layers (None: a pool without layers)."""
+        return None
+
     def resources(self) -> dict[str, int]:
         """How many peers and unreleased transfer handles this transport holds
         (for leak checks: both return to their idle values once requests end)."""

@@ -206,6 +206,22 @@ class KVLayout(msgspec.Struct, frozen=True):
                                                block_bytes=count * unit, heads=count))
         return msgspec.structs.replace(self, regions=tuple(out))
 
+    def layer_names(self) -> tuple[str, ...]:
+        """The layers it holds, in order (a pipeline parallel stage holds a run of the model's)."""
+        return tuple(dict.fromkeys(r.layer for r in self.regions))
+
+    def only(self, layers: Sequence[str]) -> KVLayout:
+        """The same blocks of ``layers`` only (the layers two pipeline parallel stages
+        share), in this layout's order; its descriptors are numbered afresh.
+        ``ValueError`` naming a layer it does not hold."""
+        wanted = set(layers)
+        missing = wanted - {r.layer for r in self.regions}
+        if missing:
+            raise ValueError(f"layers {sorted(missing)[:4]} are not in this KV layout")
+        if len(wanted) == len(self.layer_names()):
+            return self
+        return msgspec.structs.replace(self, regions=tuple(r for r in self.regions if r.layer in wanted))
+
     def group_regions(self, group: int) -> list[int]:
         """Indices of the regions of KV cache group ``group``."""
         return [i for i, r in enumerate(self.regions) if r.group == group]

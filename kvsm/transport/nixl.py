@@ -109,11 +109,31 @@ class NixlXferHandle(XferHandle):
 
 
 @dataclass
+class _View:
+    """Our blocks of some of our layers (the layers a peer of another pipeline
+    parallel stage shares with us), with their prepped descriptor lists."""
+
+    layout: KVLayout
+    dlist: Any  # nixl_prepped_dlist_handle of all its blocks (local agent)
+    cuts: dict[Heads, Any] = field(default_factory=dict)  # prepped lists of runs of heads
+
+    def release(self) -> None:
+        for cut in self.cuts.values():
+            cut.release()
+        self.cuts.clear()
+        if self.dlist is not None:
+            self.dlist.release()
+            self.dlist = None
+
+
+@dataclass
 class _Peer:
     name: str
     raw: bytes  # the metadata it was added with (add_peer is idempotent on it)
-    layout: KVLayout
-    dlist: Any  # nixl_prepped_dlist_handle of all its blocks
+    layout: KVLayout  # its blocks of the layers we share (all of its own unless pipeline stages differ)
+    dlist: Any  # nixl_prepped_dlist_handle of all its blocks of those layers
+    mine: _View | None  # our blocks of those layers; None: we share no layer (a read only notifies)
+    full_layout: KVLayout  # every layer it holds
     handles: set[NixlXferHandle] = field(default_factory=set)
     cuts: dict[Heads, Any] = field(default_factory=dict)  # prepped lists of runs of heads
     block_tokens_differ: bool = False  # its blocks hold another number of tokens: segment reads only
@@ -135,6 +155,9 @@ class NixlTransport(Transport):
         self._reg = None
         self._local = None
         self._local_cuts: dict[Heads, Any] = {}
+        # Our blocks of a subset of our layers, by those layers (pipeline parallel
+        # stages that split the model's layers differently), prepped once each.
+        self._views: dict[tuple[str, ...], _View] = {}
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                    backends=list(backends), num_threads=num_threads)
         # UCX's TCP transport connects *blocking* by default: loading the metadata
@@ -193,9 +216,11 @@ class NixlTransport(Transport):
         old = self._peers.get(info.name)
         if old is not None and old.raw == metadata:
             return info.name
-        why = self.layout.mismatch(info.layout)
-        if why is not None:
-            raise ValueError(f"peer {info.name!r} has an incompatible KV layout: {why}")
+        mine_layout, theirs = self._shared(info.layout)
+        if mine_layout is not None:
+            why = mine_layout.mismatch(theirs)
+            if why is not None:
+                raise ValueError(f"peer {info.name!r} has an incompatible KV layout: {why}")
         if old is not None:  # the peer restarted: forget the old incarnation first
             self._drop_peer(old)
         try:
@@ -209,13 +234,16 @@ class NixlTransport(Transport):
             raise ValueError(f"peer metadata names agent {info.name!r} but its NIXL metadata "
                              f"is agent {loaded!r}")
         try:
-            dlist = self._agent.prep_xfer_dlist(info.name, info.layout.all_block_descs(),
-                                                info.layout.mem_type)
+            mine = self._view(mine_layout) if mine_layout is not None else None
+            dlist = self._agent.prep_xfer_dlist(info.name, theirs.all_block_descs(),
+                                                theirs.mem_type) if mine is not None else None
         except BaseException:
             self._agent.remove_remote_agent(info.name)
             raise
-        differ = any(a.block_tokens != b.block_tokens for a, b in zip(self.layout.regions, info.layout.regions))
-        self._peers[info.name] = _Peer(info.name, bytes(metadata), info.layout, dlist, block_tokens_differ=differ)
+        differ = mine is not None and any(a.block_tokens != b.block_tokens
+                                          for a, b in zip(mine.layout.regions, theirs.regions))
+        self._peers[info.name] = _Peer(info.name, bytes(metadata), theirs, dlist, mine, info.layout,
+                                       block_tokens_differ=differ)
         # Start the UCX wire-up now (returns at once; our get_notifs/check polls
         # progress it): the first read then takes ~2 ms instead of ~55 ms.
         try:
@@ -223,6 +251,47 @@ class NixlTransport(Transport):
         except self._errors as e:
             log.info("NIXL %s: connecting to %r: %s", self.name, info.name, e)
         return info.name
+
+    def _shared(self, theirs: KVLayout) -> tuple[KVLayout | None, KVLayout]:
+        """Our layout and the peer's cut down to the layers both hold (engines of
+        different pipeline parallel sizes hold runs of the model's layers); (None,
+        theirs) when they share none. The same layers: both as they are."""
+        ours = self.layout.layer_names()
+        their_names = theirs.layer_names()
+        if ours == their_names:
+            return self.layout, theirs
+        held = set(their_names)
+        common = [name for name in ours if name in held]
+        if not common:
+            return None, theirs
+        return self.layout.only(common), theirs.only(common)
+
+    def _view(self, layout: KVLayout) -> _View:
+        """Our prepped blocks of ``layout``'s layers (prepped once per set of layers)."""
+        if layout is self.layout:
+            return _View(layout, self._local, self._local_cuts)  # (shared: released by close)
+        key = layout.layer_names()
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = _View(layout, self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", layout.all_block_descs(), layout.mem_type))
+        return view
+
+    def layers(self) -> tuple[str, ...]:
+        return self.layout.layer_names()
+
+    def layers_read(self, peer: str) -> tuple[str, ...]:
+        """Our layers a read from ``peer`` fills (every one of ours unless its
+        pipeline parallel stage holds other layers). Unknown peer: ``ConnectionError``."""
+        p = self._peers.get(peer)
+        if p is None:
+            raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
+        return p.mine.layout.layer_names() if p.mine is not None else ()
+
+    def read_layout(self, peer: str) -> KVLayout | None:
+        """Our blocks a read from ``peer`` fills (None: none, the read only notifies)."""
+        p = self._peers.get(peer)
+        return p.mine.layout if p is not None and p.mine is not None else None
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``. Its reads are settled first: finished ones are freed,
@@ -247,7 +316,8 @@ class NixlTransport(Transport):
             cut.release()
         p.cuts.clear()
         try:
-            p.dlist.release()
+            if p.dlist is not None:
+                p.dlist.release()
         except self._errors as e:
             log.warning("NIXL %s: releasing the descriptor list of peer %r: %s", self.name, p.name, e)
         try:
@@ -280,7 +350,9 @@ class NixlTransport(Transport):
         that cannot be cut out of the blocks, or differ in size: ``ValueError``.
         ``segments``: the two engines' blocks differ in size, so each pair is read
         segment by segment (``KVLayout.segment_desc_array``), with descriptors
-        built for this read instead of the prepped lists.
+        built for this read instead of the prepped lists. A peer of another
+        pipeline parallel stage: the layers both hold only; none: the read is
+        only its notification.
         """
         self._check_open()
         p = self._peers.get(peer)
@@ -288,20 +360,23 @@ class NixlTransport(Transport):
             raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        mine = p.mine
+        if mine is None:  # no layer in common: nothing to move, only the notification
+            return self._launch(p, NixlXferHandle(peer, (), (), notif, tag), lambda: None)
         if segments is not None:
-            return self._post_segments(p, local_blocks, remote_blocks, notif, tag, local_heads, remote_heads,
-                                       segments)
+            return self._post_segments(p, mine.layout, local_blocks, remote_blocks, notif, tag, local_heads,
+                                       remote_heads, segments)
         if p.block_tokens_differ:
             raise ValueError(f"the blocks of {peer!r} hold another number of tokens than this engine's: "
                              f"a read must go in segments (the request's params lacked remote_block_size?)")
-        local_list, remote_list = self._local, p.dlist
+        local_list, remote_list = mine.dlist, p.dlist
         if local_heads is not None and remote_heads is not None and local_heads[1] != remote_heads[1]:
             raise ValueError(f"heads {local_heads} here and {remote_heads} on {peer!r}: the runs differ in size")
         if local_heads is not None and local_heads[1] != local_heads[2]:
-            local_list = self._cut(self._local_cuts, "NIXL_INIT_AGENT", self.layout, local_heads)
+            local_list = self._cut(mine.cuts, "NIXL_INIT_AGENT", mine.layout, local_heads)
         if remote_heads is not None and remote_heads[1] != remote_heads[2]:
             remote_list = self._cut(p.cuts, p.name, p.layout, remote_heads)
-        local_idx = self.layout.desc_index_array(local_blocks, group_sizes)
+        local_idx = mine.layout.desc_index_array(local_blocks, group_sizes)
         remote_idx = p.layout.desc_index_array(remote_blocks, group_sizes)
         return self._launch(p, NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag),
                             lambda: self._agent.make_prepped_xfer("READ", local_list, local_idx, remote_list,
@@ -326,16 +401,16 @@ class NixlTransport(Transport):
         self._set(h, st)
         return h
 
-    def _post_segments(self, p: _Peer, local_blocks: Sequence[int], remote_blocks: Sequence[int], notif: bytes,
-                       tag: str, local_heads: Heads | None, remote_heads: Heads | None,
+    def _post_segments(self, p: _Peer, mine: KVLayout, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                       notif: bytes, tag: str, local_heads: Heads | None, remote_heads: Heads | None,
                        segments: Segments) -> NixlXferHandle:
         """One READ of segment pairs (blocks of different sizes), its descriptors built now."""
         if not len(segments.local) == len(segments.remote) == len(local_blocks):
             raise ValueError(f"{len(segments.local)} local and {len(segments.remote)} remote segments for "
                              f"{len(local_blocks)} block pairs")
-        self.layout.check_segments(segments.local_block, segments.tokens)
+        mine.check_segments(segments.local_block, segments.tokens)
         p.layout.check_segments(segments.remote_block, segments.tokens)
-        local = self.layout.segment_desc_array(local_blocks, segments.local, segments.tokens, local_heads)
+        local = mine.segment_desc_array(local_blocks, segments.local, segments.tokens, local_heads)
         remote = p.layout.segment_desc_array(remote_blocks, segments.remote, segments.tokens, remote_heads)
         if local.shape != remote.shape or not np.array_equal(local[:, 1], remote[:, 1]):
             raise ValueError(f"segments of {segments.tokens} tokens: {local.shape[0]} byte runs here and "
@@ -451,6 +526,9 @@ class NixlTransport(Transport):
             return
         for p in list(self._peers.values()):
             self._drop_peer(p)
+        for view in self._views.values():
+            view.release()
+        self._views.clear()
         for cut in self._local_cuts.values():
             cut.release()
         self._local_cuts.clear()

@@ -122,22 +122,24 @@ class RateLimitedLog:
 class PeerIO:
     """The I/O side of one peer (its state and data live in its peer machine)."""
 
-    key: str  # engine@address[/tp<rank>]: the peer machine's id
+    key: str  # engine@address[/tp<rank>][/pp<stage>]: the peer machine's id
     engine: str
     address: str
     rank: int = 0  # the prefill rank behind it (every request on the engine's one port names it)
+    pp_rank: int = 0  # and its pipeline parallel stage
     backoff_timer: TimerHandle | None = None
     probe_rid: int | None = None  # the liveness probe outstanding while reads from it are in flight
 
 
 @dataclass(slots=True)
 class Link:
-    """One prefill rank a decode request deals with: a read of ``source``'s heads,
-    or (``source`` None) only the word that nobody reads it (``tp_map``)."""
+    """One prefill worker a decode request deals with (a tensor parallel rank of
+    one pipeline stage): a read of ``source``'s heads of the layers both hold, or
+    (``source`` None) only the word that nobody reads it (``tp_map``)."""
 
     peer: PeerIO
     rank: int
-    readers: int = 1  # decode ranks that prefill rank waits for (told with every message)
+    readers: int = 1  # decode workers that prefill worker waits for (told with every message)
     source: Source | None = None
     handle: XferHandle | None = None
     done: bool = False  # its read completed: its notification told the prefill rank
@@ -198,6 +200,7 @@ class WorkerContext:
 
     cfg: KVSMConfig
     tp_rank: int
+    pp_rank: int
     log: EventLog | None
     stats: StatsRecorder
     state_counts: dict[str, dict[str, int]]
@@ -322,7 +325,7 @@ class WorkerContext:
     def _on_loop_error(self, err: LoopError) -> None:
         raise NotImplementedError
 
-    def _peer(self, engine: str, host: str, port: int, rank: int | None = None) -> PeerIO:
+    def _peer(self, engine: str, host: str, port: int, rank: int | None = None, pp_rank: int = 0) -> PeerIO:
         raise NotImplementedError
 
     def _peer_state(self, peer: PeerIO) -> str:
@@ -335,6 +338,9 @@ class WorkerContext:
         raise NotImplementedError
 
     def _tell_abandon(self, peer: PeerIO, remote_reqs: list[str], readers: int = 1) -> None:
+        raise NotImplementedError
+
+    def _workers_of(self, plan: ReadPlan | None, remote_pp: int) -> list[tuple[int, int, int, Source | None]]:
         raise NotImplementedError
 
     def _mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:

@@ -1,6 +1,6 @@
 """``WorkerHalf``: the worker half of KVSMConnector, assembled from its parts.
 
-One per worker process (one per tensor-parallel rank). It owns the machines of
+One per worker process (one per tensor parallel rank of each pipeline stage). It owns the machines of
 the three lifecycles (recv, send, peer) and one event-loop thread
 (``kvsm.loop``) that does everything else: the side channel (a handshake
 server when this engine prefills for others, a handshake client when it
@@ -41,16 +41,20 @@ from kvsm.worker.send import SendSide
 class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
     """Worker-side state of one engine's connector (one tensor-parallel rank)."""
 
-    def __init__(self, cfg: KVSMConfig, tp_rank: int, *, event_log: EventLog | None = None,
+    def __init__(self, cfg: KVSMConfig, tp_rank: int, *, pp_rank: int = 0, event_log: EventLog | None = None,
                  stats: StatsRecorder | None = None, clock: Clock = SYSTEM_CLOCK,
                  loop_options: Mapping[str, Any] | None = None) -> None:
+        if not 0 <= pp_rank < max(1, cfg.pp_size):
+            raise ValueError(f"pipeline stage {pp_rank} out of range for pipeline parallel {cfg.pp_size}")
         self.cfg = cfg
         self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
         self.log = event_log
         self.stats = stats or StatsRecorder()
         self.results = Results()
         # ``clock``/``loop_options`` let the simulation run the real worker on virtual time.
-        self.loop = EventLoop(f"{cfg.engine_id}-tp{tp_rank}", on_error=self._on_loop_error, clock=clock,
+        name = f"{cfg.engine_id}-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_rank else "")
+        self.loop = EventLoop(name, on_error=self._on_loop_error, clock=clock,
                               **(loop_options or {}))
         self.warn = RateLimitedLog(self.loop.name)
         listener = self._on_outcome
@@ -122,7 +126,7 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
     def pin_target(self) -> PinTarget | None:
         """How this engine's scheduler reaches this worker's pin channel (None: it
         serves no prefills, or has not started)."""
-        return self.pins.target(self.tp_rank) if self.pins is not None else None
+        return self.pins.target(self.tp_rank, self.pp_rank) if self.pins is not None else None
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         return self.results.take()
@@ -165,16 +169,18 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
     def _open_side_channel(self) -> None:
         assert self.compat is not None
         if self.cfg.produces:
-            # One port per engine: rank 0 binds it and relays the other ranks' requests
-            # to the private endpoints they bind (kvsm.handshake.relay).
+            # One port per engine: rank 0 of stage 0 binds it and relays the other workers'
+            # requests to the private endpoints they bind (kvsm.handshake.relay).
             cfg = self.cfg
             endpoint = partial(internal_endpoint, cfg.side_channel_host, cfg.side_channel_port, cfg.engine_id)
+            me = (self.tp_rank, self.pp_rank)
+            others = [(k, s) for s in range(max(1, cfg.pp_size)) for k in range(cfg.tp_size) if (k, s) != (0, 0)]
             self.server = HandshakeServer(
                 cfg.engine_id, self.compat, self._provide, self._on_claims,
                 host=self._bind_host(), port=cfg.side_channel_port, context=self.loop.context,
-                lease_ms=int(cfg.lease_s * 1000), rank=self.tp_rank, now_ns=self.loop.now_ns,
-                relay_to={k: endpoint(k) for k in range(1, cfg.tp_size)} if self.tp_rank == 0 else None,
-                internal=endpoint(self.tp_rank) if self.tp_rank else "")
+                lease_ms=int(cfg.lease_s * 1000), rank=self.tp_rank, pp_rank=self.pp_rank, now_ns=self.loop.now_ns,
+                relay_to={w: endpoint(*w) for w in others} if me == (0, 0) else None,
+                internal=endpoint(*me) if me != (0, 0) else "")
             for sock in self.server.sockets():
                 self.loop.add_reader(sock, partial(self._on_side_channel, sock), label="handshake server")
             self.pins = PinChannelServer(self.loop.context, self._on_pins,

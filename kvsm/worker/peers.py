@@ -56,15 +56,16 @@ class PeerSide(WorkerContext):
 
     # -- the peer machines -------------------------------------------------------------
 
-    def _peer(self, engine: str, host: str, port: int, rank: int | None = None) -> PeerIO:
-        """Prefill rank ``rank`` (default: ours) of the engine whose side channel is
-        ``host:port`` (one port per engine: every request names the rank it is for)."""
+    def _peer(self, engine: str, host: str, port: int, rank: int | None = None, pp_rank: int = 0) -> PeerIO:
+        """Prefill worker (``rank``, default: ours; ``pp_rank``: its pipeline stage) of
+        the engine whose side channel is ``host:port`` (one port per engine: every
+        request names the worker it is for)."""
         address = peer_address(host, port)
         rank = self.tp_rank if rank is None else rank
-        key = f"{engine}@{address}" + (f"/tp{rank}" if rank else "")
+        key = f"{engine}@{address}" + (f"/tp{rank}" if rank else "") + (f"/pp{pp_rank}" if pp_rank else "")
         peer = self._peer_io.get(key)
         if peer is None:
-            peer = self._peer_io[key] = PeerIO(key, engine, address, rank)
+            peer = self._peer_io[key] = PeerIO(key, engine, address, rank, pp_rank)
             self.peers.create(key)
         return peer
 
@@ -182,11 +183,12 @@ class PeerSide(WorkerContext):
             chunk = pairs[at:at + MAX_CLAIMS]
             claims = [remote for _, remote in chunk]
             if fetch:  # every chunk asks: whichever reply comes first adds the agent
-                rid = self.client.fetch_metadata(peer.address, peer.rank, 0, claims, deadline_ns=deadline,
-                                                 expected_engine_id=peer.engine, readers=readers)
+                rid = self.client.fetch_metadata(peer.address, peer.rank, peer.pp_rank, claims,
+                                                 deadline_ns=deadline, expected_engine_id=peer.engine,
+                                                 readers=readers)
             else:
                 rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline, readers=readers,
-                                            tp_rank=peer.rank)
+                                            tp_rank=peer.rank, pp_rank=peer.pp_rank)
             self._claims[rid] = Claim(peer, now, chunk, fetch)
 
     def _retry_claim(self, req: str) -> None:
@@ -235,7 +237,8 @@ class PeerSide(WorkerContext):
         outcome = result.outcome
         if isinstance(outcome, HandshakeError):
             self._note("worker.claim_failed", None, peer=peer.address, engine=peer.engine, fetch=claim.fetch,
-                       error=f"{outcome.code}: {outcome}"[:300], reqs=[req for req, _ in claim.reqs])
+                       worker=_worker_of(peer), error=f"{outcome.code}: {outcome}"[:300],
+                       reqs=[req for req, _ in claim.reqs])
             if isinstance(outcome, HandshakeRefused):
                 # Nobody listens there any more (the process is gone): known at once,
                 # no need to wait for a timeout. A silent peer still times out.
@@ -307,7 +310,7 @@ class PeerSide(WorkerContext):
             return
         now = self.loop.now_ns()
         rid = self.client.abandon(peer.address, remote_reqs, deadline_ns=now + int(self.cfg.handshake_timeout_s * S),
-                                  readers=readers, tp_rank=peer.rank)
+                                  readers=readers, tp_rank=peer.rank, pp_rank=peer.pp_rank)
         self._oneway[rid] = (peer, now)
         self._after_send()
 
@@ -318,17 +321,18 @@ class PeerSide(WorkerContext):
             plan = self._read_plan(target.remote_tp_size)
         except ValueError:
             return  # its requests fail (tp_mismatch): nothing of theirs to keep pinned
-        ranks = [(None, 1)] if plan is None else [(s.rank, plan.completions[s.rank]) for s in plan.sources]
         now = self.loop.now_ns()
         deadline = now + int(self.cfg.handshake_timeout_s * S)
         claims = list(target.claims)
-        for rank, readers in ranks:
-            peer = self._peer(target.remote_engine, target.remote_host, target.remote_port, rank)
+        for rank, stage, readers, source in self._workers_of(plan, target.remote_pp_size):
+            if source is None:
+                continue  # nobody reads that worker: it was told so, nothing to keep pinned there
+            peer = self._peer(target.remote_engine, target.remote_host, target.remote_port, rank, stage)
             if self._peer_state(peer) in PEER_UNREACHABLE_STATES:
                 continue
             for at in range(0, len(claims), MAX_CLAIMS):  # the server refuses longer messages
                 rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline,
-                                            readers=readers, tp_rank=peer.rank)
+                                            readers=readers, tp_rank=peer.rank, pp_rank=peer.pp_rank)
                 self._oneway[rid] = (peer, now)
         self._after_send()
 
@@ -363,7 +367,8 @@ class PeerSide(WorkerContext):
         deadline = now + int(self.cfg.stall_timeout_s * S)
         for peer in due.values():
             if self._peer_state(peer) not in PEER_UNREACHABLE_STATES:
-                peer.probe_rid = self.client.heartbeat(peer.address, (), deadline_ns=deadline, tp_rank=peer.rank)
+                peer.probe_rid = self.client.heartbeat(peer.address, (), deadline_ns=deadline, tp_rank=peer.rank,
+                                                       pp_rank=peer.pp_rank)
                 self._oneway[peer.probe_rid] = (peer, now)
         if due:
             self._after_send()
@@ -402,3 +407,8 @@ class PeerSide(WorkerContext):
         self._expiry_timer = None
         self._on_client_results(self.client.expire(self.loop.now_ns()))
         self._arm_client_expiry()
+
+
+def _worker_of(peer: PeerIO) -> str:
+    """Which worker behind the engine's one port a message went to, in words."""
+    return f"tp_rank {peer.rank}" + (f" pp_rank {peer.pp_rank}" if peer.pp_rank else "")

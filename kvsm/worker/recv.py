@@ -5,11 +5,20 @@ RecvStart -> matched, allocated -> start_handshake: claim the remote request
 notification -> all_reads_done: the table checks the reads completed inside
 the lease the claim granted -> deliver_blocks (finished_recving), or the
 blocks are reported invalid.
+
+A request deals with one prefill worker per (tensor parallel source, pipeline
+stage): tensor parallel sizes that differ read runs of heads (``tp_map``), and
+a prefill engine of several pipeline stages holds a run of the model's layers
+in each, so the request reads each stage's layers from that stage (the
+transport reads the layers both workers hold). Before anything moves, every
+layer of ours must come from some stage, for every run of heads.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import msgspec
 
 from kvsm.facts import RecvAbandon, RecvAbort, RecvStart
 from kvsm.lifecycle import events as ev
@@ -67,7 +76,7 @@ class RecvSide(WorkerContext):
                                     remote_req=start.remote_req, remote_host=start.remote_host,
                                     remote_port=start.remote_port,
                                     remote_blocks=len(dict.fromkeys(start.remote_block_ids)),
-                                    sources=len(io.reads), plan=plan.describe() if plan is not None else "",
+                                    sources=len(io.reads), plan=self._describe_plan(plan, start.remote_pp_size),
                                     segments=describe_segments(start)))
         if plan_problem:
             self._apply_recv(ev.Error(req=req, kind="tp_mismatch", detail=plan_problem))
@@ -80,6 +89,16 @@ class RecvSide(WorkerContext):
         # (each block once: in segments a block id comes once per segment)
         self._apply_recv(ev.Allocated(req=req, block_ids=tuple(dict.fromkeys(start.local_block_ids)),
                                       num_external_tokens=start.num_tokens, group_sizes=start.group_sizes))
+
+    def _describe_plan(self, plan: ReadPlan | None, remote_pp: int) -> str:
+        """The plan for the event log: tensor ranks and heads, and pipeline stages where
+        either engine has several ("" when it is the same rank's whole blocks)."""
+        text = plan.describe() if plan is not None else ""
+        if remote_pp > 1 or self.cfg.pp_size > 1:
+            stages = (f"stage {self.pp_rank}/{self.cfg.pp_size} reads the layers it shares with each of "
+                      f"{remote_pp} prefill stage(s)")
+            text = f"{text}; {stages}" if text else stages
+        return text
 
     def _read_plan(self, remote_tp: int) -> ReadPlan | None:
         """Which prefill ranks this rank reads, and which of their heads (None: the
@@ -99,15 +118,26 @@ class RecvSide(WorkerContext):
             raise ValueError(f"the prefill engine runs tensor parallel {remote_tp}, this engine "
                              f"{self.cfg.tp_size}: {e}") from None
 
-    def _recv_io_of(self, start: RecvStart, plan: ReadPlan | None) -> RecvIO:
-        """The request's links: one per prefill rank it deals with."""
-        engine, host, port = start.remote_engine, start.remote_host, start.remote_port
+    def _workers_of(self, plan: ReadPlan | None, remote_pp: int) -> list[tuple[int, int, int, Source | None]]:
+        """(tensor rank, pipeline stage, readers, source) of every prefill worker a
+        request deals with, reads first: each source's rank in every stage (each
+        holds a run of the layers), then the ranks only told nobody reads them.
+        Every stage of ours deals with every stage there, so a prefill worker waits
+        for its tensor parallel readers in each of our stages."""
+        stages = range(max(1, remote_pp))
+        ours = max(1, self.cfg.pp_size)
         if plan is None:
-            peer = self._peer(engine, host, port)
-            return RecvIO(start, peer, [Link(peer, self.tp_rank, 1, FULL_SOURCE)])
-        links = [Link(self._peer(engine, host, port, s.rank), s.rank, plan.completions[s.rank], s)
-                 for s in plan.sources]
-        links += [Link(self._peer(engine, host, port, k), k, plan.completions[k]) for k in plan.notify_only]
+            return [(self.tp_rank, s, ours, FULL_SOURCE) for s in stages]
+        out: list[tuple[int, int, int, Source | None]] = [
+            (src.rank, s, plan.completions[src.rank] * ours, src) for src in plan.sources for s in stages]
+        out += [(k, s, plan.completions[k] * ours, None) for k in plan.notify_only for s in stages]
+        return out
+
+    def _recv_io_of(self, start: RecvStart, plan: ReadPlan | None) -> RecvIO:
+        """The request's links: one per prefill worker it deals with."""
+        engine, host, port = start.remote_engine, start.remote_host, start.remote_port
+        links = [Link(self._peer(engine, host, port, rank, stage), rank, readers, source)
+                 for rank, stage, readers, source in self._workers_of(plan, start.remote_pp_size)]
         return RecvIO(start, links[0].peer, links)
 
     def _unreadable(self, start: RecvStart) -> tuple[str, str] | None:
@@ -160,6 +190,7 @@ class RecvSide(WorkerContext):
                               remote_host=abandon.remote_host, remote_port=abandon.remote_port,
                               remote_tp_size=abandon.remote_tp_size, remote_block_ids=(), local_block_ids=(),
                               num_tokens=0, awaited=False)
+            start = msgspec.structs.replace(start, remote_pp_size=abandon.remote_pp_size)
             self._recv_io[req] = self._recv_io_of(start, self._plan_or_none(abandon.remote_tp_size))
             self.recv.create(req)
             self._apply_recv(ev.Matched(req=req, num_tokens=0, remote_engine=abandon.remote_engine,
@@ -323,6 +354,11 @@ class RecvSide(WorkerContext):
                 self.stats.failure("peer_dead")
                 self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="no_agent"))
                 return
+        uncovered = self._layers_uncovered(reads, agents)
+        if uncovered:
+            self.stats.failure("layers_uncovered")
+            self._apply_recv(ev.Error(req=req, kind="layers_uncovered", detail=uncovered))
+            return
         io.posted_ns = self.loop.now_ns()
         segments = segments_of(start)
         for link, agent in zip(reads, agents):
@@ -337,17 +373,41 @@ class RecvSide(WorkerContext):
                 agent, start.local_block_ids, start.remote_block_ids, notif_of(start.remote_req, link.readers),
                 tag=req, group_sizes=start.group_sizes, segments=segments, **heads)
             io.handles.append(link.handle)
-        layout = getattr(self.transport, "layout", None)
-        pairs = len(start.local_block_ids)
-        if layout is None:
-            per_read = pairs
-        elif segments is not None:
-            src = reads[0].source
-            per_read = layout.num_segment_descs(pairs, None if src is None or src.local.whole else src.local.count)
-        else:
-            per_read = layout.num_descs(pairs, start.group_sizes)
         self._apply_recv(ev.ReadsPosted(req=req, num_blocks=len(dict.fromkeys(start.local_block_ids)),
-                                        num_descs=len(reads) * per_read))
+                                        num_descs=sum(self._descs_of(start, link, agent)
+                                                      for link, agent in zip(reads, agents))))
+
+    def _layers_uncovered(self, reads: list[Link], agents: list[str]) -> str:
+        """Why some of our layers would not be filled ("" if every one is): for each
+        run of heads, the stages read must hold every layer of ours between them
+        (a prefill engine split over pipeline stages differently, or another model)."""
+        assert self.transport is not None
+        ours = self.transport.layers()
+        if ours is None:
+            return ""
+        got: dict[Source | None, set[str]] = {}
+        for link, agent in zip(reads, agents):
+            got.setdefault(link.source, set()).update(self.transport.layers_read(agent) or ())
+        for source, layers in got.items():
+            missing = [name for name in ours if name not in layers]
+            if missing:
+                links = [link for link in reads if link.source == source]
+                return (f"{len(missing)} of this worker's {len(ours)} layers are held by none of the "
+                        f"{len(links)} pipeline stage(s) of the prefill engine read (tensor rank "
+                        f"{links[0].rank}): {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        return ""
+
+    def _descs_of(self, start: RecvStart, link: Link, agent: str) -> int:
+        """How many descriptors one link's read takes (for the event log)."""
+        pairs = len(start.local_block_ids)
+        reader = getattr(self.transport, "read_layout", None)
+        layout = reader(agent) if reader is not None else getattr(self.transport, "layout", None)
+        if layout is None:
+            return pairs if reader is None else 0
+        src = link.source
+        if start.segment_tokens:
+            return layout.num_segment_descs(pairs, None if src is None or src.local.whole else src.local.count)
+        return layout.num_descs(pairs, start.group_sizes)
 
     def _settle(self, req: str) -> None:
         """Check a request's reads; once none is in flight, say how they ended."""

@@ -62,7 +62,7 @@ class SendSide(WorkerContext):
     # -- the side channel's questions -----------------------------------------------------
 
     def _provide(self, tp_rank: int, pp_rank: int) -> tuple[str, bytes, bytes, int] | None:
-        if tp_rank != self.tp_rank or pp_rank != 0 or self.transport is None:
+        if (tp_rank, pp_rank) != (self.tp_rank, self.pp_rank) or self.transport is None:
             return None
         self._has_readers = True
         self._arm_notif_poll(soon=True)  # a new reader connects: its first read needs us
