@@ -83,43 +83,45 @@ def _aggregate(aggregator: Any, outputs: list[tuple[set[str], set[str], set[str]
 
 
 class PrefillEngine:
-    """A prefill engine of ``len(stages)`` pipeline stages (TP 1): vLLM's scheduler and
-    one worker process per stage, stage s holding layers ``stages[s]``."""
+    """A prefill engine of ``len(stages)`` pipeline stages and tensor parallel ``tp``:
+    vLLM's scheduler and one worker process per (stage, rank), stage s holding layers
+    ``stages[s]`` (each rank its share of their heads). ``procs`` in vLLM's rank order."""
 
-    def __init__(self, name: str, stages: list[list[int]], log_dir: Path) -> None:
+    def __init__(self, name: str, stages: list[list[int]], log_dir: Path, tp: int = 1) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.engine_id = f"prefill-{name}"
         self.port = free_port()
-        self.logs = [log_dir / f"{self.engine_id}.pp{s}.jsonl" for s in range(len(stages))]
+        workers = [(s, k) for s in range(len(stages)) for k in range(tp)]  # rank = s * tp + k
+        self.logs = [log_dir / f"{self.engine_id}.pp{s}.tp{k}.jsonl" for s, k in workers]
         self.procs: list[PeerProcess] = []
         self.sched: SchedulerHarness | None = None
         try:
-            for s, layers in enumerate(stages):
+            for (s, k), log in zip(workers, self.logs):
                 spec = {"name": "w", "engine_id": self.engine_id, "port": self.port, "seed": SEED,
-                        "log": str(self.logs[s]), "geometry": GEOM, "layers": layers, "pp_size": len(stages),
-                        "pp_rank": s}
-                self.procs.append(PeerProcess(f"{name}-pp{s}", PEER_SCRIPT, {"workers": [spec]}, log_dir,
+                        "log": str(log), "geometry": GEOM, "layers": stages[s], "pp_size": len(stages),
+                        "pp_rank": s, "tp_size": tp, "tp_rank": k}
+                self.procs.append(PeerProcess(f"{name}-pp{s}-tp{k}", PEER_SCRIPT, {"workers": [spec]}, log_dir,
                                               root=REPO))
             for p in self.procs:
                 p.ready()
             self.sched = make_scheduler(
-                kv_role="kv_producer", pipeline_parallel_size=len(stages), engine_id=self.engine_id,
-                num_blocks=64, max_model_len=512,
+                kv_role="kv_producer", pipeline_parallel_size=len(stages), tensor_parallel_size=tp,
+                engine_id=self.engine_id, num_blocks=64, max_model_len=512,
                 extra_config={"side_channel_host": HOST, "side_channel_port": self.port})
             channels = {}
-            for s, p in enumerate(self.procs):
+            for rank, p in enumerate(self.procs):
                 t = p.call("pin_target", w="w")["target"]
-                channels[s] = KVSMWorkerChannel(PinTarget(t["tp_rank"], t["pid"], t["endpoint"],
-                                                          bytes.fromhex(t["token"]), t["pp_rank"]))
+                channels[rank] = KVSMWorkerChannel(PinTarget(t["tp_rank"], t["pid"], t["endpoint"],
+                                                             bytes.fromhex(t["token"]), t["pp_rank"]))
             assert self.sched.connector is not None
             self.sched.connector.set_xfer_handshake_metadata(channels)
         except BaseException:
             self.close()
             raise
-        self.aggregator = KVOutputAggregator(len(stages))  # the engine's world: one worker per stage
+        self.aggregator = KVOutputAggregator(len(workers))  # the engine's world: every stage's workers
         self.free_at_start = self.sched.free_blocks()
-        self.seen: list[set[str]] = [set() for _ in stages]
+        self.seen: list[set[str]] = [set() for _ in workers]
 
     def prefill(self, req: str) -> tuple[dict[str, Any], list[int]]:
         """Run ``req`` to its end: its kv_transfer_params and its prompt."""
@@ -129,7 +131,7 @@ class PrefillEngine:
         step = self.sched.step()
         self.submit(step.connector_metadata)
         params = step.finished[req].kv_transfer_params
-        assert params["pp_size"] == len(self.procs) and params["remote_port"] == self.port, params
+        assert params["pp_size"] * params["tp_size"] == len(self.procs) and params["remote_port"] == self.port, params
         return params, prompt
 
     def submit(self, meta: Any) -> None:
@@ -149,11 +151,11 @@ class PrefillEngine:
             self.seen[s] |= now
         return out
 
-    def release(self, reqs: set[str], stages: range | None = None) -> None:
-        """Wait until every live stage reported ``reqs`` sent, aggregating as vLLM does, and
-        step the scheduler with what the aggregator lets through."""
+    def release(self, reqs: set[str], workers: range | None = None) -> None:
+        """Wait until every worker of ``workers`` (default: all) reported ``reqs`` sent,
+        aggregating as vLLM does, and step the scheduler with what the aggregator lets through."""
         assert self.sched is not None
-        live = stages if stages is not None else range(len(self.procs))
+        live = workers if workers is not None else range(len(self.procs))
         deadline = time.monotonic() + WAIT_S
         got: list[set[str]] = [set() for _ in self.procs]
         released: set[str] = set()
@@ -201,9 +203,13 @@ class DecodeEngine:
         self.logs = [log_dir / f"{self.engine_id}.pp{s}.jsonl" for s in range(len(stages))]
         self.caches = [make_caches(None, GEOM, layers) for layers in stages]
         self.halves: list[WorkerHalf] = []
-        cfg = KVSMConfig(**config_fields(self.engine_id, "kv_consumer", 1, GEOM, pp_size=len(stages)))
+        heads = geometry(GEOM)["kv_heads"]
+        cfg = KVSMConfig(**config_fields(self.engine_id, "kv_consumer", 1, GEOM, pp_size=len(stages),
+                                         kv_heads=heads))
         for s, caches in enumerate(self.caches):
-            transport = NixlTransport(agent_name(self.engine_id, s), describe_kv_caches(caches))
+            # heads-major blocks, as the connector describes vLLM-CPU's: a run of heads can be cut
+            transport = NixlTransport(agent_name(self.engine_id, s),
+                                      describe_kv_caches(caches, heads=dict.fromkeys(caches, heads)))
             half = WorkerHalf(cfg, 0, pp_rank=s, event_log=EventLog(self.logs[s], role="worker",
                                                                   engine_id=self.engine_id, rank=s))
             half.start(transport, CompatInfo(**compat_fields(GEOM)))
@@ -283,8 +289,8 @@ class DecodeEngine:
 def engines(tmp_path: Path) -> Iterator[Any]:
     made: list[Any] = []
 
-    def make(kind: type, name: str, stages: list[list[int]]) -> Any:
-        made.append(kind(name, stages, tmp_path))
+    def make(kind: type, name: str, stages: list[list[int]], *args: Any) -> Any:
+        made.append(kind(name, stages, tmp_path, *args))
         return made[-1]
 
     try:
@@ -303,22 +309,26 @@ def _replay(prefill: PrefillEngine, decode: DecodeEngine) -> Any:
 
 
 SPLITS = {
-    # prefill stages -> decode stages (layers of each)
-    "prefill_pp2_to_decode_pp1": ([[0, 1], [2, 3]], [[0, 1, 2, 3]]),
-    "prefill_pp1_to_decode_pp2": ([[0, 1, 2, 3]], [[0, 1], [2, 3]]),
+    # prefill stages -> decode stages (layers of each), prefill tensor parallel size
+    "prefill_pp2_to_decode_pp1": ([[0, 1], [2, 3]], [[0, 1, 2, 3]], 1),
+    "prefill_pp1_to_decode_pp2": ([[0, 1, 2, 3]], [[0, 1], [2, 3]], 1),
     # decode stage 1 shares no layer with prefill stage 0: that read only notifies
-    "prefill_pp2_uneven_to_decode_pp2": ([[0], [1, 2, 3]], [[0, 1], [2, 3]]),
+    "prefill_pp2_uneven_to_decode_pp2": ([[0], [1, 2, 3]], [[0, 1], [2, 3]], 1),
+    # four prefill workers, each a head of two layers; every decode stage reads its
+    # layers' heads from both ranks of the stages that hold them
+    "prefill_tp2_pp2_to_decode_tp1_pp2": ([[0, 1], [2, 3]], [[0], [1, 2, 3]], 2),
 }
 
 
 @pytest.mark.parametrize("split", SPLITS)
 def test_each_stage_layers_come_from_the_stage_that_holds_them(engines: Any, split: str) -> None:
     """Every layer of every decode stage holds exactly the bytes of the prefill stage
-    that holds that layer, block for block; no other block is written; every prefill
-    stage releases its blocks once every decode stage is through (vLLM's aggregator
-    then frees them in the scheduler); both sides end holding nothing, replay clean."""
-    prefill_stages, decode_stages = SPLITS[split]
-    prefill = engines(PrefillEngine, "p", prefill_stages)
+    that holds that layer, block for block (every head, from the rank that holds it);
+    no other block is written; every prefill worker releases its blocks once every
+    decode stage is through (vLLM's aggregator then frees them in the scheduler); both
+    sides end holding nothing, replay clean."""
+    prefill_stages, decode_stages, tp = SPLITS[split]
+    prefill = engines(PrefillEngine, "p", prefill_stages, tp)
     decode = engines(DecodeEngine, "d", decode_stages)
     written: set[int] = set()
     for n in range(3):
@@ -335,14 +345,15 @@ def test_each_stage_layers_come_from_the_stage_that_holds_them(engines: Any, spl
     assert decode.sched.free_blocks() == decode.free_at_start
     assert not any(decode.live()), decode.live()
     plans = {r["input"].get("plan") for half in decode.halves for r in _records(half) if r.get("event") == "matched"}
-    assert plans == {f"stage {s}/{len(decode_stages)} reads the layers it shares with each of {len(prefill_stages)} "
-                     f"prefill stage(s)" for s in range(len(decode_stages))}, plans
+    tp_plan = "d0/1 from p*/2: p0[all]->[0..0/2], p1[all]->[1..1/2]; " if tp == 2 else ""
+    assert plans == {f"{tp_plan}stage {s}/{len(decode_stages)} reads the layers it shares with each of "
+                     f"{len(prefill_stages)} prefill stage(s)" for s in range(len(decode_stages))}, plans
     report = _replay(prefill, decode)
     assert not report.findings, report.findings
     finals = [(m.lifecycle, m.req, m.final_state) for m in report.machines if m.lifecycle in ("recv", "send")]
     assert all(state == {"recv": "done", "send": "released"}[lc] for lc, _, state in finals), finals
     # one machine per request and worker: every stage of each engine took part
-    assert sum(1 for lc, _, _ in finals if lc == "send") == 3 * len(prefill_stages), finals
+    assert sum(1 for lc, _, _ in finals if lc == "send") == 3 * len(prefill_stages) * tp, finals
     assert sum(1 for lc, _, _ in finals if lc == "recv") == 3 * len(decode_stages), finals
 
 
@@ -373,7 +384,7 @@ def test_a_killed_stage_fails_the_request_and_the_other_stage_lets_go(engines: A
     decode.decode("d-kill", params, prompt)
     finished, failed = decode.finish("d-kill")
     assert failed == {"d-kill"}
-    prefill.release({"p-kill"}, stages=range(1))
+    prefill.release({"p-kill"}, workers=range(1))
     assert not any(decode.live()), decode.live()
     report = _replay(prefill, decode)
     assert not report.findings, report.findings

@@ -32,7 +32,9 @@ blocks so that a read takes long enough to kill the process during it); the
 decode side must then use the same overrides. ``"pp_size"``, ``"pp_rank"`` and
 ``"layers"`` (global layer indices) make it one pipeline parallel stage of its
 engine, holding those layers only (``pattern(seed)``'s rows of them); stage 0
-binds the engine's port and relays to the others.
+binds the engine's port and relays to the others. ``"tp_size"`` and
+``"tp_rank"`` make it one tensor parallel rank, holding its share of the KV
+heads (``pattern(seed)``'s heads of it, heads-major blocks).
 
 ``pin_target`` w           where the worker's pin channel is (``PinTarget`` fields),
                             for a real scheduler half to pin through
@@ -90,19 +92,22 @@ def pattern(seed: int, geom: dict[str, int] | None = None) -> np.ndarray:
 
 
 def make_caches(seed: int | None, geom: dict[str, int] | None = None,
-                layers: list[int] | None = None) -> dict[str, Any]:
+                layers: list[int] | None = None, heads: tuple[int, int] | None = None) -> dict[str, Any]:
     """Per-layer float32 KV caches: ``pattern(seed)`` (prefill) or zeros (``seed=None``, decode).
-    ``layers``: only those (a pipeline parallel stage's), each with its row of the pattern."""
+    ``layers``: only those (a pipeline parallel stage's), each with its row of the pattern;
+    ``heads``: only heads ``[start, start + count)`` of each block (a tensor parallel rank's)."""
     import torch
 
     caches = {}
     pat = pattern(seed, geom) if seed is not None else None
+    start, count = heads if heads is not None else (0, geometry(geom)["kv_heads"])
     for i, name in enumerate(layer_names(geometry(geom)["layers"])):
         if layers is not None and i not in layers:
             continue
-        t = torch.zeros(shape(geom), dtype=torch.float32)
+        full = shape(geom)
+        t = torch.zeros((full[0], count, *full[2:]), dtype=torch.float32)
         if pat is not None:
-            t.view(torch.int32).numpy()[...] = pat[i]
+            t.view(torch.int32).numpy()[...] = pat[i][:, start:start + count]
         caches[name] = t
     return caches
 
@@ -131,9 +136,9 @@ def config_fields(engine_id: str, kv_role: str, port: int, geom: dict[str, int] 
     return fields
 
 
-def agent_name(engine_id: str, pp_rank: int = 0) -> str:
-    """The agent name kvsm.connector gives rank 0 of ``engine_id`` (a restart keeps it)."""
-    return f"kvsm-{engine_id}-dp0-tp0" + (f"-pp{pp_rank}" if pp_rank else "")
+def agent_name(engine_id: str, pp_rank: int = 0, tp_rank: int = 0) -> str:
+    """The agent name kvsm.connector gives that worker of ``engine_id`` (a restart keeps it)."""
+    return f"kvsm-{engine_id}-dp0-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_rank else "")
 
 
 # --------------------------------------------------------------------- fault injection
@@ -303,15 +308,20 @@ class _Worker:
         self.port = spec["port"]
         self.geom = spec.get("geometry")
         self.layers = spec.get("layers")
-        self.caches = make_caches(spec["seed"], self.geom, self.layers)
-        stage = spec.get("pp_rank", 0)
-        self.transport = NixlTransport(agent_name(self.engine_id, stage), describe_kv_caches(self.caches))
+        stage, tp, rank = spec.get("pp_rank", 0), spec.get("tp_size", 1), spec.get("tp_rank", 0)
+        kv_heads = geometry(self.geom)["kv_heads"]
+        per = kv_heads // tp
+        self.caches = make_caches(spec["seed"], self.geom, self.layers, heads=(rank * per, per))
+        self.heads = slice(rank * per, (rank + 1) * per)
+        self.transport = NixlTransport(agent_name(self.engine_id, stage, rank), describe_kv_caches(
+            self.caches, heads=dict.fromkeys(self.caches, per) if "tp_size" in spec else None))
         self.compat = CompatInfo(**compat_fields(self.geom, **spec.get("compat", {})))
         self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_producer", self.port, self.geom,
-                                              lease_s=spec.get("lease_s", 30.0), pp_size=spec.get("pp_size", 1)))
-        self.log = (EventLog(spec["log"], role="worker", engine_id=self.engine_id, rank=stage)
+                                              lease_s=spec.get("lease_s", 30.0), pp_size=spec.get("pp_size", 1),
+                                              tp_size=tp, kv_heads=kv_heads))
+        self.log = (EventLog(spec["log"], role="worker", engine_id=self.engine_id, rank=stage * tp + rank)
                     if spec.get("log") else None)
-        self.half = WorkerHalf(self.cfg, 0, pp_rank=stage, event_log=self.log)
+        self.half = WorkerHalf(self.cfg, rank, pp_rank=stage, event_log=self.log)
         self.started = False
         self.sent: dict[str, float] = {}
         self.other: dict[str, list[str]] = {"recving": [], "failed": [], "invalid": []}
@@ -349,7 +359,7 @@ class _Worker:
         for i, name in enumerate(layer_names(geometry(self.geom)["layers"])):
             if name not in self.caches:
                 continue  # another pipeline stage's layer
-            self.caches[name].view(torch.int32).numpy()[blocks] = new[i][blocks]
+            self.caches[name].view(torch.int32).numpy()[blocks] = new[i][blocks][:, self.heads]
 
     def drain(self) -> None:
         if not self.started:

