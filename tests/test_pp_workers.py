@@ -417,3 +417,26 @@ def _records(half: WorkerHalf) -> list[dict[str, Any]]:
     half.log.flush()
     path = Path(half.log.path)
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_an_abort_while_reading_from_both_stages_lets_every_stage_go(engines: Any) -> None:
+    """vLLM aborts the decode request right after handing it to both decode stages,
+    their claims and reads to both prefill stages in flight or done: vLLM still hears
+    of it from every stage, every prefill worker releases, both sides hold nothing."""
+    prefill = engines(PrefillEngine, "p", [[0, 1], [2, 3]])
+    decode = engines(DecodeEngine, "d", [[0, 1], [2, 3]])
+    for n in range(3):
+        params, prompt = prefill.prefill(f"p-abort{n}")
+        decode.decode(f"d-abort{n}", params, prompt)
+        decode.sched.abort(f"d-abort{n}")
+        meta = decode.sched.step().connector_metadata
+        assert [a.req for a in meta.recv_abort] == [f"d-abort{n}"]
+        for half in decode.halves:
+            half.submit(meta)
+        decode.finish(f"d-abort{n}")
+        prefill.release({f"p-abort{n}"})
+    assert not any(decode.live()), decode.live()
+    assert prefill.sched is not None and prefill.sched.free_blocks() == prefill.free_at_start
+    assert decode.sched.free_blocks() == decode.free_at_start
+    report = _replay(prefill, decode)
+    assert not report.findings, report.findings
