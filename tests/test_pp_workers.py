@@ -179,14 +179,7 @@ class PrefillEngine:
 
     def close(self) -> None:
         for p in self.procs:
-            if p.proc.poll() is None:
-                try:
-                    p.call("quit", timeout=15.0)
-                    p.proc.wait(timeout=10)
-                except (AssertionError, OSError):
-                    p.proc.kill()
-            p.proc.wait(timeout=10)
-            p.close_stderr()
+            p.close(timeout=15.0)
         if self.sched is not None:
             self.sched.close()
 

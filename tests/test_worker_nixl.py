@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import random
 import socket
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -115,16 +114,6 @@ class PeerProc(PeerProcess):
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call("quit", timeout=10.0)
-                self.proc.wait(timeout=10)
-            except (AssertionError, OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.close_stderr()
 
 
 def coords_of(engine: str, port: int) -> dict[str, Any]:

@@ -56,6 +56,12 @@ def internal_endpoint(host: str, port: int, engine_id: str, rank: int, pp_rank: 
 Worker = tuple[int, int]  # (tp_rank, pp_rank)
 
 
+def worker_name(tp_rank: int, pp_rank: int = 0) -> str:
+    """``tp_rank 1``, or ``tp_rank 1 pp_rank 2`` for a later pipeline stage: which
+    worker behind the engine's one port a message is for, in words."""
+    return f"tp_rank {tp_rank}" + (f" pp_rank {pp_rank}" if pp_rank else "")
+
+
 @dataclass(slots=True)
 class _Pending:
     envelope: list[bytes]

@@ -33,7 +33,7 @@ from kvsm.handshake.messages import (
     Request,
     compat_hash,
 )
-from kvsm.handshake.relay import RankRelay
+from kvsm.handshake.relay import RankRelay, worker_name
 
 log = logging.getLogger("kvsm.handshake")
 
@@ -332,7 +332,7 @@ class HandshakeServer:
         why = self._relay.forward(worker, envelope, payload, request.nonce, self._now_ns())
         if why:
             self._refuse(envelope, request.nonce, why, f"engine {self.engine_id} could not pass the request on to "
-                                                       f"its worker {_worker_name(worker)} ({why})")
+                                                       f"its worker {worker_name(*worker)} ({why})")
             return
         self._counts["relayed"] += 1
 
@@ -359,7 +359,7 @@ class HandshakeServer:
         late = self._relay.expire(now_ns)
         for envelope, nonce, worker in late:
             self._refuse(envelope, nonce, "rank_unavailable",
-                         f"worker {_worker_name(worker)} of engine {self.engine_id} did not answer within "
+                         f"worker {worker_name(*worker)} of engine {self.engine_id} did not answer within "
                          f"{self._relay.timeout_ns / 1e9:.1f} s (its process gone, or not started yet)")
         return len(late)
 
@@ -427,8 +427,3 @@ def _check_provided(provided: Any) -> tuple[str, bytes, bytes, int]:
         raise ValueError(f"provide(): {len(agent_metadata) + len(layout)} bytes of metadata and "
                          f"layout do not fit a {MAX_REPLY_BYTES}-byte reply")
     return agent_name, bytes(agent_metadata), bytes(layout), meta_version
-
-
-def _worker_name(worker: tuple[int, int]) -> str:
-    """``tp_rank 1``, or ``tp_rank 1 pp_rank 2`` for a later pipeline stage."""
-    return f"tp_rank {worker[0]}" + (f" pp_rank {worker[1]}" if worker[1] else "")

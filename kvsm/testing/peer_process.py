@@ -88,5 +88,17 @@ class PeerProcess:
             raise self.error(f"peer {self.label}: {op} failed: {reply}; stderr:\n{self.stderr_tail()}")
         return reply
 
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the child to ``quit`` (a command it must know) and wait for it; kill it if
+        it does not answer or exit within ``timeout`` s each. Never leaves it running."""
+        if self.proc.poll() is None:
+            try:
+                self.call("quit", timeout)
+                self.proc.wait(timeout=timeout)
+            except (self.error, OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.close_stderr()
+
     def close_stderr(self) -> None:
         self._err.close()

@@ -116,6 +116,10 @@ class _View:
     layout: KVLayout
     dlist: Any  # nixl_prepped_dlist_handle of all its blocks (local agent)
     cuts: dict[Heads, Any] = field(default_factory=dict)  # prepped lists of runs of heads
+    layers: tuple[str, ...] = ()  # its layer names (computed once: a read asks for them)
+
+    def __post_init__(self) -> None:
+        self.layers = self.layout.layer_names()
 
     def release(self) -> None:
         for cut in self.cuts.values():
@@ -133,7 +137,6 @@ class _Peer:
     layout: KVLayout  # its blocks of the layers we share (all of its own unless pipeline stages differ)
     dlist: Any  # nixl_prepped_dlist_handle of all its blocks of those layers
     mine: _View | None  # our blocks of those layers; None: we share no layer (a read only notifies)
-    full_layout: KVLayout  # every layer it holds
     handles: set[NixlXferHandle] = field(default_factory=set)
     cuts: dict[Heads, Any] = field(default_factory=dict)  # prepped lists of runs of heads
     block_tokens_differ: bool = False  # its blocks hold another number of tokens: segment reads only
@@ -148,6 +151,7 @@ class NixlTransport(Transport):
 
         self.name = name
         self.layout = layout
+        self._layers = layout.layer_names()
         self.num_groups = layout.num_groups
         self._errors = _nixl_errors()
         self._peers: dict[str, _Peer] = {}
@@ -242,8 +246,7 @@ class NixlTransport(Transport):
             raise
         differ = mine is not None and any(a.block_tokens != b.block_tokens
                                           for a, b in zip(mine.layout.regions, theirs.regions))
-        self._peers[info.name] = _Peer(info.name, bytes(metadata), theirs, dlist, mine, info.layout,
-                                       block_tokens_differ=differ)
+        self._peers[info.name] = _Peer(info.name, bytes(metadata), theirs, dlist, mine, block_tokens_differ=differ)
         # Start the UCX wire-up now (returns at once; our get_notifs/check polls
         # progress it): the first read then takes ~2 ms instead of ~55 ms.
         try:
@@ -256,7 +259,7 @@ class NixlTransport(Transport):
         """Our layout and the peer's cut down to the layers both hold (engines of
         different pipeline parallel sizes hold runs of the model's layers); (None,
         theirs) when they share none. The same layers: both as they are."""
-        ours = self.layout.layer_names()
+        ours = self._layers
         their_names = theirs.layer_names()
         if ours == their_names:
             return self.layout, theirs
@@ -278,7 +281,7 @@ class NixlTransport(Transport):
         return view
 
     def layers(self) -> tuple[str, ...]:
-        return self.layout.layer_names()
+        return self._layers
 
     def layers_read(self, peer: str) -> tuple[str, ...]:
         """Our layers a read from ``peer`` fills (every one of ours unless its
@@ -286,7 +289,7 @@ class NixlTransport(Transport):
         p = self._peers.get(peer)
         if p is None:
             raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
-        return p.mine.layout.layer_names() if p.mine is not None else ()
+        return p.mine.layers if p.mine is not None else ()
 
     def read_layout(self, peer: str) -> KVLayout | None:
         """Our blocks a read from ``peer`` fills (None: none, the read only notifies)."""

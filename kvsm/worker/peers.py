@@ -32,6 +32,7 @@ from kvsm.handshake import (
     MetadataReply,
     peer_address,
 )
+from kvsm.handshake.relay import worker_name
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.data import PeerMachine
 from kvsm.lifecycle.machine import Outcome
@@ -237,7 +238,7 @@ class PeerSide(WorkerContext):
         outcome = result.outcome
         if isinstance(outcome, HandshakeError):
             self._note("worker.claim_failed", None, peer=peer.address, engine=peer.engine, fetch=claim.fetch,
-                       worker=_worker_of(peer), error=f"{outcome.code}: {outcome}"[:300],
+                       worker=worker_name(peer.rank, peer.pp_rank), error=f"{outcome.code}: {outcome}"[:300],
                        reqs=[req for req, _ in claim.reqs])
             if isinstance(outcome, HandshakeRefused):
                 # Nobody listens there any more (the process is gone): known at once,
@@ -407,8 +408,3 @@ class PeerSide(WorkerContext):
         self._expiry_timer = None
         self._on_client_results(self.client.expire(self.loop.now_ns()))
         self._arm_client_expiry()
-
-
-def _worker_of(peer: PeerIO) -> str:
-    """Which worker behind the engine's one port a message went to, in words."""
-    return f"tp_rank {peer.rank}" + (f" pp_rank {peer.pp_rank}" if peer.pp_rank else "")

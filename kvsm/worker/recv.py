@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from kvsm.facts import RecvAbandon, RecvAbort, RecvStart
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
@@ -189,8 +187,7 @@ class RecvSide(WorkerContext):
             start = RecvStart(req=req, remote_engine=abandon.remote_engine, remote_req=abandon.remote_req,
                               remote_host=abandon.remote_host, remote_port=abandon.remote_port,
                               remote_tp_size=abandon.remote_tp_size, remote_block_ids=(), local_block_ids=(),
-                              num_tokens=0, awaited=False)
-            start = msgspec.structs.replace(start, remote_pp_size=abandon.remote_pp_size)
+                              num_tokens=0, awaited=False, remote_pp_size=abandon.remote_pp_size)
             self._recv_io[req] = self._recv_io_of(start, self._plan_or_none(abandon.remote_tp_size))
             self.recv.create(req)
             self._apply_recv(ev.Matched(req=req, num_tokens=0, remote_engine=abandon.remote_engine,
@@ -354,17 +351,18 @@ class RecvSide(WorkerContext):
                 self.stats.failure("peer_dead")
                 self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="no_agent"))
                 return
-        uncovered = self._layers_uncovered(reads, agents)
+        held = [self.transport.layers_read(agent) for agent in agents]
+        uncovered = self._layers_uncovered(reads, held)
         if uncovered:
             self.stats.failure("layers_uncovered")
             self._apply_recv(ev.Error(req=req, kind="layers_uncovered", detail=uncovered))
             return
         io.posted_ns = self.loop.now_ns()
         segments = segments_of(start)
-        for link, agent in zip(reads, agents):
+        for link, agent, layers in zip(reads, agents, held):
             src = link.source
             assert src is not None
-            if self.transport.layers_read(agent) == ():
+            if layers == ():
                 # A pipeline stage that holds none of our layers: nothing to read there. Told
                 # over the side channel (acknowledged), as a rank nobody reads is: a NIXL
                 # notification alone leaves an idle agent only at its next NIXL call.
@@ -384,19 +382,22 @@ class RecvSide(WorkerContext):
                                         num_descs=sum(self._descs_of(start, link, agent)
                                                       for link, agent in zip(reads, agents))))
 
-    def _layers_uncovered(self, reads: list[Link], agents: list[str]) -> str:
+    def _layers_uncovered(self, reads: list[Link], held: list[tuple[str, ...] | None]) -> str:
         """Why some of our layers would not be filled ("" if every one is): for each
         run of heads, the stages read must hold every layer of ours between them
-        (a prefill engine split over pipeline stages differently, or another model)."""
+        (a prefill engine split over pipeline stages differently, or another model).
+        ``held``: each read's ``layers_read``, a subset of ours in our order."""
         assert self.transport is not None
         ours = self.transport.layers()
         if ours is None:
             return ""
+        whole = {link.source for link, some in zip(reads, held) if some is None or len(some) == len(ours)}
         got: dict[Source | None, set[str]] = {}
-        for link, agent in zip(reads, agents):
-            got.setdefault(link.source, set()).update(self.transport.layers_read(agent) or ())
-        for source, layers in got.items():
-            missing = [name for name in ours if name not in layers]
+        for link, some in zip(reads, held):
+            if link.source not in whole:  # (the usual case, one stage holding all: no set built)
+                got.setdefault(link.source, set()).update(some or ())
+        for source, have in got.items():
+            missing = [name for name in ours if name not in have]
             if missing:
                 links = [link for link in reads if link.source == source]
                 return (f"{len(missing)} of this worker's {len(ours)} layers are held by none of the "
