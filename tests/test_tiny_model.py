@@ -173,9 +173,10 @@ def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
 
 NEW_KINDS = ("gemma2", "deepseek_v2", "qwen3_next", "qwen3", "gemma3", "llama4")
 # kvsm.testing.tiny_families: built and laid out as checked here; their outputs'
-# dependence on the KV cache is checked by the offline pairs (test_pd_models.py:
-# a corrupted and a swapped transfer change them), not by the probe below, whose
-# one-token change at the start of a long prompt a sliding window cannot see.
+# dependence on the KV cache is checked in transformers here and by the offline
+# pairs (test_pd_models.py: a corrupted and a swapped transfer change them), not
+# by the probe below, whose one-token change at the start of a long prompt a
+# sliding window cannot see.
 FAMILIES = ("qwen2", "mistral", "phi3", "gpt2", "opt")
 
 
@@ -416,6 +417,49 @@ def test_kinds_are_built_cached_and_apart(model_dir: Path, kind_dirs: dict[str, 
     ] * 2  # fmt: skip
     with pytest.raises(ValueError, match="unknown tiny model kind"):
         model_dir_for(model_dir.parent, kind="gpt3")
+
+
+def _greedy(model, prompt: list[int], n: int, corrupt: bool) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` (transformers, one token a step on
+    the cache); ``corrupt``: noise of the data's own scale in the prompt's
+    cache first, as ``pd_pair.corrupt_blocks`` writes into transferred blocks."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        cache = model(torch.tensor([prompt[:-1]]), use_cache=True).past_key_values
+        if corrupt:
+            for layer in cache.layers:
+                for name in ("keys", "values"):
+                    t = getattr(layer, name)
+                    setattr(layer, name, torch.randn(t.shape, generator=gen) * t.std())
+        out, last = [], prompt[-1]
+        for _ in range(n):
+            step = model(torch.tensor([[last]]), past_key_values=cache, use_cache=True)
+            cache, last = step.past_key_values, int(step.logits[0, -1].argmax())
+            out.append(last)
+    return out
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_family_outputs_are_not_degenerate_and_depend_on_kv(kind: str, kind_dirs: dict[str, Path]) -> None:
+    """Each family's greedy output varies, and noise in its cache changes it for
+    every prompt: what the offline pairs' corrupted-transfer test relies on
+    (the OPT model once only repeated the prompt's last token, whatever its cache
+    held, and that test failed in CI). Checked with transformers, in process."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(kind_dirs[kind]), dtype=torch.float32).eval()
+    rng = random.Random(kind)
+    for _ in range(4):
+        prompt = [rng.randrange(10, 1100) for _ in range(200)]
+        clean = _greedy(model, prompt, 10, corrupt=False)
+        assert len(set(clean)) >= 3, (kind, clean)
+        assert clean != [prompt[-1]] * 10, (kind, clean)
+        assert _greedy(model, prompt, 10, corrupt=True) != clean, (kind, prompt[-3:], clean)
 
 
 def _run_probe(kind: str, path: Path, workdir: Path) -> dict:

@@ -12,7 +12,11 @@ tokenizer, fan-in-scaled weights with sharp attention and peaked logits):
 * ``gpt2``: learned absolute positions, multi-head attention (as many KV
   heads as query heads), ``Conv1D`` weights, tied embeddings.
 * ``opt``: learned positions with OPT's offset of 2, biases everywhere,
-  ReLU MLP, tied embeddings.
+  ReLU MLP, tied embeddings. Token embeddings small (std 0.25) beside a
+  strong attention output: with tied embeddings and embeddings of std 0.5,
+  the residual stream was mostly the input token's own embedding and the
+  model mostly repeated the prompt's last token whatever its KV cache held
+  (a corrupted transfer went unnoticed in CI).
 
 ``Conv1D`` weights (GPT-2) are ``[in, out]``: the fan-in rule of the other
 kinds (``gain / sqrt(shape[-1])``) would scale them by their fan-out, so
@@ -72,8 +76,8 @@ def family_recipes(tokenizer: dict[str, Any], attention: dict[str, Any], attenti
             "config": {"hidden_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 2 * hidden,
                        "max_position_embeddings": 4096, "word_embed_proj_dim": hidden, "do_layer_norm_before": True,
                        "activation_function": "relu", "tie_word_embeddings": True},
-            "init": {"embed_tokens": {"std": 0.5}, "embed_positions": {"std": 0.5}, "q_proj": 2.0, "k_proj": 2.0,
-                     "v_proj": 1.0, "out_proj": 1.0, "fc1": 1.0, "fc2": 1.0, "self_attn_layer_norm": {"fill": 1.0},
+            "init": {"embed_tokens": {"std": 0.25}, "embed_positions": {"std": 0.5}, "q_proj": 2.0, "k_proj": 2.0,
+                     "v_proj": 1.0, "out_proj": 2.0, "fc1": 1.0, "fc2": 1.0, "self_attn_layer_norm": {"fill": 1.0},
                      "final_layer_norm": {"fill": 1.0}, "bias": {"fill": 0.0}},
         },
     }
