@@ -211,3 +211,30 @@ def test_group_layout_mismatches_are_named():
         describe_kv_caches(caches, groups=[groups[0]])
     with pytest.raises(ValueError, match="in KV cache groups 0 and 1"):
         describe_kv_caches(caches, groups=[groups[0], [*groups[1], groups[0][0]]])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_a_small_read_indexes_in_python_as_numpy_does(groups: int) -> None:
+    """Reads of a few descriptors take the plain-Python path of desc_index_array
+    (a list or tuple of block ids), larger ones and arrays numpy's: the same
+    indices, dtype and errors, with and without KV cache groups."""
+    rng = np.random.default_rng(groups)
+    lay = KVLayout(regions=tuple(Region(f"l{i}", 0, 1 << 40 | i << 32, 50, 4096, 4096, 0, group=i % groups)
+                                 for i in range(6)), mem_type="DRAM", num_blocks=50, num_groups=groups)
+    for n in (0, 1, 3, 10, 11, 40):
+        blocks = [int(b) for b in rng.integers(0, 50, n)]
+        cut = sorted(int(c) for c in rng.integers(0, n + 1, groups - 1))
+        sizes = tuple(b - a for a, b in zip([0, *cut], [*cut, n])) if groups > 1 else ()
+        small = lay.desc_index_array(blocks, sizes)
+        big = lay.desc_index_array(np.asarray(blocks, dtype=np.int64), sizes)  # (an array: numpy's path)
+        assert small.dtype == big.dtype == np.int32 and small.tolist() == big.tolist(), (n, sizes)
+        assert lay.desc_index_array(tuple(blocks), sizes).tolist() == big.tolist()
+        assert len(small) == lay.num_descs(n, sizes)
+    for bad in ([3, 50], [-1]):
+        for arg in (bad, np.asarray(bad)):
+            with pytest.raises(ValueError, match=f"block id {bad[-1]} out of range: the layout has 50 blocks"):
+                lay.desc_index_array(arg, (len(bad),) + (0,) * (groups - 1) if groups > 1 else ())
+    if groups > 1:
+        for arg in ([1, 2], np.asarray([1, 2])):
+            with pytest.raises(ValueError, match="add up to 1, not 2 blocks"):
+                lay.desc_index_array(arg, (1,) + (0,) * (groups - 1))

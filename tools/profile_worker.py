@@ -86,6 +86,7 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("profile-worker.txt"))
+    ap.add_argument("--logs", type=Path, default=None, help="keep kvsm's event logs of the run in this directory")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
@@ -115,6 +116,8 @@ def main() -> int:
             print(f"py-spy wrote nothing: {err.decode()[-2000:]}", file=sys.stderr)
             return 1
         shutil.copy(raw, args.out)
+        if args.logs is not None and (Path(tmp) / "kvsm-events").exists():
+            shutil.copytree(Path(tmp) / "kvsm-events", args.logs, dirs_exist_ok=True)
     per_transfer_us = r["cpu_s"] / max(1, r["done"]) * 1e6
     print(f"{args.connector}: {r['done']} transfers in {r['steps']} steps, decode process CPU per transfer "
           f"{per_transfer_us:.0f} µs (all threads, sampler attached: higher than unprofiled)")

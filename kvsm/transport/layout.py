@@ -54,6 +54,10 @@ MemType = Literal["DRAM", "VRAM"]
 
 # NIXL takes int32 descriptor indices.
 _MAX_DESCS = 2**31 - 1
+# Reads of up to this many descriptors get their indices in plain Python
+# (``KVLayout.desc_index_array``): cheaper than numpy's per-call cost below it
+# (measured: 1.6 against 5.6 µs for 4; even at 64).
+_SMALL_READ = 64
 
 
 class TokenPlanes(msgspec.Struct, frozen=True):
@@ -281,6 +285,8 @@ class KVLayout(msgspec.Struct, frozen=True):
         ``group_sizes``: ``block_ids`` hold that many blocks of each KV cache
         group in turn, each indexed in its own group's regions (empty: every
         block in every region)."""
+        if isinstance(block_ids, (list, tuple)) and len(block_ids) * len(self.regions) <= _SMALL_READ:
+            return np.array(self._small_desc_indices(block_ids, group_sizes), dtype=np.int32)
         b = self._blocks(block_ids)
         n = len(self.regions) * self.num_blocks
         if n > _MAX_DESCS:
@@ -299,6 +305,33 @@ class KVLayout(msgspec.Struct, frozen=True):
             parts.append((starts[:, None] + b[None, at:at + size]).reshape(-1))
             at += size
         return np.concatenate(parts).astype(np.int32) if parts else np.empty(0, dtype=np.int32)
+
+    def _small_desc_indices(self, block_ids: Sequence[int], group_sizes: Sequence[int]) -> list[int]:
+        """``desc_index_array``'s indices for a few blocks, in plain Python: numpy's
+        per-call cost (a dozen small arrays) was most of a one-block read's
+        descriptor work on the decode loop. Same checks, same messages."""
+        nb = self.num_blocks
+        if block_ids:
+            lo, hi = min(block_ids), max(block_ids)
+            if lo < 0 or hi >= nb:
+                raise ValueError(f"block id {lo if lo < 0 else hi} out of range: the layout has {nb} blocks")
+        n = len(self.regions) * nb
+        if n > _MAX_DESCS:
+            raise ValueError(f"{n} descriptors do not fit NIXL's int32 indices")
+        if not group_sizes:
+            return [r * nb + b for r in range(len(self.regions)) for b in block_ids]
+        if len(group_sizes) != self.num_groups:
+            raise ValueError(f"{len(group_sizes)} KV cache groups of blocks for a layout of {self.num_groups}")
+        if sum(group_sizes) != len(block_ids):
+            raise ValueError(f"group sizes {list(group_sizes)} add up to {sum(group_sizes)}, "
+                             f"not {len(block_ids)} blocks")
+        out: list[int] = []
+        at = 0
+        for g, size in enumerate(group_sizes):
+            part = block_ids[at:at + size]
+            out += [r * nb + b for r in self.group_regions(g) for b in part]
+            at += size
+        return out
 
     def desc_indices(self, block_ids: Sequence[int]) -> list[int]:
         """Indices into ``all_block_descs`` of ``block_ids`` in every region,
