@@ -212,7 +212,10 @@ def _check_reads_after_expiry(machines: Sequence[Machine]) -> Iterable[Finding]:
     expired_at: dict[tuple[str, str], int] = {}
     for m in machines:
         if m.final_state == "expired" and m.key[4] == "send":
-            expired_at[(m.key[0], m.req)] = m.records[-1].t_wall_ns
+            # When it expired (late inputs after that are recorded too: not their time).
+            expired_at[(m.key[0], m.req)] = next(
+                (r.t_wall_ns for r in m.records if r.dst == "expired" and r.src != "expired"),
+                m.records[-1].t_wall_ns)
     for m in machines:
         if m.matched is None or m.key[4] != "recv":
             continue
