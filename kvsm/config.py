@@ -31,6 +31,8 @@ EXTRA_KEYS: dict[str, str] = {
     "backends": "NIXL backends (['UCX'])",
     "num_threads": "UCX backend worker threads of each NIXL agent, as upstream's key (0: none, the loop "
                    "progresses UCX itself)",
+    "early_reads": "decode side: post a request's reads right behind its claims when every prefill worker it "
+                   "reads from is known, instead of after the claims' answers (true)",
 }
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
@@ -41,6 +43,12 @@ BUFFER_DEVICES = ("cpu", "cuda")
 def _num_threads(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
         raise ValueError(f"kv_connector_extra_config['num_threads'] must be an integer from 0 to 64, got {value!r}")
+    return value
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
     return value
 
 
@@ -108,6 +116,10 @@ class KVSMConfig:
     # sleep while idle (measured: 0.0 CPU-s per s with 4) and split a read's
     # descriptors between them.
     num_threads: int = 0
+    # Post a request's reads right behind its claims when every prefill worker it
+    # reads from is known (their round trip then overlaps the reads); the prefill
+    # side holds such a read's notification until its claim.
+    early_reads: bool = True
 
     @property
     def produces(self) -> bool:
@@ -188,6 +200,7 @@ class KVSMConfig:
             tp_share="replicated" if getattr(vllm_config.model_config, "use_mla", False) else "heads",
             stall_timeout_s=_positive("stall_timeout", extra.get("stall_timeout", 2.0)),
             num_threads=_num_threads(extra.get("num_threads", 0)),
+            early_reads=_flag("early_reads", extra.get("early_reads", True)),
         )
 
     def unknown_extra_keys(self, vllm_config: Any) -> list[str]:

@@ -59,6 +59,9 @@ class RecvStart(_RemoteRequest, frozen=True):
     # The prefill engine's pipeline parallel stages: each holds a run of the model's
     # layers, and the request reads each stage's from that stage's workers.
     remote_pp_size: int = 1
+    # When the prefill side said its lease ends (wall clock, s; 0: not said): reads
+    # are not posted ahead of their claims past it (their claims would be refused).
+    remote_expiry_s: float = 0.0
 
     def group_block_ids(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(local, remote) block ids of each KV cache group."""
@@ -172,6 +175,9 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_num_tokens: int | None
     remote_block_size: int | None = None  # tokens per prefill block (kvsm's key; None: not said)
     remote_pp_size: int = 1  # the prefill engine's pipeline stages (each holds a run of the layers)
+    # remote_blocks_expiry_time, as upstream writes it (wall clock, s; 0: not said). Advisory:
+    # heartbeats may extend the lease past it, and the claim decides.
+    remote_expiry_s: float = 0.0
 
 
 # The prefill's fingerprint of the prompt tokens it computed (kvsm's own key; other
@@ -273,4 +279,13 @@ def parse_remote_params(params: Mapping[str, Any]) -> RemoteParams:
         remote_engine=params["remote_engine_id"], remote_req=params["remote_request_id"],
         remote_host=params["remote_host"], remote_port=port, remote_tp_size=tp_size,
         remote_block_ids=_block_ids(params["remote_block_ids"]), remote_num_tokens=num_tokens,
-        remote_block_size=block_size, remote_pp_size=pp_size)
+        remote_block_size=block_size, remote_pp_size=pp_size, remote_expiry_s=_expiry(params))
+
+
+def _expiry(params: Mapping[str, Any]) -> float:
+    """``remote_blocks_expiry_time`` as a number of seconds; 0 when absent or not a
+    positive number (advisory only: nothing is refused for it)."""
+    value = params.get("remote_blocks_expiry_time")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return float(value) if value > 0 else 0.0

@@ -345,7 +345,8 @@ class SchedulerHalf:
             remote_host=remote.remote_host, remote_port=remote.remote_port,
             remote_tp_size=remote.remote_tp_size, remote_block_ids=remote_ids,
             local_block_ids=local, num_tokens=num_external_tokens, awaited=awaited, group_sizes=sizes,
-            problem=problem, remote_pp_size=remote.remote_pp_size, **segmented))
+            problem=problem, remote_pp_size=remote.remote_pp_size, remote_expiry_s=remote.remote_expiry_s,
+            **segmented))
         # Only one transfer per request (vLLM may call again once it is loaded).
         params["do_remote_prefill"] = False
 

@@ -41,10 +41,10 @@ ABORTABLE = {(spec.name, state) for spec in (RECV, SEND) for (state, trigger), r
 # once too, unless a read in flight cannot be cancelled: a stuck read that lands
 # only after the transfer timeout keeps it there (ABORT_HEAVY has those).
 TRANSIENT = {("recv", "new"), ("recv", "remote_known")}
-# A prefill whose decode side gave up before its worker heard of its finish
-# (`abandoned_early`) has finished, normally: vLLM handed out its
-# kv_transfer_params. No consistent vLLM aborts it afterwards.
-UNREACHABLE = {("send", "abandoned_early")}
+# A prefill whose decode side gave up (`abandoned_early`), or read it
+# (`read_early`), before its worker heard of its finish has finished, normally:
+# vLLM handed out its kv_transfer_params. No consistent vLLM aborts it afterwards.
+UNREACHABLE = {("send", "abandoned_early"), ("send", "read_early")}
 # Entered by few requests (a stuck read past the transfer timeout, not aborted
 # before): aborted on entry ten times as often.
 RARE = {("recv", "failing")}
@@ -78,8 +78,8 @@ def run_and_watch(cfg: SimConfig, abort_on_entry: float = 0.0) -> tuple[Simulati
 
 
 def test_aborts_reach_every_abortable_state_and_lose_nothing() -> None:
-    assert {("recv", s) for s in ("awaiting_blocks", "pending_handshake", "remote_known", "transferring",
-                                  "failing")} | {("send", "prefilling")} <= ABORTABLE, ABORTABLE
+    assert {("recv", s) for s in ("awaiting_blocks", "pending_handshake", "remote_known", "transferring", "failing",
+                                  "reading_unclaimed", "read_unclaimed")} | {("send", "prefilling")} <= ABORTABLE
     wanted = ABORTABLE - TRANSIENT - UNREACHABLE
     seen: set[tuple[str, str]] = set()
     for seed in range(40):

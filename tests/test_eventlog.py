@@ -322,7 +322,7 @@ def test_record_outcome_from_tracker(tmp_path: Path) -> None:
         assert (rec["role"], rec["engine_id"]) == ("scheduler", "dec")
     assert recs[0]["dst"] == "new" and recs[0]["blocks"] == []
     assert recs[2]["blocks"] == [7, 8] and "take_blocks" in recs[2]["effects"]
-    assert recs[2]["input"] == {"block_ids": [7, 8], "num_external_tokens": 5, "group_sizes": []}
+    assert recs[2]["input"] == {"block_ids": [7, 8], "num_external_tokens": 5, "group_sizes": [], "early": False}
     assert recs[3]["src"] == recs[3]["dst"] == "pending_handshake" and recs[3]["violation"] == "illegal_transition"
     assert recs[4]["violation"] == "unknown_request" and recs[4]["req"] == "ghost"
 

@@ -80,6 +80,84 @@ def test_lifecycles_of_design() -> None:
     assert (out.dst, out.effects) == ("released", ("cancel_lease", "free_blocks"))
 
 
+def test_reads_posted_with_their_claims() -> None:
+    """A decode worker that knows every prefill worker posts the reads right behind
+    the claims; reads that complete first wait for the grants, and are served
+    only inside the lease those grants give (judged by when they completed)."""
+    clock = VirtualClock()
+    t = LifecycleTracker(RECV, clock, policy=IllegalEventPolicy.RAISE)
+    t.create("r")
+    t.apply(SAMPLE_EVENTS["matched"])
+    out = t.apply(ev.Allocated(req="r", block_ids=(1, 2), num_external_tokens=40, early=True))
+    assert (out.dst, out.effects) == ("reading_unclaimed", ("take_blocks", "arm_handshake_timer",
+                                                            "start_handshake", "post_early_reads"))
+    assert t.apply(SAMPLE_EVENTS["reads_posted"]).effects == ("arm_transfer_timer",)
+    clock.advance(1_000)
+    assert t.apply(SAMPLE_EVENTS["all_reads_done"]).dst == "read_unclaimed"
+    clock.advance(10_000_000_000)  # the grant comes late; the reads were done long before
+    out = t.apply(ev.HandshakeOk(req="r", claim_sent_ns=0, lease_window_ns=2_000_000_000))
+    assert (out.dst, out.effects) == ("done", ("cancel_handshake_timer", "release_reads", "deliver_blocks",
+                                               "cancel_timers"))
+    # Two prefill ranks: the first grant is not enough; completed past the lease: invalid.
+    t.create("q")
+    t.apply(ev.Matched(req="q", num_tokens=40, remote_engine="p0", remote_req="pq", remote_blocks=1, sources=2))
+    t.apply(ev.Allocated(req="q", block_ids=(3,), num_external_tokens=40, early=True))
+    t.apply(ev.ReadsPosted(req="q"))
+    assert t.apply(ev.HandshakeOk(req="q", claim_sent_ns=clock.monotonic_ns(), lease_window_ns=2_000_000_000,
+                                  source=1)).dst == "reading_unclaimed"
+    clock.advance(3_000_000_000)
+    assert t.apply(ev.AllReadsDone(req="q")).dst == "read_unclaimed"
+    assert t.apply(ev.HandshakeOk(req="q", claim_sent_ns=0, lease_window_ns=2_000_000_000,
+                                  source=1)).dst == "read_unclaimed"  # that rank again: still one of two
+    out = t.apply(ev.HandshakeOk(req="q", claim_sent_ns=0, lease_window_ns=60_000_000_000, source=0))
+    assert out.dst == "failed" and "report_invalid" in out.effects
+    assert t.final_state("q") == "failed"
+    # A claim refused while the reads are in flight: they settle first.
+    t.create("x")
+    t.apply(ev.Matched(req="x", num_tokens=1, remote_engine="p0", remote_req="px"))
+    t.apply(ev.Allocated(req="x", block_ids=(4,), early=True))
+    out = t.apply(ev.Error(req="x", kind="lease_expired"))
+    assert (out.dst, out.effects) == ("failing", ("cancel_reads",))
+    out = t.apply(ev.ReadsQuiesced(req="x", completed=1))
+    assert out.dst == "failed" and out.effects[0] == "notify_abandon"  # (its read's notification is held there)
+
+
+def test_a_read_notification_before_its_claim_is_held() -> None:
+    """The prefill side counts a read once its rank has claimed the request: a
+    notification that overtook its claim is held until the claim, and one that
+    overtook the finish too waits with the machine in read_early."""
+    s = LifecycleTracker(SEND, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    s.create("r")
+    s.apply(ev.FinishedOk(req="r", block_ids=(5,), lease_ns=1_000))
+    assert s.apply(ev.ReadNotif(req="r", reader="d0", early=True)).dst == "awaiting_pull"
+    assert s.get("r").reads_held == {"d0"} and s.get("r").reads_seen == 0
+    out = s.apply(ev.Heartbeat(req="r", lease_ns=1_000, reader="d0"))
+    assert (out.dst, out.effects) == ("released", ("cancel_lease", "free_blocks"))
+    # Before the finish: the notification makes the machine, the finish pins, the claim releases.
+    s.create("q")
+    out = s.apply(ev.ReadNotif(req="q", reader="d0", early=True))
+    assert (out.dst, out.effects) == ("read_early", ("arm_abandon_timer",))
+    out = s.apply(ev.FinishedOk(req="q", block_ids=(6,), lease_ns=1_000))
+    assert (out.dst, out.effects) == ("awaiting_pull", ("cancel_abandon_timer", "pin_blocks", "arm_lease"))
+    assert s.apply(ev.Heartbeat(req="q", lease_ns=1_000, reader="d0")).dst == "released"
+    # Its reader gave up (an abandon counts without a claim): the finish frees at once.
+    s.create("a")
+    s.apply(ev.ReadNotif(req="a", reader="d0", early=True))
+    assert s.apply(ev.RemoteAbandoned(req="a", reader="d0")).dst == "read_early"
+    out = s.apply(ev.FinishedOk(req="a", block_ids=(7,), lease_ns=1_000))
+    assert (out.dst, out.effects) == ("released", ("cancel_abandon_timer", "pin_blocks", "free_blocks"))
+    # The finish never comes: forgotten after a lease; its late notification is stale.
+    s.create("f")
+    s.apply(ev.ReadNotif(req="f", reader="d0", early=True))
+    assert s.apply(ev.AbandonExpired(req="f")).dst == "forgotten"
+    assert s.apply(ev.ReadNotif(req="f", reader="d0", early=True)).stale
+    # A read posted after its claim's grant counts at once (and so does every read of
+    # a log written before reads were posted early).
+    s.create("n")
+    s.apply(ev.FinishedOk(req="n", block_ids=(8,), lease_ns=1_000))
+    assert s.apply(ev.ReadNotif(req="n", reader="d0")).dst == "released"
+
+
 def test_blocks_are_never_handed_back_while_a_read_may_write() -> None:
     """After reads are posted, only quiescence (or a finished/errored read) releases blocks."""
     releasing = {"deliver_blocks", "report_invalid", "release_blocks"}
@@ -87,6 +165,8 @@ def test_blocks_are_never_handed_back_while_a_read_may_write() -> None:
         for rule in rules:
             if src in ("transferring", "failing", "aborting") and releasing & set(rule.effects):
                 assert trigger in ("all_reads_done", "error", "reads_quiesced"), (src, trigger)
+            if src == "reading_unclaimed" and releasing & set(rule.effects):  # (nothing was to be read)
+                assert trigger == "nothing_to_read", (src, trigger)
 
 
 def test_declaration_errors_name_the_problem() -> None:

@@ -33,12 +33,15 @@ class RequestMachine:
         "reads_expected",
         "reads_seen",
         "readers_done",
+        "claimants",
+        "reads_held",
         "claims_needed",
         "claims_granted",
         "lease_deadline_ns",
         "claim_granted_ns",
         "lease_window_ns",
         "late_ns",
+        "reads_done_ns",
         "failure",
         "num_events",
     )
@@ -57,6 +60,10 @@ class RequestMachine:
         self.reads_seen = 0
         # Prefill side: the decode ranks through with this request (read or abandoned).
         self.readers_done: frozenset[str] = frozenset()
+        # Prefill side: the decode ranks that claimed it here, and those whose read
+        # notification came before their claim (counted when the claim comes).
+        self.claimants: frozenset[str] = frozenset()
+        self.reads_held: frozenset[str] = frozenset()
         # Decode side: prefill ranks to claim, and a bit per rank that granted its claim.
         self.claims_needed = 1
         self.claims_granted = 0
@@ -66,6 +73,7 @@ class RequestMachine:
         self.claim_granted_ns = 0
         self.lease_window_ns = 0
         self.late_ns = 0
+        self.reads_done_ns = 0  # decode side: when the reads completed (0: not yet)
         self.failure = ""
         self.num_events = 0
 

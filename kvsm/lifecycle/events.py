@@ -60,6 +60,9 @@ class Allocated(Event, frozen=True, tag="allocated"):
     # Several KV cache groups: that many of ``block_ids`` belong to each, in turn
     # (empty: one group). Logged, so replay shows the blocks of each group.
     group_sizes: tuple[int, ...] = ()
+    # Every prefill worker it reads from is known and readable now: the reads may
+    # be posted at once, beside the claims, instead of after their answers.
+    early: bool = False
 
 
 class HandshakeOk(Event, frozen=True, tag="handshake_ok"):
@@ -157,9 +160,11 @@ class FinishedAbnormally(Event, frozen=True, tag="finished_abnormally"):
 
 
 class Heartbeat(Event, frozen=True, tag="heartbeat"):
-    """The decode side is still coming: extend the lease."""
+    """The decode side is still coming (a claim, or a heartbeat for a request it
+    holds): extend the lease. ``reader``: the decode rank that said so."""
 
     lease_ns: int = 30_000_000_000
+    reader: str = ""
 
 
 class ReadNotif(Event, frozen=True, tag="read_notif"):
@@ -167,6 +172,7 @@ class ReadNotif(Event, frozen=True, tag="read_notif"):
 
     reader: str = ""
     readers: int = 1  # decode ranks that read (or tell) this rank, the reader says
+    early: bool = False  # the read was posted ahead of its claim (counted once the claim came)
 
 
 class LeaseExpired(Event, frozen=True, tag="lease_expired"):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvsm.lifecycle.data import PeerMachine, RequestMachine
+from kvsm.lifecycle.folds import LEASE_MARGIN_NS, PREPARE  # noqa: F401 - LEASE_MARGIN_NS: its old home
 
 # --- effects: what a transition asks the I/O layer to do --------------------
 
@@ -45,6 +46,8 @@ EFFECTS: Mapping[str, str] = {
     # receiving side
     "take_blocks": "the allocated local blocks are ours to write until reported back",
     "post_reads": "post NIXL READs of the remote blocks into the local blocks",
+    "post_early_reads": ("post the reads right after the request's claims leave, without waiting for their "
+                         "answers (each read's notification is held by the prefill side until its claim)"),
     "send_notif": "tell the prefill side over the side channel that its blocks are not needed (nothing to read)",
     "deliver_blocks": "report finished_recving: the local blocks hold the remote KV",
     "report_invalid": "report the local blocks through get_block_ids_with_load_errors",
@@ -85,114 +88,6 @@ BLOCK_HOLDING_EFFECTS = frozenset({"take_blocks", "pin_blocks"})
 SHARED_HOLDING_EFFECTS = frozenset({"pin_blocks"})
 
 
-# A read must complete this much inside the lease its claim granted.
-LEASE_MARGIN_NS = 500_000_000
-
-# --- prepare: fold an event's inputs into the request's data ----------------
-
-
-def _take_remote(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    m.remote_engine = ev.remote_engine
-    m.remote_req = ev.remote_req
-    m.num_tokens = ev.num_tokens
-    m.lease_deadline_ns = ev.remote_expiry_ns
-    m.claims_needed = max(1, ev.sources)
-
-
-def _hold_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    m.block_ids = tuple(ev.block_ids)
-
-
-def _pin_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    m.block_ids = tuple(ev.block_ids)
-    m.reads_expected = max(m.reads_expected, ev.expected_reads)
-    # The lease runs from the scheduler's decision, never from later: a worker
-    # that hears of the pin late must not hold the blocks longer than promised.
-    start = min(ev.pinned_ns, now_ns) if ev.pinned_ns > 0 else now_ns
-    m.lease_deadline_ns = start + ev.lease_ns
-
-
-def _extend_lease(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    m.lease_deadline_ns = max(m.lease_deadline_ns, now_ns + ev.lease_ns)
-
-
-def _count_read(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    """A decode rank is through (its read's notification, or its abandon). Each
-    counts once; how many there are, each of them says (tensor parallel sizes may
-    differ: several decode ranks read one prefill rank)."""
-    m.reads_expected = max(m.reads_expected, ev.readers)
-    if ev.reader not in m.readers_done:
-        m.readers_done = m.readers_done | {ev.reader}
-        m.reads_seen += 1
-
-
-def _note_grant(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    """A prefill rank granted its claim. With several, the reads must complete
-    within the earliest lease of all: the first grant's window, from the first claim."""
-    bit = 1 << ev.source
-    if m.claims_granted & bit:
-        return  # a second answer of that rank: its first grant stands
-    if not m.claims_granted or ev.claim_sent_ns + ev.lease_window_ns < m.claim_granted_ns + m.lease_window_ns:
-        m.claim_granted_ns = ev.claim_sent_ns
-        m.lease_window_ns = ev.lease_window_ns
-    m.claims_granted |= bit
-
-
-def _check_lease(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    # A read must complete this much inside the lease its claim granted (a
-    # quarter of a short lease): the prefill side's clock and its lease timer
-    # may run a little ahead of ours.
-    window = m.lease_window_ns
-    margin = min(LEASE_MARGIN_NS, window // 4)
-    m.late_ns = now_ns - (m.claim_granted_ns + window - margin) if window > 0 else 0
-
-
-def _note_late_reads(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    m.failure = f"lease_expired: the reads completed {m.late_ns / 1e9:.3f} s past the lease the claim granted"
-
-
-def _note_failure(m: RequestMachine, ev: Any, now_ns: int) -> None:
-    detail = (getattr(ev, "kind", None) or getattr(ev, "what", None) or getattr(ev, "where", None)
-              or getattr(ev, "reason", None))
-    m.failure = f"{ev.trigger}:{detail}" if detail else ev.trigger
-
-
-def _take_agent(m: PeerMachine, ev: Any, now_ns: int) -> None:
-    m.agent = ev.agent
-    _note_answer(m, ev, now_ns)
-
-
-def _note_answer(m: PeerMachine, ev: Any, now_ns: int) -> None:
-    m.failures = 0
-    m.backoff_ns = 0
-    m.dead_until_ns = 0
-    m.news_ns = max(m.news_ns, getattr(ev, "sent_ns", 0))
-
-
-def _note_death(m: PeerMachine, ev: Any, now_ns: int) -> None:
-    backoff = m.backoff_ns or ev.backoff_ns
-    m.failures += 1
-    m.last_error = f"{ev.reason}: {ev.why}" if ev.why else ev.reason
-    m.dead_until_ns = now_ns + backoff
-    m.news_ns = now_ns
-    m.backoff_ns = min(backoff * 2, ev.backoff_max_ns)
-
-
-PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
-    "take_remote": _take_remote,
-    "hold_blocks": _hold_blocks,
-    "pin_blocks_data": _pin_blocks,
-    "extend_lease_data": _extend_lease,
-    "count_read": _count_read,
-    "note_failure": _note_failure,
-    "note_grant": _note_grant,
-    "check_lease": _check_lease,
-    "note_late_reads": _note_late_reads,
-    "take_agent": _take_agent,
-    "note_answer": _note_answer,
-    "note_death": _note_death,
-}
-
 # --- conditions: pure predicates over the request's data --------------------
 
 
@@ -206,6 +101,14 @@ def _all_claims_granted(m: RequestMachine, ev: Any) -> bool:
 
 def _within_lease(m: RequestMachine, ev: Any) -> bool:
     return m.late_ns <= 0
+
+
+def _claims_outstanding(m: RequestMachine, ev: Any) -> bool:
+    return not _all_claims_granted(m, ev)
+
+
+def _reads_early(m: RequestMachine, ev: Any) -> bool:
+    return bool(ev.early)
 
 
 def _a_read_completed(m: RequestMachine, ev: Any) -> bool:
@@ -225,6 +128,8 @@ def _outdated(m: PeerMachine, ev: Any) -> bool:
 CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "all_reads_in": _all_reads_in,
     "all_claims_granted": _all_claims_granted,
+    "claims_outstanding": _claims_outstanding,
+    "reads_early": _reads_early,
     "within_lease": _within_lease,
     "a_read_completed": _a_read_completed,
     "peer_gone": _peer_gone,
@@ -244,6 +149,8 @@ RECV_STATES = [
     "new",
     "awaiting_blocks",
     "pending_handshake",
+    "reading_unclaimed",
+    "read_unclaimed",
     "remote_known",
     "transferring",
     "failing",
@@ -259,6 +166,11 @@ _INTERRUPTS = ["timeout", "peer_dead", "internal_error"]
 
 RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "matched", "source": "new", "dest": "awaiting_blocks", "prepare": "take_remote"},
+    # Every prefill worker it reads from is known and readable: the reads go out
+    # right behind the claims, so the claims' round trip overlaps the reads.
+    {"trigger": "allocated", "source": "awaiting_blocks", "dest": "reading_unclaimed", "prepare": "hold_blocks",
+     "conditions": "reads_early",
+     "after": ["take_blocks", "arm_handshake_timer", "start_handshake", "post_early_reads"]},
     {"trigger": "allocated", "source": "awaiting_blocks", "dest": "pending_handshake",
      "prepare": "hold_blocks", "after": ["take_blocks", "arm_handshake_timer", "start_handshake"]},
     # Every prefill rank the request reads from (one, unless the tensor parallel
@@ -267,8 +179,24 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
      "conditions": "all_claims_granted", "after": ["cancel_handshake_timer", "post_reads"]},
     {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "="},
     {"trigger": "reads_posted", "source": "remote_known", "dest": "transferring", "after": "arm_transfer_timer"},
+    # Reads posted before the claims' answers. Once every claim is granted they are
+    # an ordinary transfer; reads that completed first wait for the grants, and are
+    # served only if they completed inside the lease the claims granted.
+    {"trigger": "reads_posted", "source": "reading_unclaimed", "dest": "=", "after": "arm_transfer_timer"},
+    {"trigger": "handshake_ok", "source": "reading_unclaimed", "dest": "transferring", "prepare": "note_grant",
+     "conditions": "all_claims_granted", "after": "cancel_handshake_timer"},
+    {"trigger": "handshake_ok", "source": "reading_unclaimed", "dest": "="},
+    {"trigger": "all_reads_done", "source": "reading_unclaimed", "dest": "read_unclaimed",
+     "prepare": "note_reads_done"},
+    {"trigger": "handshake_ok", "source": "read_unclaimed", "dest": "=", "prepare": "note_grant",
+     "conditions": "claims_outstanding"},
+    {"trigger": "handshake_ok", "source": "read_unclaimed", "dest": "done", "prepare": "check_lease",
+     "conditions": "within_lease", "after": ["cancel_handshake_timer", "release_reads", "deliver_blocks",
+                                             "cancel_timers"]},
+    {"trigger": "handshake_ok", "source": "read_unclaimed", "dest": "failed", "prepare": "note_late_reads",
+     "after": ["count_late_reads", "release_reads", "report_invalid", "cancel_timers"]},
     # Full local prefix hit: nothing to read, but the prefill side must unpin.
-    {"trigger": "nothing_to_read", "source": "remote_known", "dest": "done",
+    {"trigger": "nothing_to_read", "source": ["remote_known", "reading_unclaimed"], "dest": "done",
      "after": ["send_notif", "deliver_blocks", "cancel_timers"]},
     # The reads carried their notification. They are served only if they
     # completed inside the lease the claim granted: else the prefill side may
@@ -288,13 +216,19 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     # A timeout or a dead peer does not stop posted reads: wait for quiescence
     # before the blocks go back to vLLM (they could still be written).
     *_each(_INTERRUPTS, source="transferring", dest="failing", prepare="note_failure", after="cancel_reads"),
+    # Reads posted before the claims' answers: any failure (a claim refused too)
+    # waits for them to settle; once settled, every prefill worker not yet through
+    # is told (a read's notification is held there until its claim).
+    *_each(_FAILURES, source="reading_unclaimed", dest="failing", prepare="note_failure", after="cancel_reads"),
+    *_each(_FAILURES, source="read_unclaimed", dest="failed", prepare="note_failure",
+           after=["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]),
     *_each(_INTERRUPTS, source=["failing", "aborting"], dest="=", after="cancel_reads"),
     # Reads that completed told the prefill side themselves; otherwise it is told
     # we will never read, so it can unpin now.
     {"trigger": "all_reads_done", "source": "failing", "dest": "failed",
-     "after": ["release_reads", "report_invalid", "cancel_timers"]},
+     "after": ["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]},
     {"trigger": "reads_quiesced", "source": "failing", "dest": "failed", "conditions": "a_read_completed",
-     "after": ["report_invalid", "cancel_timers"]},
+     "after": ["notify_abandon", "report_invalid", "cancel_timers"]},
     *_each(["reads_quiesced", "error"], source="failing", dest="failed",
            after=["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]),
     # Abort: immediate where no read is posted, via aborting where one is.
@@ -303,12 +237,14 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     # rather than hold the blocks until its lease runs out.
     {"trigger": "abort", "source": ["awaiting_blocks", "pending_handshake", "remote_known"], "dest": "aborted",
      "after": ["notify_abandon", "release_blocks", "cancel_timers"]},
-    {"trigger": "abort", "source": "transferring", "dest": "aborting", "after": "cancel_reads"},
+    {"trigger": "abort", "source": ["transferring", "reading_unclaimed"], "dest": "aborting", "after": "cancel_reads"},
+    {"trigger": "abort", "source": "read_unclaimed", "dest": "aborted",
+     "after": ["notify_abandon", "release_reads", "release_blocks", "cancel_timers"]},
     {"trigger": "abort", "source": "failing", "dest": "aborting"},
     {"trigger": "all_reads_done", "source": "aborting", "dest": "aborted",
-     "after": ["release_reads", "release_blocks", "cancel_timers"]},
+     "after": ["notify_abandon", "release_reads", "release_blocks", "cancel_timers"]},
     {"trigger": "reads_quiesced", "source": "aborting", "dest": "aborted", "conditions": "a_read_completed",
-     "after": ["release_blocks", "cancel_timers"]},
+     "after": ["notify_abandon", "release_blocks", "cancel_timers"]},
     *_each(["reads_quiesced", "error"], source="aborting", dest="aborted",
            after=["notify_abandon", "release_reads", "release_blocks", "cancel_timers"]),
 ]
@@ -324,15 +260,19 @@ RECV_STALE: list[dict[str, Any]] = [
      "source": _RECV_ENDS, "why": "the request ended (and vLLM was told) before this input arrived"},
 ]
 
-SEND_STATES = ["prefilling", "abandoned_early", "awaiting_pull", "released", "expired", "forgotten"]
+SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "released", "expired", "forgotten"]
 
 SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "finished_ok", "source": "prefilling", "dest": "awaiting_pull",
      "prepare": "pin_blocks_data", "after": ["pin_blocks", "arm_lease"]},
     *_each(["abort", "finished_abnormally"], source="prefilling", dest="released"),
-    {"trigger": "heartbeat", "source": "awaiting_pull", "dest": "=",
-     "prepare": "extend_lease_data", "after": "extend_lease"},
-    {"trigger": "read_notif", "source": "awaiting_pull", "dest": "released", "prepare": "count_read",
+    # A claim or heartbeat extends the lease; a read its rank posted before the
+    # claim (held, see note_read) counts now.
+    {"trigger": "heartbeat", "source": "awaiting_pull", "dest": "released",
+     "prepare": ["extend_lease_data", "note_claimant"], "conditions": "all_reads_in",
+     "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "heartbeat", "source": "awaiting_pull", "dest": "=", "after": "extend_lease"},
+    {"trigger": "read_notif", "source": "awaiting_pull", "dest": "released", "prepare": "note_read",
      "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
     {"trigger": "read_notif", "source": "awaiting_pull", "dest": "="},
     # Each decode rank that has business with these blocks is through once (its
@@ -351,6 +291,19 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     *_each(["abort", "finished_abnormally"], source="abandoned_early", dest="released",
            after="cancel_abandon_timer"),
     {"trigger": "abandon_expired", "source": "abandoned_early", "dest": "forgotten"},
+    # A read's notification before this worker heard of the prefill's end (a read
+    # posted at once by a decode worker that knows us): held, like an early
+    # abandon, until the finish pins the blocks; it counts once its rank claims.
+    {"trigger": "read_notif", "source": "prefilling", "dest": "read_early", "prepare": "note_read",
+     "after": "arm_abandon_timer"},
+    {"trigger": "read_notif", "source": "read_early", "dest": "=", "prepare": "note_read"},
+    {"trigger": "remote_abandoned", "source": "read_early", "dest": "=", "prepare": "count_read"},
+    {"trigger": "finished_ok", "source": "read_early", "dest": "released", "prepare": "pin_blocks_data",
+     "conditions": "all_reads_in", "after": ["cancel_abandon_timer", "pin_blocks", "free_blocks"]},
+    {"trigger": "finished_ok", "source": "read_early", "dest": "awaiting_pull",
+     "after": ["cancel_abandon_timer", "pin_blocks", "arm_lease"]},
+    *_each(["abort", "finished_abnormally"], source="read_early", dest="released", after="cancel_abandon_timer"),
+    {"trigger": "abandon_expired", "source": "read_early", "dest": "forgotten"},
 ]
 
 SEND_STALE: list[dict[str, Any]] = [
@@ -360,6 +313,10 @@ SEND_STALE: list[dict[str, Any]] = [
      "why": "nothing is pinned for it (abandoned twice, or released already)"},
     {"trigger": "read_notif", "source": "released",
      "why": "released already (the reader's abandon overtook its read's notification)"},
+    {"trigger": "read_notif", "source": "abandoned_early",
+     "why": "another reader gave the request up before this worker heard of its finish, which frees it"},
+    {"trigger": "read_notif", "source": "forgotten",
+     "why": "its prefill never finished here within a lease of an early input: forgotten"},
 ]
 
 # A finish for a request whose early abandon was forgotten is a new request.
@@ -373,6 +330,7 @@ CLAIM_ANSWERS: Mapping[str | None, str] = {
     None: "unknown",
     "prefilling": "unknown",
     "abandoned_early": "unknown",
+    "read_early": "unknown",
     "awaiting_pull": "ok",
     "released": "expired",
     "expired": "expired",
@@ -414,6 +372,14 @@ PEER_FETCH_STATES = frozenset({"unconnected", "stale", "probing", "dead"})
 # was removed from the transport).
 PEER_READABLE_STATES = frozenset({"alive", "stale"})
 PEER_UNREACHABLE_STATES = frozenset({"dead"})
+# States in which a decode request waits for its claims' answers: an answer
+# that finds it elsewhere is a second answer (stale) or moot, and a refusal
+# then fails nothing (the request's own failure is under way, its reads may
+# still be settling).
+RECV_CLAIMING_STATES = frozenset({"pending_handshake", "reading_unclaimed", "read_unclaimed"})
+# The state whose ``post_early_reads`` posts the reads once the claims have left
+# (later in the same loop turn): a request that left it meanwhile (failed) posts none.
+RECV_EARLY_POST_STATES = frozenset({"reading_unclaimed"})
 
 
 # --- compiling a declaration ------------------------------------------------

@@ -189,6 +189,7 @@ class PrefillEngine(_Engine):
         self.blocks: dict[str, tuple[int, ...]] = {}  # allocated, by request
         self.pinned: set[str] = set()  # vLLM delays their free until finished_sending
         self.num_tokens: dict[int, int] = {}  # each prompt's tokens (block sizes that differ)
+        self.expiry_s: dict[int, float] = {}  # each pin's announced lease end (the params' expiry time)
         self.pins: PinChannelClient | None = None
 
     def connect(self) -> None:
@@ -228,6 +229,8 @@ class PrefillEngine(_Engine):
             self._free(req)
             return
         self.pinned.add(req)
+        # The params' remote_blocks_expiry_time, as kvsm's scheduler writes it.
+        self.expiry_s[i] = (sim.clock.wall_ns() + sim.config.lease_ns) / 1e9
         self._hand_over(SendFinish(req=req, ok=True, block_ids=blocks, pinned_ns=sim.clock.monotonic_ns()),
                         late=sim.chance(sim.config.faults.pin_late))
         on_finished_ok(i, blocks)  # kv_transfer_params go back to the router
@@ -345,7 +348,8 @@ class DecodeEngine(_Engine):
             req=req, remote_engine=dr.remote_engine, remote_req=dr.remote_req, remote_host=dr.remote_host,
             remote_port=SIDE_CHANNEL_PORT, remote_tp_size=1, remote_block_ids=remote, local_block_ids=local,
             num_tokens=len(local) * BLOCK_TOKENS, awaited=bool(local),
-            group_sizes=group_split(len(local), self.sim.config.kv_groups) if local else ()))
+            group_sizes=group_split(len(local), self.sim.config.kv_groups) if local else (),
+            remote_expiry_s=self.sim.prefill.expiry_s.get(dr.index, 0.0)))
 
     def _allocate_segments(self, dr: _DecodeReq) -> None:
         """Blocks of this engine's size for the prompt's tokens, each filled in
@@ -359,7 +363,8 @@ class DecodeEngine(_Engine):
         self.facts.recv_start.append(RecvStart(
             req=dr.req, remote_engine=dr.remote_engine, remote_req=dr.remote_req, remote_host=dr.remote_host,
             remote_port=SIDE_CHANNEL_PORT, remote_tp_size=1, remote_block_ids=remote, local_block_ids=local,
-            num_tokens=tokens, awaited=True, problem=problem, **dr.segments))
+            num_tokens=tokens, awaited=True, problem=problem,
+            remote_expiry_s=self.sim.prefill.expiry_s.get(dr.index, 0.0), **dr.segments))
 
     def abort(self, req: str) -> None:
         """The client went away: request_finished for a decode request."""

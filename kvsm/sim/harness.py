@@ -72,7 +72,12 @@ __all__ = ["BlockPool", "Faults", "SimConfig", "SimResult", "Simulation", "block
 PER_REQUEST_RESOURCES = ("recv_machines", "send_machines", "recv_io", "send_io", "claims", "claim_queue",
                          "oneway", "polling", "client_pending", "transport_handles")
 
-_DECODE_LIVE = ("transferring", "failing", "aborting")
+_DECODE_LIVE = ("reading_unclaimed", "transferring", "failing", "aborting")
+# The prefill worker's states in which a read of the request's blocks is sound if
+# the blocks are still the request's: pinned, or not yet heard of (vLLM holds the
+# blocks of a finished request until finished_sending; a read posted ahead of its
+# claim may reach them before the worker hears of the finish).
+_PREFILL_READABLE = (None, "prefilling", "read_early", "awaiting_pull")
 
 
 class Simulation:
@@ -267,7 +272,7 @@ class Simulation:
         remote_req = self.decode.remote_req_of(tag) or "?"
         owners = {self.prefill.pool.owner.get(b) for b in blocks}
         state = self.prefill_observer.state("send", remote_req)
-        if owners != {remote_req} or state != "awaiting_pull":  # a violation if it is served (_finish)
+        if owners != {remote_req} or state not in _PREFILL_READABLE:  # a violation if it is served (_finish)
             self._unpinned_reads[tag] = (f"read prefill blocks {list(blocks)} of {remote_req} (owners "
                                          f"{sorted(map(str, owners))}) while it was {state}, and served it")
 

@@ -272,15 +272,17 @@ class VirtualPair(VirtualTime):
         return out
 
     def start(self, req: str, w: str, remote_req: str, remote_blocks: tuple[int, ...], *,
-              local: tuple[int, ...] | None = None) -> None:
-        """vLLM allocated blocks for a remote prefill (none: a full local prefix hit)."""
+              local: tuple[int, ...] | None = None, expiry_s: float = 0.0) -> None:
+        """vLLM allocated blocks for a remote prefill (none: a full local prefix hit).
+        ``expiry_s``: the params' ``remote_blocks_expiry_time`` (virtual wall clock)."""
         local = self.blocks(len(remote_blocks)) if local is None else local
         self.local_of[req] = local
         if w in self.prefills:
             self.remote_of[req] = (w, remote_blocks, self.prefills[w].generation)
         self._submit(self.decode, DECODE, recv_start=[RecvStart(
             req=req, remote_req=remote_req, remote_block_ids=remote_blocks, local_block_ids=local,
-            num_tokens=max(1, len(remote_blocks)) * BLOCK_TOKENS, awaited=bool(local), **self.coords(w))])
+            num_tokens=max(1, len(remote_blocks)) * BLOCK_TOKENS, awaited=bool(local), remote_expiry_s=expiry_s,
+            **self.coords(w))])
 
     def abort(self, req: str) -> None:
         self._submit(self.decode, DECODE, recv_abort=[RecvAbort(req=req, awaited=bool(self.local_of.get(req)))])

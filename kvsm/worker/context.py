@@ -142,7 +142,9 @@ class Link:
     readers: int = 1  # decode workers that prefill worker waits for (told with every message)
     source: Source | None = None
     handle: XferHandle | None = None
-    done: bool = False  # the prefill worker was told: its read's notification, or (no layer to read) an abandon
+    done: bool = False  # its read completed (its notification went with it), or (no layer to read) it was told
+    granted: bool = False  # its claim was granted (a notification that came first was held there until then)
+    told: bool = False  # it was told over the side channel that we read nothing (more) there
 
 
 @dataclass(slots=True)
@@ -160,6 +162,7 @@ class RecvIO:
     retry_timer: TimerHandle | None = None
     settle_timer: TimerHandle | None = None
     posted_ns: int = 0
+    done_ns: int = 0  # when every read had completed
     answers: dict[str, int] = field(default_factory=dict)  # claim answers so far, by status
 
     def timers(self) -> tuple[TimerHandle | None, ...]:
@@ -221,6 +224,7 @@ class WorkerContext:
     _peer_io: dict[str, PeerIO]
     _claims: dict[int, Claim]
     _claim_queue: dict[str, list[str]]
+    _early_posts: list[str]  # requests whose reads go out right after this turn's claims
     _retry_flush: TimerHandle | None
     _oneway: dict[int, tuple[PeerIO, int]]
     _polling: dict[str, None]  # insertion-ordered: the same run polls in the same order
@@ -244,6 +248,7 @@ class WorkerContext:
         self._peer_io = {}
         self._claims = {}
         self._claim_queue = {}
+        self._early_posts = []
         self._retry_flush = None
         self._oneway = {}
         self._polling = {}
@@ -344,6 +349,9 @@ class WorkerContext:
         raise NotImplementedError
 
     def _mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:
+        raise NotImplementedError
+
+    def _post_claimed_early(self, req: str) -> None:
         raise NotImplementedError
 
     def _settle(self, req: str) -> None:

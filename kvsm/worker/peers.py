@@ -36,7 +36,13 @@ from kvsm.handshake.relay import worker_name
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.data import PeerMachine
 from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import PEER, PEER_FETCH_STATES, PEER_READABLE_STATES, PEER_UNREACHABLE_STATES
+from kvsm.lifecycle.table import (
+    PEER,
+    PEER_FETCH_STATES,
+    PEER_READABLE_STATES,
+    PEER_UNREACHABLE_STATES,
+    RECV_CLAIMING_STATES,
+)
 from kvsm.loop import LoopError
 from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerEffect, PeerIO, S, WorkerContext
 
@@ -151,20 +157,23 @@ class PeerSide(WorkerContext):
     # -- claims ------------------------------------------------------------------------
 
     def _flush_claims(self) -> None:
-        """One claim message per peer for every request queued this turn."""
+        """One claim message per peer for every request queued this turn; then the
+        reads of the requests that post theirs right behind their claims."""
         queue, self._claim_queue = self._claim_queue, {}
-        if not queue:
-            return
-        assert self.client is not None
-        now = self.loop.now_ns()
-        deadline = now + int(self.cfg.handshake_timeout_s * S)
-        for key, reqs in queue.items():
-            try:
-                self._send_claim(key, reqs, now, deadline)
-            except Exception as e:  # noqa: BLE001 - one peer's claim must not drop the others'
-                for req in reqs:
-                    self._on_loop_error(LoopError(e, req, "claim flush", "post"))
-        self._after_send()
+        if queue:
+            assert self.client is not None
+            now = self.loop.now_ns()
+            deadline = now + int(self.cfg.handshake_timeout_s * S)
+            for key, reqs in queue.items():
+                try:
+                    self._send_claim(key, reqs, now, deadline)
+                except Exception as e:  # noqa: BLE001 - one peer's claim must not drop the others'
+                    for req in reqs:
+                        self._on_loop_error(LoopError(e, req, "claim flush", "post"))
+            self._after_send()
+        posts, self._early_posts = self._early_posts, []
+        for req in posts:
+            self._guard(req, self._post_claimed_early, req)
 
     def _send_claim(self, key: str, reqs: list[str], now: int, deadline: int) -> None:
         """Claim messages to one peer for ``reqs``: one per MAX_CLAIMS of them (the
@@ -198,7 +207,9 @@ class PeerSide(WorkerContext):
             return
         io.retry_timer = None
         m = self.recv.get(req)
-        granted = m.claims_granted if m is not None else 0
+        if m is None or m.state not in RECV_CLAIMING_STATES:
+            return  # its claims are over (it failed or was aborted meanwhile)
+        granted = m.claims_granted
         for i, link in enumerate(io.reads):
             if not granted & (1 << i):  # the ranks that granted it already are not asked again
                 self._claim_queue.setdefault(link.peer.key, []).append(req)
@@ -252,8 +263,9 @@ class PeerSide(WorkerContext):
             if outcome.code == "engine_mismatch":
                 kind = "engine_mismatch"
             for req, _ in claim.reqs:
-                self.stats.failure(kind)
-                self._apply_if_live(ev.Error(req=req, kind=kind, detail=f"{peer.address}: {outcome}"))
+                if self._claiming(req):
+                    self.stats.failure(kind)
+                    self._apply_recv(ev.Error(req=req, kind=kind, detail=f"{peer.address}: {outcome}"))
             return
         assert isinstance(outcome, (MetadataReply, ClaimsReply))
         if isinstance(outcome, MetadataReply) and self._peer_state(peer) in PEER_FETCH_STATES:
@@ -262,8 +274,9 @@ class PeerSide(WorkerContext):
                 agent = self.transport.add_peer(outcome.agent_metadata)
             except ValueError as e:
                 for req, _ in claim.reqs:
-                    self.stats.failure("incompatible")
-                    self._apply_if_live(ev.Error(req=req, kind="incompatible", detail=f"{peer.address}: {e}"))
+                    if self._claiming(req):
+                        self.stats.failure("incompatible")
+                        self._apply_recv(ev.Error(req=req, kind="incompatible", detail=f"{peer.address}: {e}"))
                 return
             except ConnectionError as e:  # its side channel answered, its NIXL agent cannot be reached
                 self._mark_dead(peer, f"its NIXL agent: {e}", "disconnected", claim.sent_ns)
@@ -284,8 +297,12 @@ class PeerSide(WorkerContext):
             io.answers[status] = io.answers.get(status, 0) + 1  # logged when the claim phase ends
             if status == "ok":
                 source = next((i for i, link in enumerate(io.reads) if link.peer is peer), 0)
+                if source < len(io.reads):
+                    io.reads[source].granted = True
                 self._apply_recv(ev.HandshakeOk(req=req, remote_engine=peer.engine, claim_sent_ns=claim.sent_ns,
                                                 lease_window_ns=window, source=source))
+            elif not self._claiming(req):
+                continue  # a refusal after its claims were over: its own failure is under way
             elif status == ANSWER_EXPIRED:
                 self.stats.failure("lease_expired")
                 self._apply_recv(ev.Error(req=req, kind="lease_expired", detail=(
@@ -298,9 +315,10 @@ class PeerSide(WorkerContext):
                 io.retry_timer = self.loop.call_later(CLAIM_RETRY_NS, partial(self._retry_claim, req),
                                                       req=req, label="claim retry")
 
-    def _apply_if_live(self, event: ev.Event) -> None:
-        if event.req in self.recv:
-            self._apply_recv(event)
+    def _claiming(self, req: str) -> bool:
+        """The request still waits for its claims' answers (``RECV_CLAIMING_STATES``)."""
+        m = self.recv.get(req)
+        return m is not None and m.state in RECV_CLAIMING_STATES
 
     # -- one-way messages: abandons and heartbeats ------------------------------------------
 

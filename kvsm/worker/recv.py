@@ -4,14 +4,14 @@ RecvStart -> matched, allocated -> start_handshake: claim the remote request
 (``peers``) -> handshake_ok -> post_reads: one NIXL READ carrying a
 notification -> all_reads_done: the table checks the reads completed inside
 the lease the claim granted -> deliver_blocks (finished_recving), or the
-blocks are reported invalid.
+blocks are reported invalid. When every prefill worker the request reads from
+is known here (its agent loaded), the reads go out right behind the claims
+instead (``reading_unclaimed``), so that the claims' round trip overlaps them;
+reads that complete first wait for the grants (``read_unclaimed``), and are
+served only if every claim is granted.
 
-A request deals with one prefill worker per (tensor parallel source, pipeline
-stage): tensor parallel sizes that differ read runs of heads (``tp_map``), and
-a prefill engine of several pipeline stages holds a run of the model's layers
-in each, so the request reads each stage's layers from that stage (the
-transport reads the layers both workers hold). Before anything moves, every
-layer of ours must come from some stage, for every run of heads.
+Which prefill workers a request reads from, and what each read moves, is
+``recv_plan``'s.
 """
 
 from __future__ import annotations
@@ -21,19 +21,20 @@ from typing import Any
 from kvsm.facts import RecvAbandon, RecvAbort, RecvStart
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import PEER_UNREACHABLE_STATES, RECV
+from kvsm.lifecycle.table import PEER_UNREACHABLE_STATES, RECV, RECV_EARLY_POST_STATES
 from kvsm.loop import LoopError
 from kvsm.transport.base import Heads, TransferState, XferHandle
-from kvsm.transport.layout import Segments
-from kvsm.worker.context import Link, PeerIO, RecvEffect, RecvIO, S, WorkerContext
+from kvsm.worker.context import PeerIO, RecvEffect, RecvIO, S
+from kvsm.worker.recv_plan import RecvPlanning, describe_segments, segments_of
 from kvsm.worker.send import notif_of
-from kvsm.worker.tp_map import HeadRun, ReadPlan, Source, read_plan
+from kvsm.worker.tp_map import ReadPlan
 
-# Equal tensor parallel sizes: the same rank's whole blocks.
-FULL_SOURCE = Source(0, HeadRun(0, 1, 1), HeadRun(0, 1, 1))
+# Reads go out ahead of their claims only this long before the lease the prefill
+# side announced ends (clocks of two hosts differ a little).
+EARLY_READ_MARGIN_S = 1.0
 
 
-class RecvSide(WorkerContext):
+class RecvSide(RecvPlanning):
     """Decode requests: their machines' effects and their reads."""
 
     def _recv_effect_table(self) -> dict[str, RecvEffect]:
@@ -43,6 +44,7 @@ class RecvSide(WorkerContext):
             "start_handshake": self._start_handshake,
             "cancel_handshake_timer": self._cancel_handshake_timer,
             "post_reads": self._post_reads,
+            "post_early_reads": self._post_early_reads,
             "arm_transfer_timer": self._arm_transfer_timer,
             "send_notif": self._send_notif,
             "release_reads": self._release_reads,
@@ -86,87 +88,24 @@ class RecvSide(WorkerContext):
             return
         # (each block once: in segments a block id comes once per segment)
         self._apply_recv(ev.Allocated(req=req, block_ids=tuple(dict.fromkeys(start.local_block_ids)),
-                                      num_external_tokens=start.num_tokens, group_sizes=start.group_sizes))
+                                      num_external_tokens=start.num_tokens, group_sizes=start.group_sizes,
+                                      early=self._readable_now(io)))
 
-    def _describe_plan(self, plan: ReadPlan | None, remote_pp: int) -> str:
-        """The plan for the event log: tensor ranks and heads, and pipeline stages where
-        either engine has several ("" when it is the same rank's whole blocks)."""
-        text = plan.describe() if plan is not None else ""
-        if remote_pp > 1 or self.cfg.pp_size > 1:
-            stages = (f"stage {self.pp_rank}/{self.cfg.pp_size} reads the layers it shares with each of "
-                      f"{remote_pp} prefill stage(s)")
-            text = f"{text}; {stages}" if text else stages
-        return text
-
-    def _read_plan(self, remote_tp: int) -> ReadPlan | None:
-        """Which prefill ranks this rank reads, and which of their heads (None: the
-        same rank, whole blocks: tensor parallel sizes are equal). ``ValueError``
-        saying why when the sizes differ and the KV cache cannot be read across them."""
-        if remote_tp == self.cfg.tp_size:
-            return None
-        share = self.cfg.tp_share
-        if share not in ("heads", "replicated"):
-            raise ValueError(f"the prefill engine runs tensor parallel {remote_tp}, this engine "
-                             f"{self.cfg.tp_size}, and this model's KV cache cannot be read across "
-                             f"different sizes ({share.removeprefix('none: ')})")
-        try:
-            return read_plan(self.tp_rank, self.cfg.tp_size, remote_tp, self.cfg.kv_heads,
-                             replicated_layout=share == "replicated")
-        except ValueError as e:
-            raise ValueError(f"the prefill engine runs tensor parallel {remote_tp}, this engine "
-                             f"{self.cfg.tp_size}: {e}") from None
-
-    def _workers_of(self, plan: ReadPlan | None, remote_pp: int) -> list[tuple[int, int, int, Source | None]]:
-        """(tensor rank, pipeline stage, readers, source) of every prefill worker a
-        request deals with, reads first: each source's rank in every stage (each
-        holds a run of the layers), then the ranks only told nobody reads them.
-        Every stage of ours deals with every stage there, so a prefill worker waits
-        for its tensor parallel readers in each of our stages."""
-        stages = range(max(1, remote_pp))
-        ours = max(1, self.cfg.pp_size)
-        if plan is None:
-            return [(self.tp_rank, s, ours, FULL_SOURCE) for s in stages]
-        out: list[tuple[int, int, int, Source | None]] = [
-            (src.rank, s, plan.completions[src.rank] * ours, src) for src in plan.sources for s in stages]
-        out += [(k, s, plan.completions[k] * ours, None) for k in plan.notify_only for s in stages]
-        return out
-
-    def _recv_io_of(self, start: RecvStart, plan: ReadPlan | None) -> RecvIO:
-        """The request's links: one per prefill worker it deals with."""
-        engine, host, port = start.remote_engine, start.remote_host, start.remote_port
-        links = [Link(self._peer(engine, host, port, rank, stage), rank, readers, source)
-                 for rank, stage, readers, source in self._workers_of(plan, start.remote_pp_size)]
-        return RecvIO(start, links[0].peer, links)
-
-    def _unreadable(self, start: RecvStart) -> tuple[str, str] | None:
-        why = self._unreadable_params(start)
-        if why is None and start.segment_tokens and self.transport is not None:
-            try:
-                layout = getattr(self.transport, "layout", None)
-                if layout is None:
-                    raise ValueError(f"{type(self.transport).__name__} moves whole blocks only")
-                layout.check_segments(start.block_sizes[0], start.segment_tokens)
-            except ValueError as e:
-                why = ("bad_params", f"the prefill engine's blocks hold {start.block_sizes[1]} tokens, this "
-                                     f"engine's {start.block_sizes[0]}, and they cannot be read in segments: {e}")
-        return why
-
-    def _unreadable_params(self, start: RecvStart) -> tuple[str, str] | None:
-        """Why this request cannot be read at all, before any I/O."""
-        if start.problem:
-            return ("bad_params", start.problem)
-        if len(start.remote_block_ids) != len(start.local_block_ids):
-            return ("bad_params", (f"{len(start.local_block_ids)} local blocks to fill but the prefill side "
-                                   f"offers {len(start.remote_block_ids)} (remote_block_ids too short?)"))
-        groups = self.transport.num_groups if self.transport is not None else 1
-        if start.group_sizes and (len(start.group_sizes) != groups
-                                  or sum(start.group_sizes) != len(start.local_block_ids)):
-            return ("bad_params", (f"blocks of {len(start.group_sizes)} KV cache groups "
-                                   f"({list(start.group_sizes)}, {len(start.local_block_ids)} blocks) for a KV "
-                                   f"cache of {groups} group(s)"))
-        if not start.group_sizes and groups > 1 and start.local_block_ids:
-            return ("bad_params", f"block ids without their KV cache groups for a KV cache of {groups} groups")
-        return None
+    def _readable_now(self, io: RecvIO) -> bool:
+        """Whether the reads may go out with the claims (``early_reads``): every
+        prefill worker read is known and readable here and holds some of our
+        layers (a stage sharing none is told over the side channel instead, which
+        must not overtake its claim)."""
+        if not self.cfg.early_reads or self.transport is None:
+            return False
+        expiry = io.start.remote_expiry_s
+        if expiry and self.loop.clock.wall_ns() > (expiry - EARLY_READ_MARGIN_S) * S:
+            return False  # the lease may be over: the claim asks first (a read now would likely be refused)
+        for link in io.reads:
+            agent = self._peer_agent(link.peer)
+            if not agent or self.transport.layers_read(agent) == ():
+                return False
+        return True
 
     def _fail_untracked(self, args: tuple[RecvStart, Exception]) -> None:
         """A RecvStart whose handling raised before its machine existed: vLLM waits
@@ -194,12 +133,6 @@ class RecvSide(WorkerContext):
                                         remote_req=abandon.remote_req, remote_host=abandon.remote_host,
                                         remote_port=abandon.remote_port))
         self._apply_recv(ev.Abort(req=req))
-
-    def _plan_or_none(self, remote_tp: int) -> ReadPlan | None:
-        try:
-            return self._read_plan(remote_tp)
-        except ValueError:
-            return None
 
     def _on_recv_abort(self, abort: RecvAbort) -> None:
         # After the end (the transfer was reported before vLLM's abort came) the
@@ -331,11 +264,28 @@ class RecvSide(WorkerContext):
             if link.source is not None:
                 self._claim_queue.setdefault(link.peer.key, []).append(req)
             else:  # a prefill rank nobody of ours reads: it may unpin its share now
+                link.told = True
                 self._tell_abandon(link.peer, [io.start.remote_req], link.readers)
 
     # -- reads ---------------------------------------------------------------------------
 
-    def _post_reads(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+    def _post_early_reads(self, req: str, io: RecvIO | None, o: Outcome) -> None:
+        """Post the reads as soon as the claims this transition queued have left:
+        the claims go first, so their round trip overlaps the reads (a large read
+        copies inside NIXL's post). ``Allocated`` comes only from a step's metadata,
+        whose handling ends with ``_flush_claims``, which posts them."""
+        self._early_posts.append(req)
+
+    def _post_claimed_early(self, req: str) -> None:
+        """``_flush_claims``'s second half: the reads of a request whose claims just
+        left, unless it failed meanwhile (a claim refused at once)."""
+        io = self._recv_io.get(req)
+        m = self.recv.get(req)
+        if io is None or m is None or m.state not in RECV_EARLY_POST_STATES or io.posted_ns:
+            return
+        self._post_reads(req, io, None)
+
+    def _post_reads(self, req: str, io: RecvIO | None, o: Outcome | None) -> None:
         """Post the request's reads now; the machine hears of it right after this
         transition (a follow-up), on the same loop turn."""
         assert io is not None
@@ -367,55 +317,23 @@ class RecvSide(WorkerContext):
                 # over the side channel (acknowledged), as a rank nobody reads is: a NIXL
                 # notification alone leaves an idle agent only at its next NIXL call.
                 self._tell_abandon(link.peer, [start.remote_req], link.readers)
-                link.done = True
+                link.done = link.told = True
                 continue
             heads: dict[str, Heads] = {}  # (only when a run is cut: equal sizes read as ever)
             if not src.local.whole:
                 heads["local_heads"] = (src.local.start, src.local.count, src.local.of)
             if not src.remote.whole:
                 heads["remote_heads"] = (src.remote.start, src.remote.count, src.remote.of)
-            link.handle = self.transport.post_read(
-                agent, start.local_block_ids, start.remote_block_ids, notif_of(start.remote_req, link.readers),
-                tag=req, group_sizes=start.group_sizes, segments=segments, **heads)
+            # (a read posted before its claim was granted says so: the prefill side holds
+            # its notification until the claim comes)
+            notif = notif_of(start.remote_req, link.readers, early=not link.granted)
+            link.handle = self.transport.post_read(agent, start.local_block_ids, start.remote_block_ids, notif,
+                                                   tag=req, group_sizes=start.group_sizes, segments=segments,
+                                                   **heads)
             io.handles.append(link.handle)
         self._apply_recv(ev.ReadsPosted(req=req, num_blocks=len(dict.fromkeys(start.local_block_ids)),
                                         num_descs=sum(self._descs_of(start, link, agent)
                                                       for link, agent in zip(reads, agents))))
-
-    def _layers_uncovered(self, reads: list[Link], held: list[tuple[str, ...] | None]) -> str:
-        """Why some of our layers would not be filled ("" if every one is): for each
-        run of heads, the stages read must hold every layer of ours between them
-        (a prefill engine split over pipeline stages differently, or another model).
-        ``held``: each read's ``layers_read``, a subset of ours in our order."""
-        assert self.transport is not None
-        ours = self.transport.layers()
-        if ours is None or all(some is None or len(some) == len(ours) for some in held):
-            return ""  # (the usual case: every read fills all of our layers)
-        whole = {link.source for link, some in zip(reads, held) if some is None or len(some) == len(ours)}
-        got: dict[Source | None, set[str]] = {}
-        for link, some in zip(reads, held):
-            if link.source not in whole:  # (the usual case, one stage holding all: no set built)
-                got.setdefault(link.source, set()).update(some or ())
-        for source, have in got.items():
-            missing = [name for name in ours if name not in have]
-            if missing:
-                links = [link for link in reads if link.source == source]
-                return (f"{len(missing)} of this worker's {len(ours)} layers are held by none of the "
-                        f"{len(links)} pipeline stage(s) of the prefill engine read (tensor rank "
-                        f"{links[0].rank}): {missing[:4]}{'...' if len(missing) > 4 else ''}")
-        return ""
-
-    def _descs_of(self, start: RecvStart, link: Link, agent: str) -> int:
-        """How many descriptors one link's read takes (for the event log)."""
-        pairs = len(start.local_block_ids)
-        reader = getattr(self.transport, "read_layout", None)
-        layout = reader(agent) if reader is not None else getattr(self.transport, "layout", None)
-        if layout is None:
-            return pairs if reader is None else 0
-        src = link.source
-        if start.segment_tokens:
-            return layout.num_segment_descs(pairs, None if src is None or src.local.whole else src.local.count)
-        return layout.num_descs(pairs, start.group_sizes)
 
     def _settle(self, req: str) -> None:
         """Check a request's reads; once none is in flight, say how they ended."""
@@ -429,6 +347,7 @@ class RecvSide(WorkerContext):
             self._watch(req)
             return
         self._polling.pop(req, None)
+        io.done_ns = self.loop.now_ns()
         for link in io.reads:
             if link.handle is not None and states[io.handles.index(link.handle)] is TransferState.DONE:
                 link.done = True
@@ -538,15 +457,18 @@ class RecvSide(WorkerContext):
 
     def _abandon_links(self, io: RecvIO) -> None:
         """Tell every prefill rank we read nothing (more) from that it may unpin its
-        share; a rank whose read completed was told by the read's notification."""
+        share; a rank whose read completed and whose claim was granted was told by
+        the read's notification (one whose claim was not is holding it: an abandon
+        counts us through there)."""
         for link in io.links:
-            if link.source is not None and not link.done:
+            if link.source is not None and not link.told and not (link.done and link.granted):
+                link.told = True
                 self._tell_abandon(link.peer, [io.start.remote_req], link.readers)
 
     def _deliver_blocks(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         assert io is not None
-        if o.trigger == "all_reads_done":
-            self.stats.transfer_done((self.loop.now_ns() - io.posted_ns) / S, self._bytes_of(io),
+        if o.trigger in ("all_reads_done", "handshake_ok"):  # (handshake_ok: reads done before the grants)
+            self.stats.transfer_done(((io.done_ns or self.loop.now_ns()) - io.posted_ns) / S, self._bytes_of(io),
                                      len(io.start.local_block_ids))
         if io.start.awaited:
             self.results.received(req)
@@ -569,19 +491,3 @@ class RecvSide(WorkerContext):
     def _release_blocks(self, req: str, io: RecvIO | None, o: Outcome) -> None:
         if io is not None and io.start.awaited:
             self.results.received(req)
-
-
-def segments_of(start: RecvStart) -> Segments | None:
-    """The segments a read of blocks of different sizes moves (None: whole blocks)."""
-    if not start.segment_tokens:
-        return None
-    return Segments(start.segment_tokens, start.local_segments, start.remote_segments, *start.block_sizes)
-
-
-def describe_segments(start: RecvStart) -> str:
-    """How a read across block sizes pairs its blocks, for the event log ("" if it does not)."""
-    if not start.segment_tokens:
-        return ""
-    here, there = start.block_sizes
-    return (f"{len(start.local_segments)} segments of {start.segment_tokens} tokens: prefill blocks of {there} "
-            f"tokens into blocks of {here}")

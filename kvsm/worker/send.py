@@ -6,7 +6,10 @@ later step) -> finished_ok: pin, arm the lease from the scheduler's decision
 finished_sending. Claims and heartbeats extend the lease; expiry frees the
 blocks, and a claim after it is answered "expired". Every answer comes from
 the table (``CLAIM_ANSWERS``); an abandon that overtakes the finish is the
-send machine's ``abandoned_early`` state.
+send machine's ``abandoned_early`` state. A decode worker that knows us posts
+its reads right behind its claims: a read's notification that overtakes its
+claim is held until the claim comes (``note_read``), and one that overtakes
+the finish too waits in ``read_early``.
 """
 
 from __future__ import annotations
@@ -19,28 +22,37 @@ from kvsm.loop import LoopError
 from kvsm.worker.context import NOTIF_FAST_WINDOW_NS, NOTIF_POLL_MAX_NS, SendEffect, SendIO, WorkerContext
 
 # A read's notification: the prefill request id, and when several decode ranks
-# read this rank, how many (``<req>\x1f<readers>``; a bare id: one).
+# read this rank, how many (``<req>\x1f<readers>``; a bare id: one); a read
+# posted ahead of its claim says so at the end (``\x1fearly``).
 NOTIF_READERS_SEP = "\x1f"
+NOTIF_EARLY = f"{NOTIF_READERS_SEP}early"
 
 
-def notif_of(remote_req: str, readers: int) -> bytes:
+def notif_of(remote_req: str, readers: int, early: bool = False) -> bytes:
     """The notification a read carries to the prefill rank it reads."""
-    return (remote_req if readers == 1 else f"{remote_req}{NOTIF_READERS_SEP}{readers}").encode()
+    text = remote_req if readers == 1 else f"{remote_req}{NOTIF_READERS_SEP}{readers}"
+    return (text + NOTIF_EARLY if early else text).encode()
 
 
-def parse_notif(msg: bytes) -> tuple[str, int]:
-    """(prefill request id, readers) of a read's notification."""
+def parse_notif(msg: bytes) -> tuple[str, int, bool]:
+    """(prefill request id, readers, posted ahead of its claim) of a read's notification."""
     text = msg.decode()
+    early = text.endswith(NOTIF_EARLY)
+    if early:
+        text = text[:-len(NOTIF_EARLY)]
     req, sep, n = text.rpartition(NOTIF_READERS_SEP)
     if not sep:
-        return text, 1
+        if not text:
+            raise ValueError(f"malformed notification {msg[:80]!r}")
+        return text, 1, early
     if not n.isdigit() or not 1 <= int(n) <= 1024 or not req:
         raise ValueError(f"malformed notification {text[:80]!r}")
-    return req, int(n)
+    return req, int(n), early
 
 
-# At most this many abandons may wait for a prefill this worker has not heard
-# finish (each is a small machine, alive for at most a lease).
+# At most this many abandons and read notifications together may wait for a
+# prefill this worker has not heard finish (each is a small machine, alive for
+# at most a lease).
 MAX_EARLY_ABANDONS = 4096
 
 
@@ -75,7 +87,7 @@ class SendSide(WorkerContext):
         for req in claims:
             if kind == "abandon":
                 if req not in self.send and self.send.final_state(req) is None:
-                    if self.state_counts["send"]["abandoned_early"] >= MAX_EARLY_ABANDONS:
+                    if self._early_inputs() >= MAX_EARLY_ABANDONS:
                         # A bound on what peers can make us hold: beyond it the
                         # abandon is dropped, visibly, and its blocks wait for the lease.
                         self.stats.failure("early_abandon_dropped")
@@ -89,12 +101,30 @@ class SendSide(WorkerContext):
                 answers[req] = "ok"
                 continue
             answer = CLAIM_ANSWERS.get(self._send_state(req), "unknown")
-            if answer == "ok":  # pinned: the claim extends the lease
-                self._apply_send(ev.Heartbeat(req=req, lease_ns=self.cfg.lease_ns))
+            if answer == "ok":  # pinned: the claim extends the lease (and counts a read held for it)
+                self._apply_send(ev.Heartbeat(req=req, lease_ns=self.cfg.lease_ns, reader=requester))
             answers[req] = answer
         if kind == "claim" or (kind == "heartbeat" and "ok" in answers.values()):
             self._arm_notif_poll(soon=True)  # a claimed request is read next
         return answers
+
+    def _on_read_notif(self, notif: ev.ReadNotif) -> None:
+        """A read's notification. For a request not heard of yet (a read posted at
+        once, before the scheduler's finish reached us) the machine is made to
+        hold it, as for an early abandon, within the same bound."""
+        req = notif.req
+        if req not in self.send and self.send.final_state(req) is None:
+            if self._early_inputs() >= MAX_EARLY_ABANDONS:
+                self.stats.failure("early_read_dropped")
+                self.warn.warning("early_read_dropped", "%d early inputs wait already; the read notification "
+                                  "for %s is dropped (its lease frees the blocks)", MAX_EARLY_ABANDONS, req)
+                return
+            self.send.create(req)
+        self._apply_send(notif)
+
+    def _early_inputs(self) -> int:
+        counts = self.state_counts["send"]
+        return counts["abandoned_early"] + counts["read_early"]
 
     def _send_state(self, req: str) -> str | None:
         m = self.send.get(req)
@@ -241,13 +271,13 @@ class SendSide(WorkerContext):
         notifs = self.transport.get_notifs()
         for peer, msg in notifs:
             try:
-                req, readers = parse_notif(msg)
+                req, readers, early = parse_notif(msg)
             except (UnicodeDecodeError, ValueError):
                 self._note("worker.bad_notification", None, peer=peer, size=len(msg))
                 continue
             # After a release (the reader's abandon overtook its read's notification)
             # the table records it as stale; after expiry, as the violation it is.
-            self._guard(req, self._apply_send, ev.ReadNotif(req=req, reader=peer, readers=readers))
+            self._guard(req, self._on_read_notif, ev.ReadNotif(req=req, reader=peer, readers=readers, early=early))
         if notifs or self.loop.now_ns() < self._notif_fast_until_ns:
             self._notif_interval_ns = self._notif_min_ns
         else:
