@@ -147,7 +147,8 @@ def test_outputs_equal_the_decode_engine_alone_and_every_rank_reads_its_plan(pai
     matched = [r for r in recv if r["event"] == "matched"]
     # Every prompt token by transfer, on every rank.
     assert {r["input"]["num_tokens"] for r in matched} == {PROMPT_LEN}, [r["input"] for r in matched]
-    assert {r["dst"] for r in recv if r["event"] == "all_reads_done"} == {"done"}
+    # (read_unclaimed: reads posted right behind their claims, done before the grants)
+    assert {r["dst"] for r in recv if r["event"] == "all_reads_done"} <= {"done", "read_unclaimed"}
     assert len([r for r in recv if r["dst"] == "done"]) == PROMPTS * d_ranks
     # Each decode rank's plan: which prefill ranks it reads, which heads.
     plans = {r["input"]["plan"] for r in matched}

@@ -11,23 +11,15 @@ of read, claim and finish is played on purpose. Every log is replayed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+import test_worker_virtual
 
 from kvsm.replay import analyse
 from kvsm.testing.virtual_pair import MS, S, VirtualPair
 
-
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[VirtualPair]:
-    vp = VirtualPair({"A": 30.0, "S": 0.3}, log_dir=tmp_path)
-    try:
-        yield vp
-    finally:
-        vp.close()
+pair = test_worker_virtual.pair  # the fixture: prefill engines A (lease 30 s) and S (0.3 s)
 
 
 def transitions(vp: VirtualPair, req: str, engine: str) -> list[tuple[str, str, str, dict[str, Any]]]:

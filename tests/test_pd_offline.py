@@ -236,6 +236,7 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
     cli = subprocess.run([sys.executable, str(REPO / "tools" / "replay.py"), str(pair.logs), "--request",
                           decode_req], capture_output=True, text=True, timeout=120, check=False)
     assert cli.returncode == 0, cli.stdout + cli.stderr
+    # (the first request to the prefill engine: its claim fetched the agent, then its reads went out)
     for needle in ("prefill-pd/worker", "decode-pd/worker",
                    "--finished_ok-->", "--handshake_ok-->", "--all_reads_done--> done", "--read_notif--> released"):
         assert needle in cli.stdout, f"{needle!r} missing from the timeline:\n{cli.stdout}"

@@ -342,6 +342,22 @@ def test_stuck_requests_say_state_since_last_event_and_the_pin(run, tmp_path: Pa
                       "it at +0.110 s (via local_socket), its worker had it still prefilling (never received the pin)")
 
 
+def test_a_request_stuck_with_its_reads_out_ahead_of_its_claims_names_the_claims(run, tmp_path: Path) -> None:
+    """Reads posted right behind the claims (the peer known): stuck there, the
+    claims are what the request waits for, as in pending_handshake."""
+    with run() as r:
+        r.at(100).send("p-1")
+        t = r.decode("d-1", "p-1", to="awaiting_blocks")
+        t.apply(ev.Allocated(req="d-1", block_ids=(1, 2), early=True))
+        t.apply(ev.ReadsPosted(req="d-1", num_blocks=2, num_descs=2))
+        r.at(120)
+        t.apply(ev.AllReadsDone(req="d-1", num_bytes=128))
+        r.at(300).claims(2, unknown=["d-1"])
+    d = cause(report_of(tmp_path), "d-1")
+    assert d.line.startswith("stuck in read_unclaimed since +0.120 s: last event all_reads_done at +0.120 s, "), d.line
+    assert "claims answered unknown 2 times" in d.line and "prefill scheduler" in d.line, d.line
+
+
 def test_clean_shutdown_listing_a_request_gives_no_cause_and_one_not_listing_it_does(run, tmp_path: Path) -> None:
     with run() as r:
         r.at(100).decode("d-1", "p-1")

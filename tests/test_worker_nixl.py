@@ -22,7 +22,9 @@ The last test replays every clean log with ``kvsm.replay.analyse``.
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -440,6 +442,47 @@ def test_happy_path_moves_the_exact_bytes(peers: Peers, decode) -> None:
     findings, finals = replay(peers, [d], set(sizes) | {f"p-{r}" for r in sizes})
     assert findings == []
     assert finals == {**{("recv", r): "done" for r in sizes}, **{("send", f"p-{r}"): "released" for r in sizes}}
+
+
+def test_a_known_peer_is_read_right_behind_the_claim(peers: Peers, decode) -> None:
+    """Once a prefill worker's agent is known, a request's read goes out with its
+    claim. With the prefill process stopped (SIGSTOP: its loop cannot answer),
+    nothing is reported: the read may land (UCX reads the other process's memory
+    without it) but waits for the grant. Resumed, the claim is granted, the bytes
+    are exact, and the prefill worker counts the read the notification says was
+    posted early."""
+    d = decode("s1e")
+    rng = random.Random(11)
+    first = pick(rng, 2)
+    peers.main.finish("A", {"p-s1e-first": first})
+    s0 = d.start("s1e-first", peers.coords("A"), "p-s1e-first", first)
+    d.submit(recv_start=[s0])
+    d.wait(["s1e-first"])  # its claim fetched A's agent: reads waited for it
+    assert [dst for _, _, dst, _ in d.transitions("s1e-first")][1] == "pending_handshake"
+    blocks = pick(rng, 3)
+    peers.main.finish("A", {"p-s1e": blocks})
+    s1 = d.start("s1e", peers.coords("A"), "p-s1e", blocks)
+    os.kill(peers.main.proc.pid, signal.SIGSTOP)
+    try:
+        d.submit(recv_start=[s1])
+        d.quiet(0.3)
+        assert "s1e" not in d.recving
+        held = d.half.debug_state()["recv"]["s1e"]
+        assert held in ("reading_unclaimed", "read_unclaimed"), held
+    finally:
+        os.kill(peers.main.proc.pid, signal.SIGCONT)
+    d.wait(["s1e"])
+    assert "s1e" not in d.failed and d.holds(s1.local_block_ids, s1.remote_block_ids, SEEDS["A"])
+    path = [dst for _, _, dst, _ in d.transitions("s1e")]
+    assert path[:3] == ["awaiting_blocks", "reading_unclaimed", "reading_unclaimed"] and path[-1] == "done"
+    peers.main.wait_sent("A", ["p-s1e-first", "p-s1e"])
+    findings, finals = replay(peers, [d], {"s1e-first", "s1e", "p-s1e-first", "p-s1e"})
+    assert findings == []
+    assert finals[("recv", "s1e")] == "done" and finals[("send", "p-s1e")] == "released"
+    peers.flush()
+    notifs = [json.loads(line)["input"] for line in peers.log["A"].read_text().splitlines()
+              if '"p-s1e"' in line and '"read_notif"' in line]
+    assert [n["early"] for n in notifs] == [True], notifs
 
 
 def test_claim_before_send_finish_is_retried(peers: Peers, decode) -> None:

@@ -529,6 +529,11 @@ _STUCK_DETAIL: dict[tuple[str, str], Callable[[_Context, Machine], str]] = {
     ("recv", "pending_handshake"): lambda ctx, m: f"{_claims_said(ctx, m)}; "
                                                   f"{_prefill_said(ctx, m.remote)}",
 }
+# Reads posted right behind the claims: stuck there, the claims are what it waits for.
+_STUCK_DETAIL[("recv", "reading_unclaimed")] = _STUCK_DETAIL[("recv", "read_unclaimed")] = (
+    _STUCK_DETAIL[("recv", "pending_handshake")])
+# A read's notification before the finish: what the scheduler said of the pin.
+_STUCK_DETAIL[("send", "read_early")] = _STUCK_DETAIL[("send", "prefilling")]
 
 # rule -> explainer(context, machine, the deciding record); _rule_of picks the rule.
 _EXPLAIN: dict[str, Callable[[_Context, Machine, Record | None], str]] = {

@@ -42,6 +42,7 @@ from kvsm.lifecycle.table import (
     PEER_READABLE_STATES,
     PEER_UNREACHABLE_STATES,
     RECV_CLAIMING_STATES,
+    RECV_ENDING_STATES,
 )
 from kvsm.loop import LoopError
 from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerEffect, PeerIO, S, WorkerContext
@@ -134,8 +135,10 @@ class PeerSide(WorkerContext):
                           peer.address, peer.engine, m.last_error, (m.dead_until_ns - self.loop.now_ns()) / S)
         kind = f"peer_{reason}" if reason else "peer_dead"
         for req, io in list(self._recv_io.items()):
-            if io.deals_with(peer) and req in self.recv:
-                self.stats.failure(kind)
+            r = self.recv.get(req)
+            if r is not None and io.deals_with(peer):
+                if r.state not in RECV_ENDING_STATES:  # (one whose own failure is under way counted it)
+                    self.stats.failure(kind)
                 self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason=reason))
 
     def _arm_backoff_timer(self, peer: PeerIO, o: Outcome) -> None:
@@ -369,7 +372,8 @@ class PeerSide(WorkerContext):
         read over a partitioned network neither completes nor fails for as long as
         TCP retries; the probe's timeout marks the peer dead instead
         (``_on_client_results``), which settles the reads and fails their requests.
-        An answered probe shows the reads are only slow (a busy link): they go on."""
+        An answered probe shows the reads are only slow (a busy link): they go on.
+        Reads posted ahead of their claims are probed once their claims are granted."""
         self._stall_timer = None
         if self.client is None:
             return
@@ -381,7 +385,11 @@ class PeerSide(WorkerContext):
             if io is None or now - io.posted_ns < min_age:
                 continue
             for link in io.reads:
-                if not link.done and link.handle is not None and link.peer.probe_rid not in self._oneway:
+                # (a read whose claim is still out needs no probe: the claim's answer, or
+                # its deadline, says whether the peer is there, and a busy peer answers
+                # its claims first)
+                if (not link.done and link.granted and link.handle is not None
+                        and link.peer.probe_rid not in self._oneway):
                     due[link.peer.key] = link.peer
         deadline = now + int(self.cfg.stall_timeout_s * S)
         for peer in due.values():
