@@ -111,10 +111,6 @@ def _reads_early(m: RequestMachine, ev: Any) -> bool:
     return bool(ev.early)
 
 
-def _a_read_completed(m: RequestMachine, ev: Any) -> bool:
-    return ev.completed > 0
-
-
 def _peer_gone(m: RequestMachine, ev: Any) -> bool:
     return bool(ev.peer_gone)
 
@@ -131,7 +127,6 @@ CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "claims_outstanding": _claims_outstanding,
     "reads_early": _reads_early,
     "within_lease": _within_lease,
-    "a_read_completed": _a_read_completed,
     "peer_gone": _peer_gone,
     "outdated": _outdated,
 }
@@ -223,13 +218,9 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     *_each(_FAILURES, source="read_unclaimed", dest="failed", prepare="note_failure",
            after=["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]),
     *_each(_INTERRUPTS, source=["failing", "aborting"], dest="=", after="cancel_reads"),
-    # Reads that completed told the prefill side themselves; otherwise it is told
-    # we will never read, so it can unpin now.
-    {"trigger": "all_reads_done", "source": "failing", "dest": "failed",
-     "after": ["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]},
-    {"trigger": "reads_quiesced", "source": "failing", "dest": "failed", "conditions": "a_read_completed",
-     "after": ["notify_abandon", "report_invalid", "cancel_timers"]},
-    *_each(["reads_quiesced", "error"], source="failing", dest="failed",
+    # Once nothing can write, every prefill worker not yet through is told we will
+    # never read (a read that completed after its claim's grant told it itself).
+    *_each(["all_reads_done", "reads_quiesced", "error"], source="failing", dest="failed",
            after=["notify_abandon", "release_reads", "report_invalid", "cancel_timers"]),
     # Abort: immediate where no read is posted, via aborting where one is.
     {"trigger": "abort", "source": "new", "dest": "aborted", "after": ["release_blocks", "cancel_timers"]},
@@ -241,11 +232,7 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "abort", "source": "read_unclaimed", "dest": "aborted",
      "after": ["notify_abandon", "release_reads", "release_blocks", "cancel_timers"]},
     {"trigger": "abort", "source": "failing", "dest": "aborting"},
-    {"trigger": "all_reads_done", "source": "aborting", "dest": "aborted",
-     "after": ["notify_abandon", "release_reads", "release_blocks", "cancel_timers"]},
-    {"trigger": "reads_quiesced", "source": "aborting", "dest": "aborted", "conditions": "a_read_completed",
-     "after": ["notify_abandon", "release_blocks", "cancel_timers"]},
-    *_each(["reads_quiesced", "error"], source="aborting", dest="aborted",
+    *_each(["all_reads_done", "reads_quiesced", "error"], source="aborting", dest="aborted",
            after=["notify_abandon", "release_reads", "release_blocks", "cancel_timers"]),
 ]
 
