@@ -1,12 +1,25 @@
-"""``kill -9`` of one prefill rank while the decode side's reads from both ranks
-are in flight, on real engines across two hosts.
+"""An abort, and a ``kill -9`` of one prefill rank, while the decode side's reads
+from both ranks are in flight, on real engines across two hosts.
 
 A TP 2 prefill server on one host (``kvsm.testing.netns``), a TP 1 decode server
 on the other (2 -> 1: the decode worker reads one KV head from each prefill
 rank, two NIXL reads), UCX on TCP over the KV link, capped at 1 Mbit/s so that a
 400-token prompt's reads take about four seconds. Once the decode worker has
-posted both reads (its ``reads_posted`` record), prefill rank 1's worker process
-is killed. Then:
+posted both reads (its ``reads_posted`` record), either the client hangs up (the
+router closes the decode leg, and vLLM aborts the request) or prefill rank 1's
+worker process is killed.
+
+After the abort:
+
+* the decode request ends ``aborted`` through ``aborting``: its blocks go back to
+  vLLM only once neither read can still write into them;
+* both prefill ranks let the request go at once (each is told by the decode
+  worker), not at the end of their lease;
+* the decode engine holds nothing, and the next prompt through the router (its
+  blocks may be the aborted request's) equals the decode engine alone;
+* both engines' logs replay clean.
+
+After the kill:
 
 * the client still gets the right answer: the decode engine recomputes the
   prompt (``kv_load_failure_policy: recompute``), equal to the decode engine
@@ -19,6 +32,8 @@ is killed. Then:
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import threading
@@ -75,13 +90,88 @@ def _recv(pair: TwoHostPair, rid: str) -> list[dict[str, Any]]:
             if r.get("lifecycle") == "recv" and rid in (r.get("req") or "")]
 
 
-def test_kill_9_of_one_prefill_rank_mid_read(pair: TwoHostPair) -> None:
-    warm = list(range(20, 420))
-    took, out = pair.complete(warm, MAX_TOKENS, rid="warm")  # both prefill ranks' agents known
+def _send(pair: TwoHostPair, rid: str) -> dict[int, list[dict[str, Any]]]:
+    """Each prefill rank's send-lifecycle records of ``rid``."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in read_records(sorted(pair.logs.glob("prefill.worker.*.jsonl"))):
+        if r.get("lifecycle") == "send" and rid in (r.get("req") or "") and r.get("kind") in ("create", "transition"):
+            out.setdefault(r["rank"], []).append(r)
+    return out
+
+
+def _warm(pair: TwoHostPair) -> None:
+    """One request through the router (once per module): both prefill ranks' agents known."""
+    if _recv(pair, "warm"):
+        return
+    took, out = pair.complete(list(range(20, 420)), MAX_TOKENS, rid="warm")
     assert "error" not in out, out
     assert any(r.get("dst") == "done" for r in wait_until(lambda: _recv(pair, "warm") or None, 10, "warm-up")), \
         _recv(pair, "warm")
 
+
+def _reads_posted(pair: TwoHostPair, rid: str) -> list[dict[str, Any]]:
+    return wait_until(lambda: [r for r in _recv(pair, rid) if r.get("event") == "reads_posted"] or None,
+                      20, f"the decode worker's reads_posted for {rid}")
+
+
+def test_an_abort_mid_read_lets_every_prefill_rank_go(pair: TwoHostPair) -> None:
+    _warm(pair)
+    victim = [(i * 7) % 1000 + 10 for i in range(400)]
+    follow = [(i * 11) % 1000 + 10 for i in range(300)]
+    reference = _alone(pair, victim, "abort-reference")
+    follow_reference = _alone(pair, follow, "abort-follow")
+    pair.hosts.rate_limit("1mbit")
+    host, port = pair.router.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        body = {"model": pair.model, "prompt": victim, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json", "X-Request-Id": "aborted"})
+        posted = _reads_posted(pair, "aborted")
+        assert len(posted) == 1, posted
+    finally:
+        if conn.sock is not None:
+            conn.sock.close()  # the client hangs up with both reads in flight
+        conn.close()
+    hung_up = time.monotonic()
+
+    # The request is aborted from its transfer, and its blocks wait for both reads to settle.
+    recs = wait_until(lambda: (r := _recv(pair, "aborted")) and r[-1].get("dst") == "aborted" and r, 30,
+                      "the aborted request's machine aborted")
+    pair.hosts.heal()
+    steps = [(r["event"], r.get("src"), r["dst"]) for r in recs if r.get("kind") == "transition"]
+    assert any(src in ("transferring", "reading_unclaimed") and dst == "aborting" for _, src, dst in steps), steps
+    assert steps[-1][1] == "aborting", steps
+    matched = next(r for r in recs if r.get("event") == "matched")
+    assert matched["input"]["sources"] == 2, matched
+
+    # Both prefill ranks let it go, told by the decode worker, well within their 10 s lease.
+    sends = wait_until(lambda: (s := _send(pair, "aborted")) and len(s) == 2
+                       and all(v[-1]["dst"] == "released" for v in s.values()) and s, 30,
+                       "both prefill ranks released the aborted request")
+    for rank, machine in sends.items():
+        assert machine[-1]["event"] != "lease_expired", (rank, machine[-1])
+    assert time.monotonic() - hung_up < 25
+
+    # Nothing is held on either engine, and the next prompts are right: another one, whose
+    # blocks may be the aborted request's, and the aborted prompt itself (nothing half read
+    # was kept for its prefix).
+    for server in (pair.prefill, pair.decode):
+        assert not {k: v for k, v in live_kvsm_requests(server.metrics()).items()
+                    if k.startswith(("recv:", "send:"))}, server
+    took, out = pair.complete(follow, MAX_TOKENS, rid="after-abort")
+    assert "error" not in out, out
+    assert out["choices"][0]["text"] == follow_reference
+    took, out = pair.complete(victim, MAX_TOKENS, rid="again-after-abort")
+    assert "error" not in out, out
+    assert out["choices"][0]["text"] == reference
+    report = analyse(sorted(pair.logs.glob("*.jsonl")))
+    assert not report.findings, [str(f) for f in report.findings][:10]
+
+
+def test_kill_9_of_one_prefill_rank_mid_read(pair: TwoHostPair) -> None:
+    _warm(pair)
     victim = list(range(500, 900))
     reference = _alone(pair, victim, "reference")
     follow = list(range(1000, 1100))
@@ -91,8 +181,7 @@ def test_kill_9_of_one_prefill_rank_mid_read(pair: TwoHostPair) -> None:
     thread = threading.Thread(target=lambda: answer.update(zip(("took", "out"), pair.complete(
         victim, MAX_TOKENS, rid="victim"))), daemon=True)
     thread.start()
-    posted = wait_until(lambda: [r for r in _recv(pair, "victim") if r.get("event") == "reads_posted"] or None,
-                        20, "the decode worker's reads_posted for the victim")
+    posted = _reads_posted(pair, "victim")
     assert len(posted) == 1, posted
     (rank1,) = sorted(pair.logs.glob("prefill.worker.rank1.*.jsonl"))
     os.kill(int(rank1.name.split(".")[-2]), signal.SIGKILL)
