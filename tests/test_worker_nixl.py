@@ -9,9 +9,10 @@ accumulated across ``take_results`` calls, as vLLM's model runner does.
 
 Processes (started once per module, in parallel):
 
-* ``main``: workers A (lease 30 s), S (lease 0.3 s), and X (lease 0.3 s) and
-  Y (lease 2 s), which only the regression tests use, so that what they leave behind
-  (late reads, requests still pinned) stays out of the clean replay;
+* ``main``: workers A (lease 30 s), S (lease 0.3 s), N (lease 30 s, polling its
+  NIXL notifications every 0.5 s), and X (lease 0.3 s) and Y (lease 2 s), which
+  only the regression tests use, so that what they leave behind (late reads,
+  requests still pinned) stays out of the clean replay;
 * ``k``: worker K, which scenario 5 kills with SIGKILL;
 * ``k2``: worker K again (same engine id, same agent name, another pattern),
   built but not bound until scenario 5 "restarts" the engine with it.
@@ -75,8 +76,10 @@ REPO = PEER_SCRIPT.parent.parent
 HOST = "127.0.0.1"
 NUM_BLOCKS = GEOMETRY["num_blocks"]
 BLOCK_TOKENS = GEOMETRY["block_size"]
-SEEDS = {"A": 101, "S": 102, "X": 103, "Y": 104, "K": 201, "K2": 202}
-ENGINES = {"A": "prefill-A", "S": "prefill-S", "X": "prefill-X", "Y": "prefill-Y", "K": "prefill-K"}
+SEEDS = {"A": 101, "S": 102, "X": 103, "Y": 104, "N": 105, "K": 201, "K2": 202}
+ENGINES = {"A": "prefill-A", "S": "prefill-S", "X": "prefill-X", "Y": "prefill-Y", "N": "prefill-N",
+           "K": "prefill-K"}
+SLOW_POLL_S = 0.5  # worker N's notification poll (and its decode side's read poll)
 POLL_S = 0.002
 
 # Decode logs of the clean scenarios (the regression tests keep theirs apart).
@@ -150,13 +153,15 @@ class Peers(PrefillPeers):
         super().__init__(log_dir, ENGINES)
         self.log["K2"] = log_dir / "prefill-K-restarted.jsonl"
 
-        def spec(w: str, lease_s: float, seed_key: str | None = None, log_key: str | None = None) -> dict[str, Any]:
+        def spec(w: str, lease_s: float, seed_key: str | None = None, log_key: str | None = None,
+                 **config: Any) -> dict[str, Any]:
             return {"name": w, "engine_id": ENGINES[w], "port": self.port[w], "lease_s": lease_s,
-                    "seed": SEEDS[seed_key or w], "log": str(self.log[log_key or w])}
+                    "seed": SEEDS[seed_key or w], "log": str(self.log[log_key or w]), "config": config}
 
         self.procs: list[PeerProc] = []
         try:
-            self.main = self._spawn("main", [spec("A", 30.0), spec("S", 0.3), spec("X", 0.3), spec("Y", 2.0)])
+            self.main = self._spawn("main", [spec("A", 30.0), spec("S", 0.3), spec("X", 0.3), spec("Y", 2.0),
+                                             spec("N", 30.0, notif_poll_interval_s=SLOW_POLL_S)])
             self.k = self._spawn("k", [spec("K", 30.0)])
             self.k2 = self._spawn("k2", [spec("K", 30.0, seed_key="K2", log_key="K2")], defer_start=True)
             for p in self.procs:
@@ -483,6 +488,39 @@ def test_a_known_peer_is_read_right_behind_the_claim(peers: Peers, decode) -> No
     notifs = [json.loads(line)["input"] for line in peers.log["A"].read_text().splitlines()
               if '"p-s1e"' in line and '"read_notif"' in line]
     assert [n["early"] for n in notifs] == [True], notifs
+
+
+def test_a_small_read_is_done_with_its_grant_not_at_a_poll(peers: Peers, decode) -> None:
+    """A read of a block or two over UCX completes only once the prefill worker's
+    NIXL agent makes progress, which it does when it polls its notifications. Both
+    workers here poll every 0.5 s. The prefill worker makes progress as it answers a
+    claim, and the decode worker checks its reads as the grant comes, so a request
+    whose peer is known is done in about one claim round trip, not at the next of
+    either side's polls."""
+    d = decode("s1n", notif_poll_interval_s=SLOW_POLL_S)
+    rng = random.Random(13)
+    first = pick(rng, 1)
+    peers.main.finish("N", {"p-s1n-first": first})
+    d.submit(recv_start=[d.start("s1n-first", peers.coords("N"), "p-s1n-first", first)])
+    d.wait(["s1n-first"])  # its claim fetched N's agent: the reads below go out behind their claims
+    took = []
+    for i in range(8):
+        blocks = pick(rng, 1 + i % 2)
+        peers.main.finish("N", {f"p-s1n-{i}": blocks})
+        s = d.start(f"s1n-{i}", peers.coords("N"), f"p-s1n-{i}", blocks)
+        t0 = time.monotonic()
+        d.submit(recv_start=[s])
+        d.wait([f"s1n-{i}"])
+        took.append(d.recving[f"s1n-{i}"] - t0)
+        assert f"s1n-{i}" not in d.failed and d.holds(s.local_block_ids, s.remote_block_ids, SEEDS["N"])
+    # At a poll, each would take a quarter of a second or more (half of SLOW_POLL_S on
+    # average on each side); one caught by a race may still wait for one.
+    assert sorted(took)[len(took) // 2] < SLOW_POLL_S / 5, [round(t, 3) for t in took]
+    peers.main.wait_sent("N", [f"p-s1n-{i}" for i in range(8)], timeout=5.0)
+    reqs = {"s1n-first", *(f"s1n-{i}" for i in range(8))}
+    findings, finals = replay(peers, [d], reqs | {f"p-{r}" for r in reqs}, prefill=("N",))
+    assert findings == []
+    assert set(finals.values()) == {"done", "released"}
 
 
 def test_claim_before_send_finish_is_retried(peers: Peers, decode) -> None:
@@ -982,7 +1020,7 @@ def test_replay_of_every_clean_log(peers: Peers) -> None:
     """Every request of the clean scenarios is terminal, on both sides, and replay finds
     nothing wrong (the regression scenarios' logs and worker X are left out)."""
     peers.flush()
-    logs = [*CLEAN_DECODE_LOGS, *(peers.log[w] for w in ("A", "S", "K", "K2") if peers.log[w].exists())]
+    logs = [*CLEAN_DECODE_LOGS, *(peers.log[w] for w in ("A", "S", "N", "K", "K2") if peers.log[w].exists())]
     report = analyse(logs)
     assert report.findings == [], "\n".join(map(str, report.findings))
     assert report.exit_code == 0

@@ -4,7 +4,8 @@ Run as ``python tests/worker_peer.py SPEC_JSON``. SPEC is::
 
     {"defer_start": false,            # true: build everything, bind only on "start"
      "workers": [{"name": "A", "engine_id": "prefill-A", "port": 5601,
-                  "lease_s": 30.0, "seed": 1, "log": "/tmp/x.jsonl"}, ...]}
+                  "lease_s": 30.0, "seed": 1, "log": "/tmp/x.jsonl",
+                  "config": {"notif_poll_interval_s": 0.5}}, ...]}   # config: optional
 
 Each worker is a real ``kvsm.worker.WorkerHalf`` (role ``kv_producer``) over
 its own ``NixlTransport`` and its own vLLM-CPU-layout KV caches
@@ -318,7 +319,7 @@ class _Worker:
         self.compat = CompatInfo(**compat_fields(self.geom, **spec.get("compat", {})))
         self.cfg = KVSMConfig(**config_fields(self.engine_id, "kv_producer", self.port, self.geom,
                                               lease_s=spec.get("lease_s", 30.0), pp_size=spec.get("pp_size", 1),
-                                              tp_size=tp, kv_heads=kv_heads))
+                                              tp_size=tp, kv_heads=kv_heads, **spec.get("config", {})))
         self.log = (EventLog(spec["log"], role="worker", engine_id=self.engine_id, rank=stage * tp + rank)
                     if spec.get("log") else None)
         self.half = WorkerHalf(self.cfg, rank, pp_rank=stage, event_log=self.log)

@@ -317,6 +317,12 @@ class PeerSide(WorkerContext):
                 # handshake timeout in the table bounds it), not a transition.
                 io.retry_timer = self.loop.call_later(CLAIM_RETRY_NS, partial(self._retry_claim, req),
                                                       req=req, label="claim retry")
+        # Reads posted behind these claims: the prefill worker made its NIXL agent progress
+        # as it answered (a small read completes only then), so they may be done already;
+        # see now rather than at the next poll.
+        for req, _ in claim.reqs:
+            if req in self._polling:
+                self._guard(req, self._settle, req)
 
     def _claiming(self, req: str) -> bool:
         """The request still waits for its claims' answers (``RECV_CLAIMING_STATES``)."""

@@ -105,8 +105,22 @@ class SendSide(WorkerContext):
                 self._apply_send(ev.Heartbeat(req=req, lease_ns=self.cfg.lease_ns, reader=requester))
             answers[req] = answer
         if kind == "claim" or (kind == "heartbeat" and "ok" in answers.values()):
-            self._arm_notif_poll(soon=True)  # a claimed request is read next
+            # A claimed request is read next, and a read posted right behind its claim
+            # (early reads) may be here already: a small one completes only once our
+            # NIXL agent makes progress, so make it now, before the answer leaves, and
+            # the decode worker finds the read done when the grant comes.
+            self._progress_now()
+            self._arm_notif_poll(soon=True)
         return answers
+
+    def _progress_now(self) -> None:
+        """Poll NIXL notifications now instead of at the poll timer (which is re-armed)."""
+        if self.transport is None:
+            return
+        if self._notif_timer is not None:
+            self.loop.cancel(self._notif_timer)
+            self._notif_timer = None
+        self._poll_notifs()
 
     def _on_read_notif(self, notif: ev.ReadNotif) -> None:
         """A read's notification. For a request not heard of yet (a read posted at
