@@ -11,6 +11,7 @@ of read, claim and finish is played on purpose. Every log is replayed.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,36 @@ def test_without_a_freeze_the_read_and_its_claim_end_as_one(pair: VirtualPair) -
     path = [dst for _, _, dst, _ in transitions(pair, "d-2", "decode-0")]
     assert path == ["awaiting_blocks", "reading_unclaimed", "reading_unclaimed", "transferring", "done"]
     assert replayed(pair)[("send", "p-2")] == "released"
+
+
+def test_a_nixl_error_as_a_claim_is_answered_fails_nothing(pair: VirtualPair, monkeypatch: Any) -> None:
+    """The prefill worker polls its NIXL notifications as it answers a claim (a small
+    read completes only once its agent makes progress). An error there is the loop's
+    logged error, not the claim's: the claim is answered and the request is done."""
+    know(pair, "A")
+    agent = pair.prefills["A"].agent
+    assert agent is not None
+    real = agent.get_notifs
+    errors_raised: list[int] = []
+
+    def once_broken() -> list[tuple[str, bytes]]:
+        """The first poll made while answering a claim fails (the poll timer's do not)."""
+        if not errors_raised and any(f.function == "_on_claims" for f in inspect.stack()):
+            errors_raised.append(pair.now_ns)
+            raise RuntimeError("NIXL broke once")
+        return real()
+
+    monkeypatch.setattr(agent, "get_notifs", once_broken)
+    pair.finish("A", {"p-nixl-error": (4,)})
+    pair.start("d-nixl-error", "A", "p-nixl-error", (4,))
+    pair.run(until=lambda: "d-nixl-error" in pair.recving or "d-nixl-error" in pair.failed)
+    assert "d-nixl-error" in pair.recving and pair.holds("d-nixl-error") and not pair.failed
+    pair.run(0.01)
+    assert "p-nixl-error" in pair.sent("A") and len(errors_raised) == 1
+    errors = [r for r in pair.records("prefill-A") if r["event"] == "worker.loop_error"]
+    assert len(errors) == 1 and "NIXL broke once" in str(errors[0]), errors
+    finals = replayed(pair)
+    assert finals[("recv", "d-nixl-error")] == "done" and finals[("send", "p-nixl-error")] == "released"
 
 
 def test_a_refused_claim_serves_nothing_an_early_read_brought(pair: VirtualPair) -> None:

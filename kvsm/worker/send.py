@@ -114,13 +114,14 @@ class SendSide(WorkerContext):
         return answers
 
     def _progress_now(self) -> None:
-        """Poll NIXL notifications now instead of at the poll timer (which is re-armed)."""
+        """Poll NIXL notifications now instead of at the poll timer (re-armed after).
+        A failure there is the poll's (a logged loop error), not the claim's."""
         if self.transport is None:
             return
         if self._notif_timer is not None:
             self.loop.cancel(self._notif_timer)
             self._notif_timer = None
-        self._poll_notifs()
+        self._guard(None, lambda _: self._poll_notifs(), None)
 
     def _on_read_notif(self, notif: ev.ReadNotif) -> None:
         """A read's notification. For a request not heard of yet (a read posted at
