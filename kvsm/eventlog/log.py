@@ -80,7 +80,7 @@ class TornWrite(OSError):
     there is cut short, so the next write must start on a fresh line."""
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | bytearray) -> None:
     """One ``write`` for the batch; loop only on the (rare) short write."""
     view = memoryview(data)
     done = 0
@@ -437,21 +437,32 @@ class EventLog:
                     self._lost_on_write += len(batch)
                 self._progress.notify_all()
 
-    def _render_batch(self, batch: list[dict[str, Any]]) -> bytes:
+    def _render_batch(self, batch: list[dict[str, Any]]) -> bytearray:
         """Run each record through the structlog chain (ending in the orjson
-        renderer, which appends the newline) and join them for one write."""
+        renderer, which appends the newline) into one buffer for one write.
+
+        Each line goes into the buffer as soon as it is rendered: keeping a
+        batch's lines alive as separate ``bytes`` until a join took fresh heap
+        pages for every batch, and those page faults cost 5-10x the rendering
+        itself here (about 5 against 0.6 µs a record, 2026-12-05)."""
         procs = self._processors
-        parts: list[bytes] = []
-        append = parts.append
+        out = bytearray()
+        if len(procs) == 1:  # only the renderer: call orjson as it would, without the frame
+            for rec in batch:
+                try:
+                    out += orjson.dumps(rec, option=_JSON_OPTIONS, default=_json_default)
+                except Exception as e:  # noqa: BLE001 - one bad record must not kill the writer
+                    out += self._render_stub(rec, e)
+            return out
         for rec in batch:
             try:
-                out: Any = rec
+                line: Any = rec
                 for proc in procs:
-                    out = proc(None, "emit", out)
+                    line = proc(None, "emit", line)
             except (Exception, structlog.DropEvent) as e:  # noqa: BLE001 - one bad record must not kill the writer
-                out = self._render_stub(rec, e)
-            append(out)
-        return b"".join(parts)
+                line = self._render_stub(rec, e)
+            out += line
+        return out
 
     def _render_stub(self, rec: dict[str, Any], error: BaseException) -> bytes:
         """A record that could not be rendered is still written, as its header
@@ -473,7 +484,7 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
-    def _write_batch(self, data: bytes) -> bool:
+    def _write_batch(self, data: bytes | bytearray) -> bool:
         """Write one rendered batch; on an error count it, drop the descriptor
         (reopened on the next batch) and carry on. Never raises."""
         try:
@@ -492,7 +503,7 @@ class EventLog:
             self._close_fd()
             return False
 
-    def _write_bytes(self, fd: int, data: bytes) -> None:
+    def _write_bytes(self, fd: int, data: bytes | bytearray) -> None:
         """The one system call per batch (a seam tests use to inject faults)."""
         _write_all(fd, data)
 
