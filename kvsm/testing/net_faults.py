@@ -160,12 +160,17 @@ def partition_during_handshake(hosts: TwoHosts, run: _Run) -> None:
 
 def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
     """The KV link capped at 2 Mbit/s so that a 400-token prompt's read takes
-    about 2 s; the link partitioned 0.6 s after that request was sent (its
-    read in flight), for 12 s, with a new request every 2 s meanwhile."""
+    about 2 s; the link partitioned 1 s after that request was sent (its read
+    in flight), for 12 s, with a new request every 2 s meanwhile.
+
+    Why 1 s: with early reads the claim's answer crosses the capped link behind
+    the read's own data, where ``tbf`` may drop it and TCP resends it after
+    200 ms or more (the "before" request's answer took 340 ms on 2026-12-05, a
+    victim's over 0.6 s); the read itself runs on for about another second."""
     hosts.rate_limit("2mbit")
     run.one("before", n=400)  # the peer's agent known, the connection up
     victim = run.victim()
-    time.sleep(0.6)
+    time.sleep(1.0)
     hosts.partition()
     t0 = time.monotonic()
     threads = _paced(run, until=t0 + 12.0, every_s=2.0)
@@ -174,14 +179,22 @@ def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
 
 
 def partition_after_reads(hosts: TwoHosts, run: _Run) -> None:
-    """Between a read and its release notification: a 2 s read (2 Mbit/s cap);
-    0.5 s into it, whatever the decode host *says* on the KV link is dropped
-    (its bare TCP acknowledgements pass, so the read goes on to the end, but
-    its NIXL notification is lost); 3 s in, the link is partitioned both ways
-    until 12 s; a request every 2 s from then."""
+    """Between a read and its release notification: a read of about 1.3 s (a
+    256-token prompt, 2 blocks, over a 2 Mbit/s cap); 0.5 s into it, whatever
+    the decode host *says* on the KV link is dropped (its bare TCP
+    acknowledgements pass, so the read goes on to the end, but its NIXL
+    notification is lost); 3 s in, the link is partitioned both ways until
+    12 s; a request every 2 s from then.
+
+    Why 2 blocks: kvsm's stalled-read probe (``stall_timeout`` 2 s in the
+    two-host tests) goes out from 0.5 s into a read, and once the decode host's
+    words are dropped its answer cannot come, so the peer is found dead 2.5 s
+    into the read at the earliest. A 4-block read took 2.4-2.5 s here and was
+    sometimes failed by the probe first (then recomputed, right): the scenario
+    is about the lost notification, which needs the read to finish."""
     hosts.rate_limit("2mbit")
     run.one("before", n=400)
-    victim = run.victim()
+    victim = run.victim(n=256)
     time.sleep(0.5)
     hosts.drop_data("decode")
     t0 = time.monotonic()
