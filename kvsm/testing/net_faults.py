@@ -179,7 +179,7 @@ def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
 
 
 def partition_after_reads(hosts: TwoHosts, run: _Run) -> None:
-    """Between a read and its release notification: a read of about 1.3 s (a
+    """Between a read and its release notification: a read of about 1 s (a
     256-token prompt, 2 blocks, over a 2 Mbit/s cap); 0.5 s into it, whatever
     the decode host *says* on the KV link is dropped (its bare TCP
     acknowledgements pass, so the read goes on to the end, but its NIXL
