@@ -235,13 +235,18 @@ def greedy_params(max_tokens: int, *, kv_transfer_params: dict[str, Any] | None 
     return SamplingParams(extra_args=extra or None, **args)
 
 
-def _as_prompts(prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[Any]:
+def _as_prompts(prompts: Sequence[str] | Sequence[Sequence[int]], cache_salt: str | None = None) -> list[Any]:
+    """vLLM prompts; ``cache_salt`` keeps them apart in the prefix cache (a reference
+    computed on an engine that must not find its blocks cached later, nor reuse
+    blocks that came by transfer)."""
     out: list[Any] = []
     for p in prompts:
         if isinstance(p, str):
-            out.append(p)
+            out.append({"prompt": p} if cache_salt else p)
         else:
             out.append({"prompt_token_ids": [int(t) for t in p]})
+        if cache_salt:
+            out[-1]["cache_salt"] = cache_salt
     return out
 
 

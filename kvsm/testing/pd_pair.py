@@ -146,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
                 from kvsm.testing.engine import _as_prompts, greedy_params
 
                 sps = [greedy_params(cmd["max_tokens"], kv_transfer_params=p) for p in params]
-                outs = llm.generate(_as_prompts(cmd["prompts"]), sps, use_tqdm=False)
+                outs = llm.generate(_as_prompts(cmd["prompts"], cmd.get("cache_salt")), sps, use_tqdm=False)
                 reply({"outputs": [{
                     "token_ids": list(o.outputs[0].token_ids),
                     "kv_transfer_params": _jsonable(o.kv_transfer_params),
@@ -303,9 +303,12 @@ class PDEngine:
         return self._wait_reply(timeout)
 
     def generate(self, prompts: Sequence[Any], max_tokens: int, params: Sequence[dict | None] | None = None,
-                 timeout: float = 120.0) -> list[dict[str, Any]]:
+                 timeout: float = 120.0, cache_salt: str | None = None) -> list[dict[str, Any]]:
+        """Greedy outputs; ``cache_salt`` computes the prompts apart from the prefix
+        cache's other entries (a reference on an engine of the pair)."""
         return self.request({"op": "generate", "prompts": list(prompts), "max_tokens": max_tokens,
-                             "params": list(params) if params is not None else None}, timeout)["outputs"]
+                             "params": list(params) if params is not None else None,
+                             "cache_salt": cache_salt}, timeout)["outputs"]
 
     def prefill_params(self, prompts: Sequence[Any]) -> list[dict[str, Any]]:
         """A prefill engine's ``kv_transfer_params`` for ``prompts`` (one token
