@@ -2,7 +2,7 @@
 # Developer entry point for kvsm.
 #
 #   bash tools/dev.sh setup        create/refresh .venv (idempotent)
-#   bash tools/dev.sh test         setup, then ruff, mypy, the fast tests, the slow tests
+#   bash tools/dev.sh test         setup, then ruff, mypy, the docs site, the fast tests, the slow tests
 #   bash tools/dev.sh test ARGS    setup, then only pytest ARGS (no lint)
 #   bash tools/dev.sh demo [ARGS]  setup, then the demo (ARGS go to it)
 #
@@ -142,7 +142,7 @@ setup() {
 
 run_pytest() {
     local rc=0
-    "$PY" -m pytest -q "$@" || rc=$?
+    "$PY" -m pytest -q --durations=25 "$@" || rc=$?
     if [[ $rc -eq 5 ]]; then
         say "pytest collected no tests: treating that as a failure"
         return 1
@@ -150,7 +150,7 @@ run_pytest() {
     return "$rc"
 }
 
-# With ARGS: pytest ARGS only. Without: ruff and mypy (either failing stops here),
+# With ARGS: pytest ARGS only. Without: ruff, mypy and the docs site (any failing stops here),
 # then the fast tests, then the slow ones (both run; either failing fails).
 # vLLM and NIXL are installed by setup, so a test module that finds one missing
 # fails instead of skipping (tests/conftest.py's require()).
@@ -166,6 +166,8 @@ run_tests() {
     "$PY" -m ruff check kvsm tools tests || die "ruff check failed"
     say "mypy (pyproject.toml [tool.mypy]: kvsm, tools)"
     "$PY" -m mypy || die "mypy failed"
+    say "mkdocs build --strict (the docs site, mkdocs.yml)"
+    "$PY" -m mkdocs build --strict -q -d "$ROOT/site" || die "the docs site does not build"
     local rc=0 t0=$SECONDS
     say "fast tests (-m 'not slow')"
     run_pytest -m "not slow" || rc=$?
