@@ -63,6 +63,7 @@ from conftest import require
 
 require("vllm")
 
+from kvsm.connector import KVSMConnector
 from kvsm.metadata import KVSMConnectorMetadata
 from kvsm.testing.scheduler import SchedulerHarness, make_scheduler
 
@@ -75,12 +76,8 @@ NIXL_PULL_PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
-# Dynamo's KV_CONNECTOR_PROTOCOLS keys (the largest set among the stored versions of
-# kv_connector_protocols.py) and its wrappers, which delegate to one child in the table.
-DYNAMO_PD_CONNECTORS = frozenset({"NixlConnector", "NeuronNixlConnector", "MooncakeConnector",
-                                  "LMCacheMPConnector"})
-DYNAMO_WRAPPERS = frozenset({"MultiConnector", "PdConnector"})
-# What an operator puts in --kv-transfer-config to run kvsm under Dynamo.
+# What an operator puts in --kv-transfer-config to run kvsm under Dynamo: the only
+# name Dynamo's make_kv_connector_protocol accepts that kvsm can answer to.
 DYNAMO_KVSM_CONFIG = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kvsm.plugin"}
 
 # A client's request, with the fields the routers rewrite for the prefill leg.
@@ -215,7 +212,7 @@ def test_a_request_goes_through_the_router_and_reads_the_prefill_blocks(router: 
     p_role, d_role = roles
     with engine(router, p_role, "prefill-e", PREFILL_PORT, tmp_path / "p") as p, \
             engine(router, d_role, "decode-e", PREFILL_PORT + 1, tmp_path / "d") as d:
-        assert type(p.connector).__name__ == type(d.connector).__name__ == "KVSMConnector"
+        assert type(p.connector) is type(d.connector) is KVSMConnector  # also under Dynamo's spelling
         p_free0, d_free0 = p.free_blocks(), d.free_blocks()
         prompt = p.make_prompt(PROMPT_TOKENS)
 
@@ -292,9 +289,28 @@ def test_a_prefill_without_params_leaves_the_decode_to_run_locally(router: Route
         drained(d)
 
 
-def test_dynamo_refuses_a_prefill_answer_without_params() -> None:
+def test_dynamo_gets_no_params_from_a_prefill_engine_that_cannot_produce() -> None:
+    """kvsm under Dynamo's name (``DYNAMO_KVSM_CONFIG``) on a prefill engine that
+    cannot produce (kv_consumer) answers Dynamo's prefill request without
+    kv_transfer_params and pins nothing. Unlike the toy proxy and llm-d, Dynamo
+    does not run such a request locally: ``VllmLLMEngine.generate``
+    (``components/src/dynamo/vllm/llm_engine.py``) fails the decode leg when
+    ``prefill_result["disaggregated_params"]["kv_transfer_params"]`` is missing
+    (``_dynamo_decode``, transcribed)."""
+    with engine(DYNAMO, "kv_consumer", "prefill-e", PREFILL_PORT) as p:
+        assert type(p.connector) is KVSMConnector
+        free0 = p.free_blocks()
+        prefill_body = DYNAMO.prefill(CLIENT_BODY)
+        assert prefill_body["max_tokens"] == prefill_body["min_tokens"] == 1
+        submit(p, p.make_prompt(PROMPT_TOKENS), prefill_body, "p-1")
+        s = p.step()
+        assert not meta_of(s).send_start
+        out = s.finished["p-1"]
+        assert out.kv_transfer_params is None
+        assert p.free_blocks() == free0  # freed at once: nothing pinned
+        drained(p)
     with pytest.raises(ValueError, match="without kv_transfer_params"):
-        DYNAMO.decode(CLIENT_BODY, {"kv_transfer_params": None})
+        DYNAMO.decode(CLIENT_BODY, http({"kv_transfer_params": out.kv_transfer_params}))
 
 
 def test_push_mode_proxy_params_run_the_decode_locally_and_say_why(tmp_path: Path) -> None:
@@ -342,35 +358,78 @@ def test_params_of_a_producer_that_is_not_pull_run_the_decode_locally_and_say_wh
 
 
 # ------------------------------------------------------------ Dynamo's connector name
+#
+# Dynamo's ``make_kv_connector_protocol`` (``components/src/dynamo/vllm/
+# kv_connector_protocols.py``) looks the engine's ``kv_transfer_config.kv_connector``
+# up in ``KV_CONNECTOR_PROTOCOLS`` ("NixlConnector", "NeuronNixlConnector",
+# "MooncakeConnector", "LMCacheMPConnector" in the stored versions) and raises
+# "Unsupported kv_connector" for any other name, "KVSMConnector" included; a
+# ``MultiConnector`` or ``PdConnector`` is taken for its one child named in that
+# table. So kvsm runs under Dynamo only as ``DYNAMO_KVSM_CONFIG``, alone or as that
+# child. The tests below check what kvsm and vLLM make of that spelling; the router
+# tests above (``dynamo``) run a request through it.
 
 
-def dynamo_protocol_for(kv_transfer_config: dict[str, Any]) -> str:
-    """Dynamo's ``make_kv_connector_protocol`` name check, transcribed: the
-    connector name whose PD protocol it would use, or its ValueError."""
-    name = kv_transfer_config.get("kv_connector")
-    if name in DYNAMO_WRAPPERS:
-        children = [c.get("kv_connector") for c in kv_transfer_config["kv_connector_extra_config"]["connectors"]]
-        matches = [c for c in children if c in DYNAMO_PD_CONNECTORS]
-        if len(matches) != 1:
-            raise ValueError(f"{name} has {len(matches)} PD-capable sub-connectors")
-        return matches[0]
-    if name not in DYNAMO_PD_CONNECTORS:
-        raise ValueError(f"Unsupported kv_connector={name!r} for PD. Supported names: {sorted(DYNAMO_PD_CONNECTORS)}")
-    return name
+def multi_connector_engine(kv_role: str, engine_id: str, port: int) -> SchedulerHarness:
+    """An engine whose kv_connector is vLLM's MultiConnector with kvsm, spelled as
+    for Dynamo, as its one child."""
+    child = {**DYNAMO_KVSM_CONFIG, "kv_role": kv_role,
+             "kv_connector_extra_config": {"side_channel_host": PREFILL_HOST, "side_channel_port": port}}
+    return make_scheduler(kv_role=kv_role, kv_connector="MultiConnector", kv_connector_module_path=None,
+                          block_size=BLOCK_SIZE, extra_config={"connectors": [child]}, engine_id=engine_id)
 
 
-def test_dynamo_takes_kvsm_only_under_the_nixl_connector_name() -> None:
-    with pytest.raises(ValueError, match="Unsupported kv_connector='KVSMConnector'"):
-        dynamo_protocol_for({"kv_connector": "KVSMConnector", "kv_connector_module_path": "kvsm.connector"})
-    assert dynamo_protocol_for({**DYNAMO_KVSM_CONFIG, "kv_role": "kv_both"}) == "NixlConnector"
-    # The same spelling inside a MultiConnector (e.g. beside an offloading connector).
-    wrapped = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
-        {**DYNAMO_KVSM_CONFIG, "kv_role": "kv_both"}, {"kv_connector": "OffloadingConnector"}]}}
-    assert dynamo_protocol_for(wrapped) == "NixlConnector"
+def test_dynamo_spelling_inside_vllms_multi_connector_runs_kvsm() -> None:
+    """The Dynamo spelling as a MultiConnector's child (e.g. beside an offloading
+    connector): vLLM's real MultiConnector builds kvsm for it, Dynamo's prefill
+    request goes through it, and the params it returns (kvsm's, through the
+    wrapper) are read by a decode engine that runs kvsm under the plain Dynamo
+    spelling."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+        MultiKVConnectorMetadata,
+    )
+
+
+    with multi_connector_engine("kv_both", "prefill-e", PREFILL_PORT) as p, \
+            engine(DYNAMO, "kv_both", "decode-e", PREFILL_PORT + 1) as d:
+        assert isinstance(p.connector, MultiConnector)
+        (child,) = p.connector._connectors
+        assert type(child) is KVSMConnector and type(d.connector) is KVSMConnector
+        p_free0 = p.free_blocks()
+        prompt = p.make_prompt(PROMPT_TOKENS)
+        submit(p, prompt, DYNAMO.prefill(CLIENT_BODY), "p-1")
+        s = p.step()
+        wrapped = s.connector_metadata
+        assert isinstance(wrapped, MultiKVConnectorMetadata)
+        (meta,) = wrapped.metadata
+        assert isinstance(meta, KVSMConnectorMetadata) and [x.req for x in meta.send_start] == ["p-1"]
+        params = s.finished["p-1"].kv_transfer_params
+        assert params is not None, "the MultiConnector returned no kv_transfer_params"
+        held = [list(g) for g in p.block_ids("p-1")]
+        assert len(held[0]) == 3 and p.free_blocks() == p_free0 - 3
+        assert params["transfer_mode"] == "pull" and "kvsm_protocol" in params  # kvsm's answer, not upstream's
+        assert (params["remote_engine_id"], params["remote_request_id"]) == ("prefill-e", "p-1")
+        assert (params["remote_host"], params["remote_port"]) == (PREFILL_HOST, PREFILL_PORT)
+        assert [list(g) for g in params["remote_block_ids"]] == held
+
+        submit(d, prompt, DYNAMO.decode(CLIENT_BODY, http({"kv_transfer_params": params})), "d-1")
+        (start,) = meta_of(d.step()).recv_start
+        assert (start.req, start.remote_engine, start.remote_req) == ("d-1", "prefill-e", "p-1")
+        assert list(start.remote_block_ids) == held[0]
+        d.step(finished_recving={"d-1"})
+        d.run_until_idle()
+        p.step()
+        p.step(finished_sending={"p-1"})
+        assert p.free_blocks() == p_free0
+        pending = child.scheduler_half.pending_counts()
+        assert all(v == 0 for v in pending.values()), pending
+        drained(d)
 
 
 def test_the_alias_loads_kvsm_and_leaves_upstreams_nixl_connector_alone() -> None:
-    """``kvsm.plugin.NixlConnector`` is KVSMConnector for a config that names the
+    """Dynamo's spelling resolves to kvsm in vLLM's real ``KVConnectorFactory``:
+    ``kvsm.plugin.NixlConnector`` is KVSMConnector for a config that names the
     module; vLLM's registry keeps upstream's NixlConnector for every other one,
     however often the plugin registers."""
     from vllm.config import KVTransferConfig
@@ -378,7 +437,6 @@ def test_the_alias_loads_kvsm_and_leaves_upstreams_nixl_connector_alone() -> Non
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as UpstreamNixl
 
     import kvsm.plugin
-    from kvsm.connector import KVSMConnector
 
     kvsm.plugin.register()
     kvsm.plugin.register()
