@@ -12,8 +12,8 @@ quiesced and the request failed and recomputed); after the heal the peer is
 used again (the requests' KV comes by transfer); nothing is left pinned on the
 prefill side (the leases free what the decode side could not release) or
 held on the decode side; the event logs replay clean and name each failure's
-cause. Upstream ``NixlConnector`` runs the same scenarios on its own pair
-(the figures in the README's reliability table); only its harness is checked.
+cause. Upstream ``NixlConnector`` runs the same scenarios on its own pair in
+``python tools/net_faults.py`` (the comparison is a benchmark, not a CI test).
 
 Where network namespaces cannot be created the module is skipped with the
 reason (failed instead when ``KVSM_REQUIRE_ALL``/``CI`` is set: CI runs it).
@@ -21,9 +21,8 @@ reason (failed instead when ``KVSM_REQUIRE_ALL``/``CI`` is set: CI runs it).
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +84,10 @@ def kvsm_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     yield from _bed(tmp_path_factory.mktemp("kvsm2h"), "KVSMConnector", KVSM_CONFIG)
 
 
-def _claim_answered(recs: list[dict[str, Any]]) -> bool:
-    """Whether the request's claim was granted (its reads then went on under a lease)."""
-    return any(r.get("event") == "handshake_ok" for r in recs)
+def _read_under_grant(bed: Bed) -> Callable[[str], bool]:
+    """``in_flight`` for :func:`run_scenario`: whether the request the router sent
+    as ``rid`` has its reads in flight under a granted claim (``transferring``)."""
+    return lambda rid: any(r.get("dst") == "transferring" for r in bed.recv_of(rid))
 
 
 def _final(recs: list[dict[str, Any]]) -> str | None:
@@ -133,8 +133,10 @@ def test_a_partition_during_the_first_handshake(kvsm_bed: Bed) -> None:
     assert failed, "no request was failed by the partition"
     fast = [o.seconds for o in result.of("fault") if o.rid in failed and o.seconds < 1.5]
     assert fast, f"no request failed fast during the partition: {[o.seconds for o in result.of('fault')]}"
+    # The first requests wait out the handshake timeout; the later ones fail at once as
+    # the peer is known dead: both causes are in the logs.
     causes = {e.get("event") for recs in failed.values() for e in recs}
-    assert causes & {"peer_dead", "timeout"}, causes
+    assert {"peer_dead", "timeout"} <= causes, causes
 
 
 def test_the_reads_cross_the_kv_link_over_tcp(kvsm_bed: Bed) -> None:
@@ -157,30 +159,24 @@ def test_the_reads_cross_the_kv_link_over_tcp(kvsm_bed: Bed) -> None:
 
 
 def test_a_partition_while_a_read_is_in_flight(kvsm_bed: Bed) -> None:
-    """The read stalls: the liveness probe goes unanswered for ``stall_timeout``,
-    the peer is marked dead, its agent dropped (the read settles: it can no
-    longer write), the request fails and is recomputed right, within the goal."""
-    result = run_scenario("partition_during_reads", kvsm_bed.hosts, kvsm_bed.pair, "KVSMConnector", seed=3)
+    """The partition comes once the victim's claim is granted and its read is in
+    flight: the read stalls, the liveness probe goes unanswered for
+    ``stall_timeout``, the peer is marked dead, its agent dropped (the read
+    settles: it can no longer write), the request fails and is recomputed
+    right, within the goal."""
+    result = run_scenario("partition_during_reads", kvsm_bed.hosts, kvsm_bed.pair, "KVSMConnector", seed=3,
+                          in_flight=_read_under_grant(kvsm_bed))
     _check_common(kvsm_bed, result)
     victim = next(o for o in result.of("fault") if o.rid == result.extra["victim"])
     recs = kvsm_bed.recv_of(victim.rid)
     moves = [(r.get("event"), r.get("src"), r.get("dst")) for r in recs]
     assert _final(recs) == "failed" and any(r.get("event") == "reads_quiesced" for r in recs), moves
+    assert any(r.get("event") == "peer_dead" and r.get("src") == "transferring" for r in recs), moves
     deaths = [r for r in kvsm_bed.records("decode.worker")  # (the peer's deaths since the victim came)
               if r.get("lifecycle") == "peer" and r.get("event") == "died" and r.get("dst") == "dead"
               and r["t_mono_ns"] >= recs[0]["t_mono_ns"]]
-    if _claim_answered(recs):
-        # The usual case: the claim granted, the read stalls, the probe finds the peer dead.
-        died = [r for r in recs if r.get("event") == "peer_dead" and r.get("src") == "transferring"]
-        assert died, moves
-        assert any("stalled" in str((r.get("input") or {}).get("why")) for r in deaths), \
-            "the peer was not found dead by the stalled-read probe"
-    else:
-        # The partition caught the claim's answer (early reads: it crosses the capped link
-        # behind the read's own data): no probe for a read whose claim is out; the claim's
-        # deadline fails the request with its reads in flight, and the peer is dead as silent.
-        assert ("timeout", "reading_unclaimed", "failing") in moves, moves
-        assert any((r.get("input") or {}).get("reason") == "silent" for r in deaths), deaths
+    assert any("stalled" in str((r.get("input") or {}).get("why")) for r in deaths), \
+        f"the peer was not found dead by the stalled-read probe: {deaths}"
 
 
 def test_a_partition_between_the_read_and_its_notification(kvsm_bed: Bed) -> None:
@@ -256,34 +252,7 @@ def test_nothing_is_left_held_and_the_logs_replay_clean(kvsm_bed: Bed) -> None:
     failed = [c for c in report.causes if c.lifecycle == "recv"]
     assert failed and all(c.line for c in failed), report.causes[:5]
     assert any("peer" in c.line or "timeout" in c.line for c in failed), [c.line for c in failed][:5]
-    # The read caught by the partition: replay names the stalled-read probe (or, when the
-    # partition caught the claim's answer, the claim's deadline: see the test above).
+    # The read caught by the partition: replay names the stalled-read probe.
     stalled = next(r for r in bed.results if r.name == "partition_during_reads").extra["victim"]
     (line,) = [c.line for c in failed if stalled in c.req]
-    if _claim_answered(bed.recv_of(stalled)):
-        assert "stalled" in line, line
-    else:
-        assert "handshake timed out" in line and "no claim answered" in line, line
-
-
-@pytest.fixture(scope="module")
-def upstream_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    yield from _bed(tmp_path_factory.mktemp("up2h"), "NixlConnector", None)
-
-
-def test_upstream_in_the_same_scenarios(upstream_bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Upstream ``NixlConnector`` on its own two-host pair, the same faults at the
-    same moments: its figures for the README's table (written as JSON beside the
-    test's files). Checked: its reads crossed the KV link over tcp too, and every
-    scenario ran to its heal."""
-    results = []
-    for seed, name in enumerate(["partition_during_handshake", "partition_during_reads", "partition_after_reads",
-                                 "drop_decode_to_prefill", "drop_prefill_to_decode", "link_flapping",
-                                 "bandwidth_cap"]):
-        result = run_scenario(name, upstream_bed.hosts, upstream_bed.pair, "NixlConnector", seed=seed + 2)
-        print(result.line())
-        results.append(result)
-        assert result.of("fault") and (result.of("heal")), result.line()
-    assert read_transports(upstream_bed.pair.decode.tail(10 ** 9)) == {"tcp/kv0"}
-    out = tmp_path_factory.getbasetemp() / "upstream_two_hosts.json"
-    out.write_text(json.dumps([{"name": r.name, "outcomes": [vars(o) for o in r.outcomes]} for r in results]))
+    assert "stalled" in line, line

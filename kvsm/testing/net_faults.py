@@ -10,8 +10,10 @@ is computed again locally and must still be right.
 
 Timing is the same for both connectors: the fault is applied at fixed moments
 relative to the requests, never on a connector's own log, so the two runs
-are comparable. Tests that need more (which state a kvsm request was in when
-the fault hit) read kvsm's event logs afterwards.
+are comparable. A test that must hit one state of a kvsm request passes
+``in_flight`` to :func:`run_scenario` (a read under a granted claim, seen in
+kvsm's event log): the fault then waits for that state instead of a fixed
+moment. Tests read kvsm's event logs afterwards for the rest.
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ class ScenarioResult:
 class _Run:
     """Requests through the router with their reference answers."""
 
-    def __init__(self, pair: TwoHostPair, result: ScenarioResult, seed: int) -> None:
+    def __init__(self, pair: TwoHostPair, result: ScenarioResult, seed: int,
+                 in_flight: Callable[[str], bool] | None = None) -> None:
         self.pair = pair
         self.result = result
+        self.in_flight = in_flight
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
 
@@ -97,6 +101,20 @@ class _Run:
         rid = f"{self.result.name}-fault-victim-{uuid.uuid4().hex[:8]}"
         self.result.extra["victim"] = rid
         return self.background("fault", n=n, rid=rid)
+
+    def victim_in_flight(self, fixed_s: float, timeout_s: float = 10.0) -> None:
+        """Return once the victim's read is in flight: when ``in_flight`` says so
+        (polled), else after ``fixed_s`` (the comparable fixed moment)."""
+        if self.in_flight is None:
+            time.sleep(fixed_s)
+            return
+        rid = self.result.extra["victim"]
+        deadline = time.monotonic() + timeout_s
+        while not self.in_flight(rid):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.result.name}: the victim {rid}'s read was not in flight "
+                                   f"within {timeout_s} s")
+            time.sleep(0.02)
 
     def background(self, phase: str, **kw: Any) -> threading.Thread:
         thread = threading.Thread(target=self.one, args=(phase,), kwargs=kw, daemon=True)
@@ -160,17 +178,19 @@ def partition_during_handshake(hosts: TwoHosts, run: _Run) -> None:
 
 def partition_during_reads(hosts: TwoHosts, run: _Run) -> None:
     """The KV link capped at 2 Mbit/s so that a 400-token prompt's read takes
-    about 2 s; the link partitioned 1 s after that request was sent (its read
-    in flight), for 12 s, with a new request every 2 s meanwhile.
+    about 2 s; the link partitioned while that request's read is in flight
+    under a granted claim (``in_flight``; without it, 1 s after the request was
+    sent), for 12 s, with a new request every 2 s meanwhile.
 
-    Why 1 s: with early reads the claim's answer crosses the capped link behind
-    the read's own data, where ``tbf`` may drop it and TCP resends it after
-    200 ms or more (the "before" request's answer took 340 ms on 2026-12-05, a
-    victim's over 0.6 s); the read itself runs on for about another second."""
+    Why wait for the grant: with early reads the claim's answer crosses the
+    capped link behind the read's own data, where ``tbf`` may drop it and TCP
+    resends it after 200 ms or more; a partition before the answer arrives
+    tests the claim's deadline, not the stalled-read probe this scenario is
+    about. The read itself runs on for about another second."""
     hosts.rate_limit("2mbit")
     run.one("before", n=400)  # the peer's agent known, the connection up
     victim = run.victim()
-    time.sleep(1.0)
+    run.victim_in_flight(fixed_s=1.0)
     hosts.partition()
     t0 = time.monotonic()
     threads = _paced(run, until=t0 + 12.0, every_s=2.0)
@@ -296,12 +316,14 @@ SCENARIOS: dict[str, Callable[[TwoHosts, _Run], None]] = {
 }
 
 
-def run_scenario(name: str, hosts: TwoHosts, pair: TwoHostPair, connector: str, *, seed: int = 0) -> ScenarioResult:
+def run_scenario(name: str, hosts: TwoHosts, pair: TwoHostPair, connector: str, *, seed: int = 0,
+                 in_flight: Callable[[str], bool] | None = None) -> ScenarioResult:
     """Run one scenario of ``SCENARIOS`` on a started pair; the fault is always
-    healed on the way out."""
+    healed on the way out. ``in_flight(rid)``: whether that request's read is in
+    flight under a granted claim (a scenario aimed at such a read waits for it)."""
     result = ScenarioResult(name, connector)
     try:
-        SCENARIOS[name](hosts, _Run(pair, result, seed))
+        SCENARIOS[name](hosts, _Run(pair, result, seed, in_flight))
     finally:
         hosts.heal()
     return result
