@@ -3,20 +3,23 @@ section runs end to end and prints its table with numbers (the numbers
 themselves are not judged, except where a behaviour is many times the noise).
 
 * ``test_bench_smoke``: sections 1, 4, 5 in process (about 20 s on 2 cores).
-* ``test_bench_servers_smoke``: sections 6 and 7 (7 includes real vLLM server
-  pairs): four pairs of API servers, kvsm and upstream (about 3 min on 2 cores).
 
 * ``test_bench_nixl_smoke``: sections 2 and 3 (tools/bench_nixl.py: worker
   processes of both connectors moving real bytes over NIXL; about 1 min).
 * ``test_bench_scale_smoke``: section 8 (tools/bench_scale.py: vLLM's
   Scheduler, the simulation and real worker loops at two sizes; about 45 s).
+
+Sections 6 and 7 on real servers (four pairs of API servers, kvsm's and
+upstream's, about 4 min) are a comparison with upstream, not a CI test: run
+``python tools/bench.py --smoke --only e2e,handshake`` for their smoke version.
+Where a section judges a row against a target, the verdict printed beside it
+("met" / "MISSED") is checked against the row's own figure.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +73,17 @@ def _find(rows: dict[str, list[str]], start: str) -> list[str]:
     return hits[0]
 
 
+def _judged(row: list[str], target: str, figure: float) -> None:
+    """The row's target cell is ``target`` followed by a verdict, and the verdict
+    agrees with the figure it judges (``target`` is "<= N" or "<= Nx"; a figure
+    within rounding of the bound may go either way)."""
+    m = re.fullmatch(rf"{re.escape(target)} (met|MISSED)", row[4])
+    assert m, f"target cell {row[4]!r} is not {target!r} with a verdict: {row}"
+    bound = float(target.removeprefix("<=").strip().rstrip("x"))
+    if abs(figure - bound) > 0.01:
+        assert (m.group(1) == "met") == (figure <= bound), f"verdict {m.group(1)!r} for {figure} against {bound}: {row}"
+
+
 def _side_by_side(row: list[str]) -> None:
     """Both connectors measured: two numbers and their ratio."""
     assert re.fullmatch(NUMBER, row[2]), f"upstream cell is not a number: {row}"
@@ -88,7 +102,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
         for row in hook_rows:
             _side_by_side(row)
             assert _num(row[1]) > 0 and _num(row[2]) > 0, row  # both connectors' hooks were timed
-            assert row[4].startswith("<= 1.0x"), row
+            _judged(row, "<= 1.0x", _num(row[3].rstrip("x")))
     for row in sched.values():
         _side_by_side(row)
 
@@ -146,7 +160,8 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
             _side_by_side(row)
             assert _num(row[1]) > 0 and _num(row[2]) > 0, row
         flat = _find(scale, f"scheduler, {role}: kvsm's hooks per request at 256 over 64 requests")
-        assert _num(flat[1]) > 0 and flat[4].startswith("<= 1.25x"), flat
+        assert _num(flat[1]) > 0, flat
+        _judged(flat, "<= 1.25x", _num(flat[1].rstrip("x")))
     for start in ("simulation, 50 requests: wall per request", "simulation, 200 requests: wall per request",
                   "worker loops, 64-read rounds", "worker loops, 256-read rounds"):
         for row in (r for m, r in scale.items() if m.startswith(start)):
@@ -154,7 +169,8 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     for start in ("simulation: wall per request at 200 over 50", "worker loops: wall per request at 256 over 64",
                   "worker loops: loop threads' CPU per request at 256 over 64"):
         row = _find(scale, start)
-        assert _num(row[1]) > 0 and row[4].startswith("<= 1.25x"), row
+        assert _num(row[1]) > 0, row
+        _judged(row, "<= 1.25x", _num(row[1].rstrip("x")))
     # Memory: every round's leftovers within their bounds (a per-request leak exceeds them).
     for part in ("simulation", "worker loops"):
         for start in (f"{part}: Python heap left after each round", f"{part}: allocations left after each round"):
@@ -164,89 +180,6 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     sec = data["sections"]["scale"]
     assert sec["failures"] == [], sec["failures"]
     assert len(sec["extra"]["sim"]["wall_us_per_request"]) == 2, sec["extra"]["sim"]
-
-
-def _closed(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(2)
-        try:
-            s.connect(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
-@pytest.mark.timeout(900)
-def test_bench_servers_smoke(tmp_path: Path) -> None:
-    """Sections 6 and 7 on real servers, kvsm and upstream pairs one after the other."""
-    out, data = _run(tmp_path, "e2e,handshake", timeout=600)
-
-    e2e = _table(out, 6, "e2e")
-    for start in ("decode TTFT p50", "decode TTFT p99", "end to end p50", "end to end p99", "end to end max",
-                  "decode alone, 4 arriving at once (prefills done before): TTFT p50",
-                  "first request through the fresh pair"):
-        row = _find(e2e, start)
-        _side_by_side(row)
-        assert _num(row[1]) > 0 and _num(row[2]) > 0, row
-    assert _find(e2e, "decode TTFT p50")[4].startswith("<= 1.0x"), e2e
-    assert _find(e2e, "end to end p99")[4].startswith("<= 0.5x"), e2e
-    # Every output equal to the reference, no error, for both connectors.
-    for start in ("outputs different from the reference", "errors, timeouts included"):
-        row = _find(e2e, start)
-        assert row[1] == "0" and row[2] == "0", row
-    assert _num(_find(e2e, "decode engine's prompt tokens that came by KV transfer")[1]) > 50, e2e
-
-    # vLLM's own client (vllm bench serve) through the router to each pair, and to a single engine.
-    for rate in ("rate unbounded", "rate 8/s"):
-        for measure in ("TTFT p50", "TTFT p99", "TPOT p50", "ITL p50", "ITL p99"):
-            row = _find(e2e, f"vllm bench serve, {rate}: {measure}")
-            _side_by_side(row)
-            assert _num(row[1]) > 0 and _num(row[2]) > 0, row
-        row = _find(e2e, f"vllm bench serve, {rate}: failed requests (of 16)")
-        assert row[1] == "0" and row[2] == "0", row
-    assert _find(e2e, "vllm bench serve, rate unbounded: TTFT p50")[4].startswith("<= 0.7x"), e2e
-    assert _find(e2e, "vllm bench serve, rate unbounded: TTFT p99")[4].startswith("<= 0.3x"), e2e
-    overhead = _find(e2e, "P/D overhead over a single engine, rate 8/s: TTFT p50")
-    _side_by_side(overhead)
-    assert overhead[4].startswith("<= 8 ms"), overhead
-    extra = data["sections"]["e2e"]["extra"]
-    (single,) = extra["serve_single"]
-    runs = extra["runs"]
-    for label, results in [("single", single), *((label, rs[0]["serve"]) for label, rs in runs.items())]:
-        assert set(results) == {"inf", "8"}, (label, results)
-        for rate, r in results.items():  # every prompt answered, with its 16 tokens
-            assert r["completed"] == 16 and r["failed"] == 0 and r["total_output_tokens"] == 16 * 16, (label, rate, r)
-            assert r["max_concurrency"] == 8 and float(r["request_rate"]) == float(rate), (label, r)
-    assert set(runs) == {"kvsm", "upstream"} and all(len(rs) == 1 for rs in runs.values()), runs.keys()
-    # The TP 1 -> 2 rows are left out at --smoke (two more server pairs: CI's time), and it says so.
-    assert "tp_runs" not in extra and not any(measure.startswith("TP 1 -> 2") for measure in e2e), list(e2e)
-    assert any("TP 1 -> 2 rows are not run at --smoke" in n for n in data["sections"]["e2e"]["notes"]), \
-        data["sections"]["e2e"]["notes"]
-    for label, (run,) in runs.items():
-        # first + second + the demo's 11 + 4 through the router at once + 4 straight to the decode engine
-        assert len(run["requests"]) == 21, (label, len(run["requests"]))
-        assert not any(r["error"] or r["mismatch"] for r in run["requests"]), (label, run["requests"])
-        assert all(r["total_s"] > 0 for r in run["requests"]), label
-
-    hs = _table(out, 7, "handshake")
-    assert _find(hs, "first request to one fresh peer")[2] == "n/a"  # in process: kvsm only
-    for start in ("servers: first request to a fresh prefill peer", "servers: the next request",
-                  "servers: first request to a fresh peer, a silent dead peer's handshake pending",
-                  "servers: the dead peer's own request"):
-        _side_by_side(_find(hs, start))
-    # The scenario is real: both decode engines gave up on the dead peer at their handshake timeout (5 s) ...
-    dead = _find(hs, "servers: the dead peer's own request")
-    assert _num(dead[1]) >= 4 and _num(dead[2]) >= 4, dead
-    # ... and kvsm's first request to the healthy peer did not wait for it (upstream's queued behind it).
-    behind = _find(hs, "servers: first request to a fresh peer, a silent dead peer's handshake pending")
-    assert _num(behind[1]) < 2500, behind
-
-    # Every server and router the bench started is gone: their ports are closed again.
-    ports = [p for rs in runs.values() for run in rs for p in run["ports"]]
-    ports += [p for rs in data["sections"]["handshake"]["extra"]["server_runs"].values() for run in rs
-              for p in run["ports"]]
-    assert len(ports) >= 2 * 5 + 2 * 7, ports
-    assert all(_closed(p) for p in ports), [p for p in ports if not _closed(p)]
 
 
 @pytest.mark.timeout(900)
