@@ -79,7 +79,7 @@ def test_idle_loop_burns_no_cpu(connector: KVSMConnector) -> None:
     connector.register_kv_caches(kv_caches())
     t0 = time.process_time()
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    time.sleep(1.0)
+    time.sleep(1.0)  # the idle second that is measured
     used = time.process_time() - t0
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     assert used < 0.05, f"{used:.3f} CPU-s in 1 s of idling (busy polling?)"
@@ -87,9 +87,34 @@ def test_idle_loop_burns_no_cpu(connector: KVSMConnector) -> None:
 
 
 def test_stats_carry_the_request_state_counts(connector: KVSMConnector) -> None:
+    """The stats a step hands vLLM carry how many requests of each lifecycle are
+    in each state (a level: sent when it changes), under this worker's source."""
+    from kvsm.metadata import SendFinish, SendStart
+
     connector.register_kv_caches(kv_caches())
+    connector.get_kv_connector_stats()  # start from an empty interval
+    worker = connector.worker_half
+    assert worker is not None
+    meta = KVSMConnectorMetadata(1)
+    meta.send_start += [SendStart("pinned-1"), SendStart("pinned-2"), SendStart("prefilling-1")]
+    meta.send_finish += [SendFinish("pinned-1", ok=True, block_ids=(1, 2)),
+                         SendFinish("pinned-2", ok=True, block_ids=(3,))]
+    worker.submit(meta)
+    expected = {"pinned-1": "awaiting_pull", "pinned-2": "awaiting_pull", "prefilling-1": "prefilling"}
+    deadline = time.monotonic() + 5.0
+    while worker.debug_state()["send"] != expected:
+        assert time.monotonic() < deadline, worker.debug_state()["send"]
+        time.sleep(0.01)
     stats = connector.get_kv_connector_stats()
-    assert stats is None or not stats.is_empty()
+    assert stats is not None and not stats.is_empty()
+    assert stats.data["states"] == {"w-kv_both/tp0": {"recv": {}, "send": {"awaiting_pull": 2, "prefilling": 1}}}
+    line = stats.reduce()  # vLLM's periodic log line
+    assert (line["Reqs send/awaiting_pull"], line["Reqs send/prefilling"]) == (2, 1), line
+    assert not any(k.startswith("Reqs recv/") for k in line), line
+    # Nothing changed since: nothing to report; vLLM rebuilds what it was sent.
+    assert connector.get_kv_connector_stats() is None
+    rebuilt = type(connector).build_kv_connector_stats(stats.data)
+    assert rebuilt is not None and rebuilt.data == stats.data
     assert type(connector).build_kv_connector_stats(None) is not None
 
 
