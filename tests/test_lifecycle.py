@@ -161,12 +161,17 @@ def test_a_read_notification_before_its_claim_is_held() -> None:
 def test_blocks_are_never_handed_back_while_a_read_may_write() -> None:
     """After reads are posted, only quiescence (or a finished/errored read) releases blocks."""
     releasing = {"deliver_blocks", "report_invalid", "release_blocks"}
+    checked = set()
     for (src, trigger), rules in RECV.rules.items():
         for rule in rules:
             if src in ("transferring", "failing", "aborting") and releasing & set(rule.effects):
                 assert trigger in ("all_reads_done", "error", "reads_quiesced"), (src, trigger)
+                checked.add(src)
             if src == "reading_unclaimed" and releasing & set(rule.effects):  # (nothing was to be read)
                 assert trigger == "nothing_to_read", (src, trigger)
+                checked.add(src)
+    # Each of those states does release blocks somewhere (else the checks above saw nothing).
+    assert checked == {"transferring", "failing", "aborting", "reading_unclaimed"}, checked
 
 
 def test_declaration_errors_name_the_problem() -> None:
@@ -229,31 +234,47 @@ def test_duplicate_create_and_bad_entry_state_are_violations() -> None:
     assert t.create("w", entry="pending_handshake", block_ids=(3,)).dst == "pending_handshake"
 
 
-def _run_both(spec: LifecycleSpec, triggers: list[str], entry: str) -> None:
-    """The compiled table and the real transitions.Machine agree step by step."""
+def _run_both(spec: LifecycleSpec, triggers: list[str], entry: str) -> list[str]:
+    """The compiled table and the real transitions.Machine agree step by step
+    (state, legality and the exact effects of each step); returns the effects."""
     clock = VirtualClock()
     tracker = LifecycleTracker(spec, clock)
     tracker.create("r", entry=entry)
     model = TransitionsModel(spec, "r", entry=entry)
+    effects: list[str] = []
     for trigger in triggers:
         clock.advance(7)
         event = SAMPLE_EVENTS[trigger]
         m = tracker.get("r")
         before = m.state if m else tracker.final_state("r")
         before_snapshot = m.snapshot() if m else None
+        model_effects_before = len(model.effects)
         out = tracker.apply(event)
         legal = model.fire(event, clock.monotonic_ns())
         assert legal == out.ok, (before, trigger)
         after = tracker.get("r")
         state_now = after.state if after else tracker.final_state("r")
         assert state_now == model.state, (before, trigger)
-        if legal:
-            assert model.effects[-len(out.effects):] == list(out.effects) if out.effects else True
-        else:
+        # This step's effects, in order, whether or not there are any.
+        assert list(out.effects) == model.effects[model_effects_before:], (before, trigger)
+        effects += out.effects
+        if not legal:
             # An illegal event changes nothing: state and data are as before.
             assert state_now == before
             if before_snapshot is not None:
                 assert after is not None and after.snapshot() == before_snapshot
+    return effects
+
+
+def test_compared_runs_see_the_effects_of_the_happy_paths() -> None:
+    """The comparison below is not vacuous: on these paths both sides emit
+    effects, step by step, and they are the ones the table declares."""
+    recv = _run_both(RECV, ["matched", "allocated", "handshake_ok", "reads_posted", "all_reads_done"], "new")
+    assert recv == ["take_blocks", "arm_handshake_timer", "start_handshake", "cancel_handshake_timer", "post_reads",
+                    "arm_transfer_timer", "release_reads", "deliver_blocks", "cancel_timers"]
+    # One of two readers, then the lease runs out.
+    send = _run_both(SEND, ["finished_ok", "read_notif", "lease_expired"], "prefilling")
+    assert send == ["pin_blocks", "arm_lease", "count_expired_lease", "free_blocks"]
 
 
 @settings(max_examples=examples(500), deadline=None)
