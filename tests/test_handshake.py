@@ -620,10 +620,9 @@ def test_client_that_never_reads_cannot_wedge_the_server(client: HandshakeClient
         for nonce in range(100):
             deaf.send(mp(valid_request(nonce)))
         wait_for(lambda: server.stats().get("received", 0) == 100, what="100 requests read")
-        started = now_ns()
-        result = one(client, client.fetch_metadata(server.address, 0, deadline_ns=started + 2000 * MS))
-        assert isinstance(result.outcome, MetadataReply)
-        assert now_ns() - started < 500 * MS
+        # Answered, hence before its deadline (a wedged server makes it a HandshakeTimeout).
+        result = one(client, client.fetch_metadata(server.address, 0, deadline_ns=now_ns() + 2000 * MS))
+        assert isinstance(result.outcome, MetadataReply), result
         stats = server.stats()
         assert stats["reply_dropped_full"] > 0
         assert stats["reply_dropped_full"] + stats["replied"] == 101
@@ -643,9 +642,15 @@ def test_server_handles_at_most_max_batch_per_call() -> None:
         for nonce in range(12):
             dealer.send(mp(valid_request(nonce)))
         router = server.sockets()[0]
-        wait_for(lambda: router.poll(0) != 0, what="first request")
-        time.sleep(0.05)  # let the rest arrive
-        assert [server.on_readable(), server.on_readable(), server.on_readable()] == [5, 5, 2]
+        # Handle them as they arrive: no call takes more than five, and the cap binds
+        # (the twelve come back to back, so at least five are queued at some point).
+        handled: list[int] = []
+        end = time.monotonic() + 2.0
+        while sum(handled) < 12:
+            assert time.monotonic() < end, f"handled {handled} of 12"
+            if router.poll(5):
+                handled.append(server.on_readable())
+        assert all(1 <= n <= 5 for n in handled) and 5 in handled, handled
         assert [recv_reply(dealer).nonce for _ in range(12)] == list(range(12))
     finally:
         dealer.close()
@@ -667,9 +672,10 @@ def test_dead_peer_delays_only_itself_and_late_replies_are_dropped(client: Hands
             results = drive(client, {stuck, healthy})
             reply, healthy_at = results[healthy]
             assert isinstance(reply.outcome, MetadataReply)
-            assert healthy_at - sent < 200 * MS, f"healthy peer took {(healthy_at - sent) / MS:.0f} ms"
             timeout, timed_out_at = results[stuck]
             assert isinstance(timeout.outcome, HandshakeTimeout) and timeout.peer == dead_address
+            # Not held up behind the dead peer: answered before the dead one's deadline.
+            assert healthy_at < dead_deadline, f"healthy peer answered after {(healthy_at - sent) / MS:.0f} ms"
             assert dead_deadline <= timed_out_at < dead_deadline + 250 * MS
             assert client.stats()["socket_resets"] == 1
             assert len(dealers(client)) == 1  # the dead peer's socket is gone
@@ -712,6 +718,12 @@ def looped() -> Iterator[tuple[HandshakeClient, PollerLoop]]:
     assert all(sock.closed for sock in loop.added) and c.socket_count() == 0
 
 
+def at_once(at: int, since: int, deadline: int) -> bool:
+    """A refusal came at once, not at the deadline it had to beat: within a fifth
+    of the time the request had left (one reconnect interval is 100 ms)."""
+    return at - since < (deadline - since) / 5
+
+
 def is_refused(outcome: Any, address: str) -> bool:
     return (isinstance(outcome, HandshakeRefused) and outcome.code == "refused"
             and f"connection refused by {address}" in str(outcome) and outcome.peer == address)
@@ -728,7 +740,7 @@ def test_closed_port_is_refused_at_once_not_at_its_deadline(looped: tuple[Handsh
     results = drive(client, ids, timeout_s=1.0, loop=loop)
     for result, at in results.values():
         assert is_refused(result.outcome, address), result
-        assert at - sent < 1000 * MS, f"refused after {(at - sent) / MS:.0f} ms"
+        assert at_once(at, sent, deadline), f"refused after {(at - sent) / MS:.0f} ms"
     assert client.stats()["refused"] == 2 and client.stats()["refused_sockets"] == 1
     assert "timeouts" not in client.stats()
     assert client.sockets() == [] and client.pending_count() == 0 and client.next_deadline_ns() is None
@@ -795,7 +807,8 @@ def test_peer_that_dies_with_requests_pending_is_refused_on_reconnect(
     peer = raw_socket(zmq.ROUTER)
     peer.bind(address)
     try:
-        rid = client.fetch_metadata(address, 0, deadline_ns=now_ns() + 5000 * MS)
+        deadline = now_ns() + 5000 * MS
+        rid = client.fetch_metadata(address, 0, deadline_ns=deadline)
         assert peer.poll(1000)  # connected and delivered; no answer
         assert pump(client, bool, 0.2, loop) == {}  # connected and silent: nothing yet
     finally:
@@ -803,7 +816,7 @@ def test_peer_that_dies_with_requests_pending_is_refused_on_reconnect(
     died = now_ns()
     result, at = drive(client, {rid}, timeout_s=1.0, loop=loop)[rid]
     assert is_refused(result.outcome, address), result
-    assert at - died < 1000 * MS  # one reconnect interval (100 ms), not the 5 s deadline
+    assert at_once(at, died, deadline), f"refused {(at - died) / MS:.0f} ms after the peer died"
     assert client.sockets() == [] and loop.live == set()
 
 
@@ -818,10 +831,11 @@ def test_server_closed_is_refused_then_a_new_one_on_that_port_answers(
         assert isinstance(first.outcome, MetadataReply) and first.outcome.engine_id == "prefill-engine-1"
     # The server is closed, its port unbound: the next request is refused, quickly.
     sent = now_ns()
-    refused, at = drive(client, {client.fetch_metadata(address, 0, deadline_ns=sent + 5000 * MS)},
+    deadline = sent + 5000 * MS
+    refused, at = drive(client, {client.fetch_metadata(address, 0, deadline_ns=deadline)},
                         timeout_s=1.0, loop=loop).popitem()[1]
     assert is_refused(refused.outcome, address), refused
-    assert at - sent < 1000 * MS
+    assert at_once(at, sent, deadline), f"refused after {(at - sent) / MS:.0f} ms"
     # A new server on that port: the request after that goes out on a fresh socket and is answered.
     with serving(port=port, engine_id="prefill-engine-2") as (server, _thread, _fake):
         again = one(client, client.fetch_metadata(address, 0, deadline_ns=now_ns() + 5000 * MS), loop=loop)
