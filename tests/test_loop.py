@@ -25,6 +25,7 @@ import zmq
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.loop import (
     MAX_BATCH,
+    MAX_BLOCK_MS,
     EventLoop,
     LoopError,
     LoopFull,
@@ -146,7 +147,9 @@ def test_thread_is_named_daemon_and_stop_is_idempotent() -> None:
     finally:
         t0 = time.monotonic()
         assert loop.stop(timeout=WAIT_S)
-        assert time.monotonic() - t0 < 0.5, "an idle loop must wake up to stop, not time out"
+        # An idle loop blocks up to MAX_BLOCK_MS in its poll: stop must wake it, not
+        # find it at its next poll timeout.
+        assert time.monotonic() - t0 < MAX_BLOCK_MS / 1000 / 2, "an idle loop must wake up to stop, not time out"
     assert not loop.thread.is_alive()
     assert loop.stop()  # idempotent
     with pytest.raises(LoopStopped):
@@ -344,11 +347,15 @@ def test_call_reraises_in_the_caller_and_is_not_an_error(make_loop: MakeLoop) ->
 def test_call_times_out_naming_the_label(make_loop: MakeLoop) -> None:
     sink = ErrorSink()
     loop = make_loop(on_error=sink)
+    finished = threading.Event()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="slow-handshake"):
-        loop.call(lambda: time.sleep(0.3), timeout=0.05, label="slow-handshake")
+        # The sleep is the slow callable (0.3 s) that the 0.05 s timeout must not wait for.
+        loop.call(lambda: (time.sleep(0.3), finished.set()), timeout=0.05, label="slow-handshake")
+    assert not finished.is_set(), "call waited for the callable instead of timing out"
     assert time.monotonic() - t0 < 0.25
     assert loop.call(lambda: "after", timeout=WAIT_S) == "after"  # waits out the sleep
+    assert finished.is_set()
 
 
 def test_timed_out_call_that_had_not_started_never_runs(make_loop: MakeLoop) -> None:
@@ -674,12 +681,13 @@ def test_remove_reader_stops_callbacks(make_loop: MakeLoop) -> None:
         assert loop.call(lambda: loop.remove_reader(pull), timeout=WAIT_S) is True
         assert loop.call(lambda: loop.remove_reader(pull), timeout=WAIT_S) is False
         push.send(b"b")
-        time.sleep(0.1)
+        # No longer registered, so ours again: wait until the message is there, then let
+        # the loop run two full iterations (one to see it, one to have dispatched it).
+        assert pull.poll(int(WAIT_S * 1000)) == zmq.POLLIN
+        barrier(loop)
         barrier(loop)
         assert calls == [1]
-        # No longer registered, so ours again: the message is still there for us.
-        assert pull.poll(int(WAIT_S * 1000)) == zmq.POLLIN
-        assert pull.recv(zmq.NOBLOCK) == b"b"
+        assert pull.recv(zmq.NOBLOCK) == b"b"  # still there for us
     finally:
         push.close(linger=0)
         pull.close(linger=0)
@@ -740,10 +748,9 @@ def test_socket_closed_behind_the_loops_back_is_dropped_not_polled(make_loop: Ma
 def _idle_cost(loop: EventLoop, seconds: float = 1.0) -> tuple[float, int]:
     """CPU seconds and iterations the loop thread spends over ``seconds`` of idleness."""
     assert loop.thread is not None
-    barrier(loop)
-    time.sleep(0.02)  # let it settle into its wait
+    barrier(loop)  # the loop is idle from here on (the rest of this iteration is counted, a few µs)
     cpu0, it0 = thread_cpu_s(loop.thread), loop.stats()["iterations"]
-    time.sleep(seconds)
+    time.sleep(seconds)  # the idleness that is measured
     return thread_cpu_s(loop.thread) - cpu0, loop.stats()["iterations"] - it0
 
 
