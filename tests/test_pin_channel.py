@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvsm.facts import SendFinish
 from kvsm.pin_channel import (
@@ -84,7 +85,9 @@ def test_in_process_worker_gets_the_pin_at_once(worker: PinWorker) -> None:
     assert worker.arrived.wait(2.0), "the pin never reached the worker's loop"
     (finish, via, at_ns), = worker.got
     assert (finish.req, finish.block_ids, finish.pinned_ns, via) == ("p-1", (7, 8), sent_ns, "in_process")
-    assert at_ns - sent_ns < 200_000_000  # a loop post; typically tens of microseconds
+    # "At once" is the tested thing (not with the next engine step): a loop post,
+    # typically tens of microseconds.
+    assert at_ns - sent_ns < 200_000_000
     client.close()
 
 
@@ -107,7 +110,7 @@ def test_worker_in_another_process_gets_the_pin_over_its_socket(peer: PeerProces
         got = reply["received"]
         assert [g["req"] for g in got] == [f"p-{i}" for i in range(50)]  # all, in order
         assert {g["via"] for g in got} == {"local_socket"} and got[3]["block_ids"] == [3, 4]
-        assert got[0]["received_ns"] - t0 < 1_000_000_000
+        assert got[0]["received_ns"] - t0 < 1_000_000_000  # at once, not with a later engine step
         assert reply["stats"] == {"accepted_local_socket": 50, "pins": 50}
     finally:
         client.close()
@@ -164,13 +167,18 @@ def test_nothing_but_its_own_scheduler_can_pin(peer: PeerProcess) -> None:
     # Over libzmq's frame limit: the connection is dropped, nothing reaches Python.
     big = ctx.socket(zmq.PUSH)
     big.setsockopt(zmq.LINGER, 1000)
+    monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     big.connect(peer.hello["endpoint"])
     big.send_multipart([token, b"\0" * (MAX_MESSAGE_BYTES + 1)])
-    time.sleep(0.2)
+    # The peer drops that connection: wait until it has (the sender sees it go).
+    assert monitor.poll(5000), "the oversized message's connection was not dropped"
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
     sock.send_multipart([token, good])  # still served afterwards
     reply = _wait_received(peer, 1)
     assert [g["req"] for g in reply["received"]] == ["real"]
     stats = reply["stats"]
     assert stats["accepted_local_socket"] == 1 and stats["bad_token"] == 2 and stats["malformed"] == 6, stats
     sock.close()
+    big.disable_monitor()
+    monitor.close()
     big.close()
