@@ -1,22 +1,26 @@
 """Offline prefill -> decode pairs whose tensor parallel sizes differ (1 -> 2, 2 -> 1).
 
-Two vLLM engines with KVSMConnector, one of them at tensor parallel 2 (vLLM's
-multiprocess executor, a worker process per rank, ``VLLM_CPU_OMP_THREADS_BIND``
-giving each its own core), serving the tiny Llama (2 KV heads: one per rank
-at TP 2). Each decode rank reads its head from the prefill engine's blocks
-(1 -> 2: both decode ranks read the one prefill rank, which frees its blocks
-after both; 2 -> 1: the decode rank reads half of each block from each
-prefill rank). For each direction:
+Two vLLM engines with KVSMConnector, both ``kv_both``, one at tensor parallel 1
+and one at 2 (vLLM's multiprocess executor, a worker process per rank,
+``VLLM_CPU_OMP_THREADS_BIND`` giving each its own core), serving a tiny model
+(the Llama's 2 KV heads: one per rank at TP 2). Each pair is used both ways:
+the TP 1 engine prefills for the TP 2 one (both decode ranks read the one
+prefill rank, which frees its blocks after both), then the TP 2 engine
+prefills for the TP 1 one (the decode rank reads half of each block from each
+prefill rank). Each direction has prompts of its own, so that no engine finds
+in its own prefix cache what it must read. For each direction:
 
-* the outputs equal a single engine's at the decode engine's TP size, every
-  prompt token came by transfer (``num_cached_tokens`` and each decode rank's
-  ``matched`` record), and each rank's plan is in its event log;
+* the outputs equal a single engine's at the decode engine's TP size (the
+  decode engine itself, computing the prompts apart from its prefix cache with
+  a ``cache_salt``), every prompt token came by transfer (``num_cached_tokens``
+  and each decode rank's ``matched`` record), and each rank's plan is in its
+  event log;
 * a corrupted transfer (noise written into the prefill blocks on every rank)
   changes the outputs;
 * the replay of every process's log is clean, every machine ended, and each
   worker's clean stop shows nothing live (no block held on any rank).
 
-The prefill engine never steps after its ``generate``.
+A prefill engine never steps after its ``generate``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine, matched_tokens
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
@@ -45,8 +48,9 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # a core per worker of a TP 2 engine
 RNG = random.Random(20261202)
-PROMPTS = [[RNG.randrange(10, 1100) for _ in range(n)] for n in (40, 150, 300)]
-SENSITIVE = [RNG.randrange(10, 1100) for _ in range(200)]
+DIRECTIONS = ("forward", "backward")  # TP 1 prefills for TP 2; TP 2 prefills for TP 1
+PROMPTS = {d: [[RNG.randrange(10, 1100) for _ in range(n)] for n in (40, 150, 300)] for d in DIRECTIONS}
+SENSITIVE = {d: [RNG.randrange(10, 1100) for _ in range(200)] for d in DIRECTIONS}
 
 
 def _engine_args(tp: int, cpu: int, kw: dict[str, Any]) -> dict[str, Any]:
@@ -55,50 +59,75 @@ def _engine_args(tp: int, cpu: int, kw: dict[str, Any]) -> dict[str, Any]:
 
 
 class TPPairOffline:
-    def __init__(self, p_tp: int, d_tp: int, tmp: Path, blocks: tuple[int, int] = (128, 128),
+    """Two ``kv_both`` engines, A at TP ``a_tp`` with blocks of ``blocks[0]`` tokens
+    and B at TP ``b_tp`` with ``blocks[1]``: "forward" prefills on A and decodes
+    on B, "backward" the other way round."""
+
+    def __init__(self, a_tp: int, b_tp: int, tmp: Path, blocks: tuple[int, int] = (128, 128),
                  kind: str = "llama") -> None:
-        self.p_tp, self.d_tp = p_tp, d_tp
+        self.tps = (a_tp, b_tp)
         self.blocks = blocks
         self.kind = kind
         kw = vllm_args(kind)
-        p_kw = {**kw, "block_size": blocks[0]} if kw.get("block_size", 128) else kw  # (MLA: vLLM's choice)
-        d_kw = {**kw, "block_size": blocks[1]} if kw.get("block_size", 128) else kw
+        a_kw = {**kw, "block_size": blocks[0]} if kw.get("block_size", 128) else kw  # (MLA: vLLM's choice)
+        b_kw = {**kw, "block_size": blocks[1]} if kw.get("block_size", 128) else kw
         self.model = build_tiny_model(kind=kind)
         self.logs = tmp / "logs"
-        self.decode_id = f"decode-tp{d_tp}"
-        prompts = [*PROMPTS, SENSITIVE]
-        ref = run_engine_subprocess(
-            "reference", self.model, prompts, MAX_TOKENS, workdir=tmp / "ref",
-            extra_args=["--llm-kwargs", json.dumps({**d_kw, "tensor_parallel_size": d_tp})],
-            env=BIND if d_tp > 1 else None)
-        # (The reference first: three TP 2 worker processes at once would share 2 cores.)
-        self.reference = {tuple(p): out for p, out in zip(prompts, wait_engine_subprocess(ref)["outputs"],
-                                                          strict=True)}
+        self.ids = (f"a-tp{a_tp}", f"b-tp{b_tp}")
         base = free_port_run(4)
-        self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id=f"prefill-tp{p_tp}",
-                                log_dir=self.logs, workdir=tmp, **_engine_args(p_tp, 0, p_kw))
-        self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id=self.decode_id,
-                               log_dir=self.logs, workdir=tmp, **_engine_args(d_tp, 1, d_kw))
+        self.engines = tuple(
+            PDEngine(name, "kv_both", model=self.model, port=base + 2 * i, engine_id=self.ids[i], log_dir=self.logs,
+                     workdir=tmp, **_engine_args(tp, i, e_kw))
+            for i, (name, tp, e_kw) in enumerate((("a", a_tp, a_kw), ("b", b_tp, b_kw))))
+        self.reference: dict[tuple[int, ...], list[int]] = {}
+
+    def way(self, direction: str) -> tuple[int, int]:
+        """(prefill, decode) engine indices for ``direction``."""
+        return (0, 1) if direction == "forward" else (1, 0)
+
+    def prefill(self, direction: str) -> PDEngine:
+        return self.engines[self.way(direction)[0]]
+
+    def decode(self, direction: str) -> PDEngine:
+        return self.engines[self.way(direction)[1]]
+
+    def tp(self, direction: str) -> tuple[int, int]:
+        p, d = self.way(direction)
+        return self.tps[p], self.tps[d]
+
+    def block_sizes(self, direction: str) -> tuple[int, int]:
+        p, d = self.way(direction)
+        return self.blocks[p], self.blocks[d]
+
+    def decode_id(self, direction: str) -> str:
+        return self.ids[self.way(direction)[1]]
+
+    def references(self, direction: str) -> None:
+        """The decode engine's own outputs for the direction's prompts, computed
+        apart from its prefix cache (before any of them is read or corrupted)."""
+        prompts = [*PROMPTS[direction], SENSITIVE[direction]]
+        if all(tuple(p) in self.reference for p in prompts):
+            return
+        outs = self.decode(direction).generate(prompts, MAX_TOKENS, cache_salt=f"reference-{direction}")
+        self.reference.update({tuple(p): o["token_ids"] for p, o in zip(prompts, outs, strict=True)})
 
     def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
+        for engine in self.engines:
+            engine.close()
 
 
-# The third pair's block sizes differ too (64 -> 128): each decode rank reads its head in
-# segments. The last two are DeepSeek-V2 (MLA): its latent is replicated on every rank, so a
-# decode rank reads it whole from one prefill rank (and tells the others they may free theirs).
-# Then Gemma 2 both ways: two KV cache groups (sliding window and full attention) split by head.
-@pytest.fixture(scope="module", params=[(1, 2, 128, 128, "llama"), (2, 1, 128, 128, "llama"),
-                                        (1, 2, 64, 128, "llama"), (1, 2, 16, 16, "deepseek_v2"),
-                                        (2, 1, 16, 16, "deepseek_v2"), (1, 2, 128, 128, "gemma2"),
-                                        (2, 1, 128, 128, "gemma2")],
-                ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-b64-to-tp2-b128", "mla-tp1-to-tp2", "mla-tp2-to-tp1",
-                     "hybrid-tp1-to-tp2", "hybrid-tp2-to-tp1"])
+# Each pair both ways. The second pair's block sizes differ too (64 at TP 1, 128 at TP 2): each
+# decode rank reads its head in segments. The third is DeepSeek-V2 (MLA): its latent is
+# replicated on every rank, so a decode rank reads it whole from one prefill rank (and tells the
+# others they may free theirs). Then Gemma 2: two KV cache groups (sliding window and full
+# attention) split by head.
+@pytest.fixture(scope="module", params=[(1, 2, 128, 128, "llama"), (1, 2, 64, 128, "llama"),
+                                        (1, 2, 16, 16, "deepseek_v2"), (1, 2, 128, 128, "gemma2")],
+                ids=["tp1-tp2", "tp1-b64-tp2-b128", "mla-tp1-tp2", "hybrid-tp1-tp2"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPPairOffline]:
-    p_tp, d_tp, p_block, d_block, kind = request.param
-    p = TPPairOffline(p_tp, d_tp, tmp_path_factory.mktemp(f"pd-tp{p_tp}{d_tp}-b{p_block}-{kind}"),
-                      (p_block, d_block), kind)
+    a_tp, b_tp, a_block, b_block, kind = request.param
+    p = TPPairOffline(a_tp, b_tp, tmp_path_factory.mktemp(f"pd-tp{a_tp}{b_tp}-b{a_block}-{kind}"),
+                      (a_block, b_block), kind)
     try:
         yield p
     finally:
@@ -112,25 +141,32 @@ def _records(logs: Path, pattern: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPairOffline) -> None:
-    params = pair.prefill.prefill_params(PROMPTS)
-    assert all(p["tp_size"] == pair.p_tp for p in params)
-    outs = pair.decode.generate(PROMPTS, MAX_TOKENS, params)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPairOffline, direction: str) -> None:
+    pair.references(direction)
+    prompts = PROMPTS[direction]
+    p_tp, d_tp = pair.tp(direction)
+    params = pair.prefill(direction).prefill_params(prompts)
+    assert all(p["tp_size"] == p_tp for p in params)
+    outs = pair.decode(direction).generate(prompts, MAX_TOKENS, params)
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out["token_ids"] == pair.reference[tuple(prompt)], f"{len(prompt)}-token prompt"
-    assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in PROMPTS]
+    assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in prompts]
     remote = [p["remote_request_id"] for p in params]
-    matched = matched_tokens(pair.logs, pair.decode_id, remote)
-    assert [matched[q] for q in remote] == [len(p) for p in PROMPTS]
-    for rank in range(pair.d_tp):  # each decode rank's plan, in its own log (flushed in batches)
+    decode_id = pair.decode_id(direction)
+    matched = matched_tokens(pair.logs, decode_id, remote)
+    assert [matched[q] for q in remote] == [len(p) for p in prompts]
+    for rank in range(d_tp):  # each decode rank's plan, in its own log (flushed in batches)
         def matched_of(rank: int = rank) -> list[dict[str, Any]]:
-            return [r["input"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank{rank}.*.jsonl")
-                    if r.get("kind") == "transition" and r.get("event") == "matched"]
+            return [r["input"] for r in _records(pair.logs, f"{decode_id}.worker.rank{rank}.*.jsonl")
+                    if r.get("kind") == "transition" and r.get("event") == "matched"
+                    and r["input"].get("remote_req") in remote]
 
-        records = wait_until(matched_of, 10, f"decode rank {rank}'s matched records")
+        records = wait_until(lambda rank=rank: len(got := matched_of(rank)) == len(remote) and got, 10,
+                             f"decode rank {rank}'s matched records")
         plans = {m["plan"] for m in records}
         segments = {m["segments"] for m in records}
-        p_block, d_block = pair.blocks
+        p_block, d_block = pair.block_sizes(direction)
         if p_block != d_block:  # each rank read its head in segments
             assert segments and all(f"prefill blocks of {p_block} tokens into blocks of {d_block}" in s
                                     for s in segments), segments
@@ -138,28 +174,31 @@ def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPai
             assert segments <= {""}, segments
         assert len(plans) == 1, plans
         plan = plans.pop()
-        assert plan.startswith(f"d{rank}/{pair.d_tp} from p*/{pair.p_tp}"), plan
+        assert plan.startswith(f"d{rank}/{d_tp} from p*/{p_tp}"), plan
         if pair.kind == "deepseek_v2":
             assert "[all]->[all]" in plan, plan  # the replicated latent, whole
-        elif pair.p_tp < pair.d_tp:
+        elif p_tp < d_tp:
             assert f"p0[{rank}..{rank}/2]->[all]" in plan, plan  # its head of the one prefill rank's two
         else:
             assert "p0[all]->[0..0/2]" in plan and "p1[all]->[1..1/2]" in plan, plan
 
 
-def test_a_corrupted_transfer_changes_the_output(pair: TPPairOffline) -> None:
-    (params,) = pair.prefill.prefill_params([SENSITIVE])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_corrupted_transfer_changes_the_output(pair: TPPairOffline, direction: str) -> None:
+    pair.references(direction)
+    sensitive = SENSITIVE[direction]
+    (params,) = pair.prefill(direction).prefill_params([sensitive])
     blocks = sorted({b for ids in params["remote_block_ids"] for b in ids if b})
-    pair.prefill.request({"op": "corrupt", "block_ids": blocks})
-    (out,) = pair.decode.generate([SENSITIVE], MAX_TOKENS, [params])
-    assert out["token_ids"] != pair.reference[tuple(SENSITIVE)], "a corrupted transfer went unnoticed"
+    pair.prefill(direction).request({"op": "corrupt", "block_ids": blocks})
+    (out,) = pair.decode(direction).generate([sensitive], MAX_TOKENS, [params])
+    assert out["token_ids"] != pair.reference[tuple(sensitive)], "a corrupted transfer went unnoticed"
 
 
 def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPPairOffline) -> None:
     pair.close()
     logs = sorted(pair.logs.glob("*.jsonl"))
     workers = [f for f in logs if ".worker." in f.name]
-    assert len(workers) == pair.p_tp + pair.d_tp, [f.name for f in logs]
+    assert len(workers) == sum(pair.tps), [f.name for f in logs]
     report = analyse(logs)
     assert not report.findings, [str(f) for f in report.findings]
     assert {m.final_state for m in report.machines if m.lifecycle == "recv"} == {"done"}
@@ -176,36 +215,46 @@ def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPP
     assert stopped >= 1, "no worker wrote its clean stop"
 
 
-def test_kill_9_of_one_prefill_rank_fails_the_request_fast_and_the_decode_engine_serves_on(
-        tmp_path: Path) -> None:
-    """2 -> 1: one prefill rank's worker process is killed (``kill -9``) after the
-    prefill answered and before the decode request: the decode request fails
-    (vLLM's ``fail`` policy: an error, no text from a half-read cache) well inside
-    the handshake timeout's order of magnitude, the decode worker holds nothing
-    afterwards, and the decode engine serves a local request on."""
+HANDSHAKE_TIMEOUT_S = 5.0  # kvsm's default (kvsm.config): what a refusal must beat
+
+
+def test_kill_9_of_one_prefill_rank_is_refused_at_once_and_the_decode_engine_serves_on(tmp_path: Path) -> None:
+    """2 -> 1 on a fresh pair: one prefill rank's worker process is killed
+    (``kill -9``) after the prefill answered and before the decode request. The
+    decode rank's first contact with the dead rank's side channel is refused (its
+    port is closed): the request fails at once, well before the handshake
+    timeout, with ``peer_dead`` (reason ``refused``) in the decode worker's log
+    (vLLM's ``fail`` policy: an error, no text from a half-read cache); the
+    decode worker holds nothing afterwards, and the engine serves a local
+    request on, right."""
     import os
     import signal
     import time
 
-    pair = TPPairOffline(2, 1, tmp_path)
+    pair = TPPairOffline(2, 1, tmp_path)  # "forward": the TP 2 engine prefills for the TP 1 one
+    prefill, decode = pair.prefill("forward"), pair.decode("forward")
+    local_prompt, prompt = PROMPTS["forward"][:2]
     try:
-        (params,) = pair.prefill.prefill_params([PROMPTS[1]])
-        rank1 = sorted(pair.logs.glob("prefill-tp2.worker.rank1.*.jsonl"))
+        (reference,) = decode.generate([local_prompt], MAX_TOKENS, cache_salt="reference")
+        (params,) = prefill.prefill_params([prompt])
+        rank1 = sorted(pair.logs.glob(f"{pair.ids[0]}.worker.rank1.*.jsonl"))
         assert len(rank1) == 1, rank1
         os.kill(int(rank1[0].name.split(".")[-2]), signal.SIGKILL)
         t0 = time.monotonic()
-        (out,) = pair.decode.generate([PROMPTS[1]], MAX_TOKENS, [params])
+        (out,) = decode.generate([prompt], MAX_TOKENS, [params])
         took = time.monotonic() - t0
         assert out["finish_reason"] == "error" and out["num_cached_tokens"] == 0, out
-        assert took < 15, f"the failure took {took:.1f} s"
-        state = pair.decode.request({"op": "state"})
+        assert took < HANDSHAKE_TIMEOUT_S, f"the failure took {took:.1f} s: not refused at once"
+        state = decode.request({"op": "state"})
         assert state["worker"]["recv"] == {}, state
-        (local,) = pair.decode.generate([PROMPTS[0]], MAX_TOKENS)  # no transfer: computed here
-        assert local["token_ids"] == pair.reference[tuple(PROMPTS[0])]
+        (local,) = decode.generate([local_prompt], MAX_TOKENS)  # no transfer: computed here
+        assert local["token_ids"] == reference["token_ids"]
+
         def causes() -> list[dict[str, Any]]:  # (the log's writer thread flushes in batches)
-            return [r["input"] for r in _records(pair.logs, f"{pair.decode_id}.worker.rank0.*.jsonl")
+            return [r for r in _records(pair.logs, f"{pair.decode_id('forward')}.worker.rank0.*.jsonl")
                     if r.get("kind") == "transition" and r.get("event") in ("error", "peer_dead", "timeout")]
 
-        wait_until(causes, 10, "the decode worker's record of the cause")
+        found = wait_until(causes, 10, "the decode worker's record of the cause")
+        assert [(r["event"], r["input"].get("reason")) for r in found] == [("peer_dead", "refused")], found
     finally:
         pair.close()
