@@ -88,3 +88,14 @@ def test_index_lists_every_transition() -> None:
         assert (CHARTS / f"{name}.mmd").read_text().rstrip("\n") in index
         for trigger in spec.triggers:
             assert f"`{trigger}`" in index
+
+
+def test_the_docs_site_shows_the_current_diagrams() -> None:
+    """docs/lifecycles.md embeds each lifecycle's diagram: the same text as the
+    generated ``statecharts/<name>.mmd`` (regenerate, then copy it there)."""
+    doc = (CHARTS.parent / "docs" / "lifecycles.md").read_text()
+    blocks = dict(re.findall(r"^## (\w+):.*?^```mermaid\n(.*?)^```", doc, flags=re.M | re.S))
+    assert set(blocks) == set(LIFECYCLES), sorted(blocks)
+    for name in LIFECYCLES:
+        assert blocks[name].strip() == (CHARTS / f"{name}.mmd").read_text().strip(), \
+            f"docs/lifecycles.md's {name} diagram differs from statecharts/{name}.mmd"
