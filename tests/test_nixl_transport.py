@@ -171,19 +171,16 @@ def test_read_moves_exactly_the_requested_blocks(peers, decode):
     t, caches = decode()
     assert mismatches(caches, [], [], P_SEED) == []  # nothing read yet
     assert t.add_peer(p.metadata) == "prefill"
-    t0 = time.perf_counter()
     h = t.post_read("prefill", LOCAL, REMOTE, b"req-1", tag="req-1")
     if t.check(h) is TransferState.PENDING:
         # The first read on a fresh connection is usually still in flight here.
         assert t.release(h) is False and not h.released
     assert wait(t, h) is TransferState.DONE
-    elapsed = time.perf_counter() - t0
     assert mismatches(caches, LOCAL, REMOTE, P_SEED) == []
     assert p.wait_notifs(1) == [("decode", b"req-1")]
     assert t.release(h) is True and t.release(h) is True
     with pytest.raises(KeyError):
         t.check(h)
-    assert elapsed < 5.0
 
 
 def test_reads_with_ucx_backend_threads(peers, decode):
