@@ -12,6 +12,9 @@ Every process it starts is stopped on success, failure and Ctrl-C.
     python tools/pd_demo.py [--requests 50] [--workdir DIR] [--keep]
 
 (``bash tools/dev.sh demo`` sets up the venv and runs this.)
+
+The request mix and its checks also run against servers already started
+(tests share their pairs): ``run_mix(router_url, prefill_url, model, log_dir)``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,6 +50,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
 MAX_TOKENS = 16
+VOCAB = 1100  # token ids are drawn from [10, VOCAB)
 
 
 def say(msg: str) -> None:
@@ -134,10 +138,11 @@ def reference(prefill_url: str, model: str, case: Case) -> None:
 # ----------------------------------------------------------------------- event logs
 
 
-def transferred_tokens(log_dir: Path) -> dict[str, int]:
-    """decode request id -> prompt tokens it read from the prefill engine (its ``matched`` input)."""
+def transferred_tokens(log_dir: Path, decode_engine: str = "decode") -> dict[str, int]:
+    """decode request id -> prompt tokens it read from the prefill engine (its ``matched``
+    input), from the worker logs of the engine whose engine_id is ``decode_engine``."""
     out: dict[str, int] = {}
-    for f in sorted(log_dir.glob("decode.worker*.jsonl")):
+    for f in sorted(log_dir.glob(f"{decode_engine}.worker*.jsonl")):
         for line in f.read_text(errors="replace").splitlines():
             try:
                 r = json.loads(line)
@@ -155,7 +160,7 @@ def match_ids(cases: list[Case], transferred: dict[str, int]) -> None:
             case.transferred = hits[-1]
 
 
-# ----------------------------------------------------------------------- the run
+# ----------------------------------------------------------------------- the mix
 
 
 def prompts(rng: random.Random, vocab: int) -> list[Case]:
@@ -174,6 +179,81 @@ def prompts(rng: random.Random, vocab: int) -> list[Case]:
     ]
     cases += [Case(f"batch {i}", ids(rng.randrange(80, 400))) for i in range(6)]
     return cases
+
+
+def send_mix(router_url: str, prefill_url: str, model: str, *, requests: int, concurrency: int, seed: int,
+             vocab: int = VOCAB) -> tuple[list[Case], list[Case]]:
+    """The demo's requests through the router: the named cases (the first five one
+    at a time, the batch concurrently), then the latency run (``requests`` at
+    ``concurrency``), each with its reference from the prefill server alone.
+    Returns (the named cases, the latency run's)."""
+    rng = random.Random(seed)
+    cases = prompts(rng, vocab)
+    for i, c in enumerate(cases):
+        c.request_id = f"demo-{i}-{rng.randrange(1 << 30):08x}"
+    say(f"sending {len(cases)} requests through the router (the batch concurrently)...")
+    for c in cases[:5]:
+        run_case(router_url, model, c)
+    with cf.ThreadPoolExecutor(len(cases) - 5) as ex:
+        list(ex.map(lambda c: run_case(router_url, model, c), cases[5:]))
+    for c in cases:
+        reference(prefill_url, model, c)
+
+    say(f"latency run: {requests} requests, {concurrency} at a time...")
+    lat_cases = [Case(f"load {i}", [rng.randrange(10, vocab) for _ in range(rng.randrange(16, 400))],
+                      request_id=f"load-{i}-{rng.randrange(1 << 30):08x}") for i in range(requests)]
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(lambda c: run_case(router_url, model, c), lat_cases))
+    for c in lat_cases:
+        reference(prefill_url, model, c)
+    return cases, lat_cases
+
+
+def untransferred(cases: list[Case]) -> list[Case]:
+    """The cases that came out right but show no transferred tokens (a one-token prompt need not)."""
+    return [c for c in cases if c.match and not c.transferred and len(c.prompt) > 1]
+
+
+def check_mix(cases: list[Case], lat_cases: list[Case], log_dir: Path, decode_engine: str = "decode") -> list[str]:
+    """Each case's transferred tokens from the decode engine's event log, then what is
+    wrong: outputs that differ from the single engine's, requests read by no transfer."""
+    match_ids(cases + lat_cases, transferred_tokens(log_dir, decode_engine))
+    failures: list[str] = []
+    bad = [c for c in cases + lat_cases if not c.match]
+    if bad:
+        failures.append(f"{len(bad)} of {len(cases) + len(lat_cases)} outputs differ from the single engine's "
+                        f"(first: {bad[0].name}: {bad[0].error or 'wrong text'})")
+    not_transferred = untransferred(cases + lat_cases)
+    if not_transferred:
+        failures.append(f"{len(not_transferred)} requests show no transferred tokens in the decode event log")
+    return failures
+
+
+class Mix(NamedTuple):
+    cases: list[Case]  # the named ones, in the table's order
+    load: list[Case]  # the latency run's
+    failures: list[str]
+
+
+def run_mix(router_url: str, prefill_url: str, model: str, log_dir: Path, *, requests: int = 4,
+            concurrency: int = 4, seed: int = 7, decode_engine: str = "decode", settle_s: float = 15.0) -> Mix:
+    """The demo's request mix and its checks on servers already running (the router
+    at ``router_url`` in front of them; ``prefill_url`` the prefill server, asked
+    alone for the references; their event logs in ``log_dir``, the decode engine's
+    under ``decode_engine``, its engine_id). The decode worker's ``matched`` records
+    reach its log within its writer's flush: waited for, up to ``settle_s``. The
+    replay of the logs is the caller's (once the servers are stopped)."""
+    cases, lat_cases = send_mix(router_url, prefill_url, model, requests=requests, concurrency=concurrency,
+                                seed=seed)
+    deadline = time.monotonic() + settle_s
+    while True:
+        failures = check_mix(cases, lat_cases, log_dir, decode_engine)
+        if not untransferred(cases + lat_cases) or time.monotonic() > deadline:
+            return Mix(cases, lat_cases, failures)
+        time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------- the run
 
 
 def fmt_s(x: float | None) -> str:
@@ -233,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     say(f"kvsm prefill/decode demo; logs in {workdir}")
     say("building the tiny local model (cached after the first run)...")
     model = str(build_tiny_model(kind=args.model))
-    vocab = 1100
 
     specs = pd_specs(event_log_dir=str(log_dir), model_kind=args.model)
     if block_sizes is not None:
@@ -296,25 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                                        f"{(workdir / 'router.log').read_text()[-3000:]}") from e
                 time.sleep(0.2)
 
-        rng = random.Random(args.seed)
-        cases = prompts(rng, vocab)
-        for i, c in enumerate(cases):
-            c.request_id = f"demo-{i}-{rng.randrange(1 << 30):08x}"
-        say(f"sending {len(cases)} requests through the router (the batch concurrently)...")
-        for c in cases[:5]:
-            run_case(router_url, model, c)
-        with cf.ThreadPoolExecutor(len(cases) - 5) as ex:
-            list(ex.map(lambda c: run_case(router_url, model, c), cases[5:]))
-        for c in cases:
-            reference(prefill.url, model, c)
-
-        say(f"latency run: {args.requests} requests, {args.concurrency} at a time...")
-        lat_cases = [Case(f"load {i}", [rng.randrange(10, vocab) for _ in range(rng.randrange(16, 400))],
-                          request_id=f"load-{i}-{rng.randrange(1 << 30):08x}") for i in range(args.requests)]
-        with cf.ThreadPoolExecutor(args.concurrency) as ex:
-            list(ex.map(lambda c: run_case(router_url, model, c), lat_cases))
-        for c in lat_cases:
-            reference(prefill.url, model, c)
+        cases, lat_cases = send_mix(router_url, prefill.url, model, requests=args.requests,
+                                    concurrency=args.concurrency, seed=args.seed)
         time.sleep(0.5)  # the last read notifications and log lines land
     except KeyboardInterrupt:
         say("interrupted: stopping every process started...")
@@ -328,19 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         stop_all()
         router_log.close()
 
-    match_ids(cases + lat_cases, transferred_tokens(log_dir))
+    failures += check_mix(cases, lat_cases, log_dir)
     with open(workdir / "outputs.jsonl", "w") as outputs:  # what each request returned, beside its reference
         for c in cases + lat_cases:
             outputs.write(json.dumps({"name": c.name, "request_id": c.request_id, "prompt_len": len(c.prompt),
                                 "text": c.text, "reference": c.reference, "error": c.error}) + "\n")
     print_table(cases)
-    bad = [c for c in cases + lat_cases if not c.match]
-    if bad:
-        failures.append(f"{len(bad)} of {len(cases) + len(lat_cases)} outputs differ from the single engine's "
-                        f"(first: {bad[0].name}: {bad[0].error or 'wrong text'})")
-    not_transferred = [c for c in cases + lat_cases if c.match and not c.transferred and len(c.prompt) > 1]
-    if not_transferred:
-        failures.append(f"{len(not_transferred)} requests show no transferred tokens in the decode event log")
 
     decode_times = [c.decode_s for c in lat_cases if c.decode_s is not None]
     totals = [c.total_s for c in lat_cases if not c.error]
