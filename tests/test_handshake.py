@@ -314,23 +314,44 @@ MSGPACK_VALUES = st.recursive(
     max_leaves=12)
 REQUEST_LIKE = st.fixed_dictionaries(
     {"type": st.sampled_from(["metadata_req", "heartbeat", "abandon", "metadata", "error", "?"]) | MSGPACK_VALUES,
-     "protocol": st.sampled_from([1, 1, 1, 2, 0, "1", None, 1.0])},
+     "protocol": st.sampled_from([PROTOCOL_VERSION] * 3 + [PROTOCOL_VERSION + 1, PROTOCOL_VERSION - 1, 0,
+                                 str(PROTOCOL_VERSION), None, float(PROTOCOL_VERSION)])},
     optional={"nonce": st.integers(-5, 2**64 - 1), "requester": st.text(max_size=300) | MSGPACK_VALUES,
               "tp_rank": st.integers(-2, 3) | st.text(max_size=2), "pp_rank": st.integers(-1, 2),
               "compat_hash": st.sampled_from([HASH, HASH, "0" * 64, ""]),
               "claims": st.lists(st.sampled_from(["req-a", "req-b", "req-zz", ""]), max_size=4) | MSGPACK_VALUES,
               "extra": MSGPACK_VALUES})
 HOSTILE_PAYLOADS = st.one_of(st.binary(max_size=300), MSGPACK_VALUES.map(mp), REQUEST_LIKE.map(mp))
+# Requests within every bound (REQUEST_LIKE makes one only now and then).
+IDS = st.text(min_size=1, max_size=MAX_ID_LENGTH // 4)
+RANKS = st.integers(0, (1 << 16) - 1)
+VALID_OPTIONAL = {"nonce": st.integers(0, 2**63 - 1), "pp_rank": RANKS,
+                  "claims": st.lists(IDS, max_size=8), "readers": st.integers(1, 1024)}
+VALID_REQUESTS = st.one_of(
+    st.fixed_dictionaries({"type": st.just("metadata_req"), "protocol": st.just(PROTOCOL_VERSION),
+                           "requester": IDS, "tp_rank": RANKS, "compat_hash": st.text(min_size=1, max_size=128)},
+                          optional=VALID_OPTIONAL),
+    st.fixed_dictionaries({"type": st.sampled_from(["heartbeat", "abandon"]), "protocol": st.just(PROTOCOL_VERSION),
+                           "requester": IDS, "claims": st.lists(IDS, max_size=8)},
+                          optional={**{k: v for k, v in VALID_OPTIONAL.items() if k != "claims"}, "tp_rank": RANKS}))
 
 
 @settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(REQUEST_LIKE)
-def test_decode_request_accepts_exactly_what_reencodes(value: dict) -> None:
+@given(st.data())
+def test_decode_request_accepts_exactly_what_reencodes(data: st.DataObject) -> None:
+    """What decodes re-encodes to itself; a request within every bound always decodes
+    (so the round trip is checked on every such example, not only on the rare
+    hostile one that happens to be valid)."""
+    valid = data.draw(st.booleans(), label="valid")
+    value = data.draw(VALID_REQUESTS if valid else REQUEST_LIKE, label="request")
     try:
         request = decode_request(mp(value))
-    except HandshakeProtocolError:
+    except HandshakeProtocolError as e:
+        assert not valid, f"a valid request was refused: {e.code} {e.detail}"
         return
     assert decode_request(encode(request)) == request
+    assert msgspec.to_builtins(request) == {"nonce": 0, "pp_rank": 0, "readers": 1, "claims": [], "tp_rank": 0,
+                                            **value}
 
 
 # --------------------------------------------------------------------------- round trip
