@@ -36,7 +36,6 @@ require("vllm")
 from kvsm.facts import PROMPT_FINGERPRINT_KEY, prompt_fingerprint
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
-from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
 from kvsm.testing.pd_pair import PDEngine, matched_tokens
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
@@ -70,13 +69,14 @@ class Pair:
         self.model = build_tiny_model()
         self.logs = tmp / "logs"
         base = free_port_run(4)
-        # The reference engine starts alongside the pair (startup dominates its cost).
-        self.ref_proc = run_engine_subprocess("reference", self.model, ALL_PROMPTS, MAX_TOKENS, workdir=tmp / "ref")
         self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id="prefill-pd",
                                 log_dir=self.logs, workdir=tmp, cpu=0)
         self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id="decode-pd",
                                log_dir=self.logs, workdir=tmp, cpu=1)
-        self.reference = dict(zip(map(tuple, ALL_PROMPTS), wait_engine_subprocess(self.ref_proc)["outputs"]))
+        # The single engine's outputs: the decode engine's own, computed apart from its prefix
+        # cache (a cache_salt) before anything is read into it.
+        refs = self.decode.generate(ALL_PROMPTS, MAX_TOKENS, cache_salt="reference")
+        self.reference = {tuple(p): o["token_ids"] for p, o in zip(ALL_PROMPTS, refs, strict=True)}
         self.closed = False
         # What the tests made the pair do: requests, reads (one per request with blocks
         # to read), blocks read; and the prompts decoded by transfer (cached there now).
