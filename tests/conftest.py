@@ -19,8 +19,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -65,3 +71,78 @@ def require(module: str, reason: str = "") -> ModuleType:
             pytest.fail(f"{what}, and KVSM_REQUIRE_ALL or CI is set: every test must run here", pytrace=False)
         pytest.skip(what, allow_module_level=True)
     return importlib.import_module(module)
+
+
+# --------------------------------------------------------------------------- shared servers
+
+SHARED_SERVERS = "llama_servers"
+
+
+@dataclass
+class LlamaServers:
+    """The session's one pair of tiny-Llama API servers, with kvsm's router in front."""
+
+    model: str
+    prefill: Any  # kvsm.testing.servers.VLLMServer
+    decode: Any
+    router: Any  # kvsm.testing.servers.RouterProcess
+    events: Path  # both servers' event logs
+
+
+def vllm_left(server: Any, grace: float = 15) -> list[str]:
+    """Processes of this server still alive after ``grace`` s: its process group, or a server on its port."""
+    assert server.proc is not None
+    deadline = time.monotonic() + grace
+    while True:
+        left = subprocess.run(["pgrep", "-f", f"vllm.entrypoints.* --port {server.spec.port} "],
+                              check=False, capture_output=True, text=True).stdout.split()
+        try:
+            os.killpg(server.proc.pid, 0)
+            left.append(f"group {server.proc.pid}")
+        except ProcessLookupError:
+            pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def llama_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServers]:
+    """One prefill and one decode API server (the tiny Llama, KVSMConnector) and
+    the router (``python -m kvsm.router``), shared by every module that only sends
+    them requests and reads their logs and metrics (``test_e2e_servers``,
+    ``test_router``, ``test_grafana_dashboard``): starting a pair is most of such
+    a module's time. vLLM's stats are on (``/metrics``), the decode server logs
+    each request (``--enable-log-requests``: the router's disconnect test reads
+    its "aborted" line) and recomputes what it could not load (the dashboard's
+    failing request). Their tests run last in the session (see
+    ``pytest_collection_modifyitems``), so the pair stops right after its last
+    user; on the way out every process it started must be gone."""
+    require("vllm")
+    from kvsm.testing import build_tiny_model
+    from kvsm.testing.servers import RouterProcess, VLLMServer, pd_specs, running_pair
+
+    tmp = tmp_path_factory.mktemp("llama-servers")
+    model = str(build_tiny_model())
+    events = tmp / "events"
+    p_spec, d_spec = pd_specs(event_log_dir=str(events))
+    for spec in (p_spec, d_spec):
+        spec.log_stats = True
+    d_spec.extra_args = ("--enable-log-requests",)
+    d_spec.kv_load_failure_policy = "recompute"
+    prefill, decode = VLLMServer(p_spec, model, tmp), VLLMServer(d_spec, model, tmp)
+    router = RouterProcess([prefill.url], [decode.url], tmp, timeout_s=60)
+    with running_pair(prefill, decode, router, ready_timeout=240, stop_timeout=20):
+        yield LlamaServers(model, prefill, decode, router, events)
+    left = [p for s in (prefill, decode) for p in vllm_left(s)]
+    assert not left, f"vLLM processes left behind: {left}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests on the shared servers run last, in their modules' order: the
+    servers (session-scoped) then stop right after them instead of idling beside
+    every other test."""
+    def shared(item: pytest.Item) -> bool:
+        return SHARED_SERVERS in getattr(item, "fixturenames", ())
+
+    items[:] = [i for i in items if not shared(i)] + [i for i in items if shared(i)]

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import http.client
 import json
-import os
 import random
 import re
 import socket
@@ -44,14 +43,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from conftest import require
+from conftest import LlamaServers, require
 
 require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.router import create_app
-from kvsm.testing import build_tiny_model
-from kvsm.testing.servers import RouterProcess, VLLMServer, free_port, pd_specs, running_pair
+from kvsm.testing.servers import VLLMServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -75,36 +73,11 @@ class Pair:
     router_log: Path | None = None
 
 
-def _vllm_left(server: VLLMServer, grace: float = 15) -> list[str]:
-    """Processes of this server still alive after ``grace`` s: its process group, or a server on its port."""
-    assert server.proc is not None
-    deadline = time.monotonic() + grace
-    while True:
-        left = subprocess.run(["pgrep", "-f", f"vllm.entrypoints.* --port {server.spec.port} "],
-                              check=False, capture_output=True, text=True).stdout.split()
-        try:
-            os.killpg(server.proc.pid, 0)
-            left.append(f"group {server.proc.pid}")
-        except ProcessLookupError:
-            pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    tmp = tmp_path_factory.mktemp("router")
-    model = str(build_tiny_model())
-    events = tmp / "events"
-    p_spec, d_spec = pd_specs(event_log_dir=str(events))
-    d_spec.extra_args = ("--enable-log-requests",)  # "Request ... aborted." for the disconnect test
-    servers = [VLLMServer(p_spec, model, tmp), VLLMServer(d_spec, model, tmp)]
-    router = RouterProcess([servers[0].url], [servers[1].url], tmp, timeout_s=60)
-    with running_pair(*servers, router, ready_timeout=240, stop_timeout=20):
-        yield Pair(model, servers[0], servers[1], events, router.url, router.log_path)
-    left = [p for s in servers for p in _vllm_left(s)]
-    assert not left, f"vLLM processes left behind: {left}"
+def pair(llama_servers: LlamaServers) -> Pair:
+    """The session's shared servers and router (conftest.py's ``llama_servers``)."""
+    s = llama_servers
+    return Pair(s.model, s.prefill, s.decode, s.events, s.router.url, s.router.log_path)
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
