@@ -44,9 +44,13 @@ pytestmark = pytest.mark.slow
 KIND = "qwen3_next"
 MAX_TOKENS = 10
 RNG = random.Random(20261202)
-# Long enough that the reference's one-short batch limit stays above vLLM's minimum.
-ROUTED = [[RNG.randrange(10, 1100) for _ in range(n)] for n in (260, 300, 270, 260)]
-SWAPPED = [[RNG.randrange(10, 1100) for _ in range(n)] for n in (280, 280)]
+# Long enough that the reference's one-short batch limit stays above vLLM's minimum; one
+# length for all, so that one reference engine (its batch limit one token short of that
+# length) computes every prompt as the pair does. (Every prompt fits the model's first
+# 1152-token block whatever its length: lengths that differ would test nothing more.)
+PROMPT_LEN = 280
+ROUTED = [[RNG.randrange(10, 1100) for _ in range(PROMPT_LEN)] for _ in range(4)]
+SWAPPED = [[RNG.randrange(10, 1100) for _ in range(PROMPT_LEN)] for _ in range(2)]
 
 
 class GDNServers:
@@ -54,16 +58,12 @@ class GDNServers:
         self.model = str(build_tiny_model(kind=KIND))
         self.logs = tmp / "logs"
         prompts = ROUTED + SWAPPED
-        by_len: dict[int, list[list[int]]] = {}
-        for p in prompts:
-            by_len.setdefault(len(p), []).append(p)
-        refs = [(group, run_engine_subprocess(
-            "reference", self.model, group, MAX_TOKENS, workdir=tmp / f"ref-{n}",
-            extra_args=["--llm-kwargs", json.dumps({**vllm_args(KIND), "max_num_batched_tokens": n - 1}),
-                        "--one-by-one"])) for n, group in by_len.items()]
-        self.reference: dict[tuple[int, ...], list[int]] = {}
-        for group, proc in refs:  # (before the servers: the cores are two)
-            self.reference.update(zip(map(tuple, group), wait_engine_subprocess(proc)["outputs"], strict=True))
+        ref = run_engine_subprocess(
+            "reference", self.model, prompts, MAX_TOKENS, workdir=tmp / "ref",
+            extra_args=["--llm-kwargs", json.dumps({**vllm_args(KIND), "max_num_batched_tokens": PROMPT_LEN - 1}),
+                        "--one-by-one"])
+        # (Before the servers: the cores are two.)
+        self.reference = dict(zip(map(tuple, prompts), wait_engine_subprocess(ref)["outputs"], strict=True))
         self.prefill, self.decode = (VLLMServer(s, self.model, tmp)
                                      for s in pd_specs(event_log_dir=str(self.logs), model_kind=KIND))
         self.router: RouterProcess | None = None
