@@ -1,13 +1,14 @@
 """End to end on real vLLM API servers with KVSMConnector: the demo itself, a
 transfer the comparison must catch, and no request waiting on any timer.
 
-(The router's own behaviour, chat, streaming and errors are in test_router.py.)
+The demo's request mix on other model kinds and on block sizes that differ runs
+on pairs of servers shared by their tests, in test_e2e_servers_kinds.py. (The
+router's own behaviour, chat, streaming and errors are in test_router.py.)
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import random
 import re
 import socket
@@ -57,50 +58,6 @@ def test_the_demo_runs_green(tmp_path: Path) -> None:
         with socket.socket() as s, pytest.raises(OSError):
             s.settimeout(2)
             s.connect(("127.0.0.1", port))
-
-
-@pytest.mark.timeout(960)
-@pytest.mark.parametrize("kind", ["gemma2", "deepseek_v2", "qwen3", "gemma3"])
-def test_the_demo_runs_green_with_other_model_kinds(tmp_path: Path, kind: str) -> None:
-    """Two API servers and the router serving Gemma 2 (sliding window + full attention:
-    two KV cache groups), DeepSeek-V2 (MLA), Qwen3 (bfloat16: on a CPU with AMX the
-    decode server's first forward pass is a loaded request's, which killed vLLM's
-    AMX attention until kvsm asked for the permission) and Gemma 3 (four groups):
-    every output equal to a single engine's, every request's prompt KV by
-    transfer, replay clean."""
-    out = subprocess.run([sys.executable, str(REPO / "tools" / "pd_demo.py"), "--model", kind, "--requests", "4",
-                          "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900, check=False)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-6000:]
-    rows = [ln for ln in out.stdout.splitlines() if re.search(r"\s(yes|NO|ERROR)\b", ln)]
-    assert len(rows) == 11 and all(ln.rstrip().endswith("yes") for ln in rows), "\n".join(rows)
-    for row in rows:  # every prompt token by transfer, but the locally cached blocks of the repeat
-        prompt, by_transfer = (int(x) for x in row.split()[-6:-4])  # columns: prompt, by transfer, TTFT, ...
-        assert by_transfer == prompt or row.startswith("prefix-cache repeat"), row
-    assert "no violations" in out.stdout
-
-
-@pytest.mark.timeout(960)
-@pytest.mark.parametrize("p_block,d_block", [(64, 128), (128, 64)], ids=["b64-to-b128", "b128-to-b64"])
-def test_the_demo_runs_green_with_block_sizes_that_differ(tmp_path: Path, p_block: int, d_block: int) -> None:
-    """Two API servers and the router, prefill blocks of 64 tokens and decode blocks
-    of 128, and the other way round (read in segments): every output equal to a
-    single engine's, every prompt token by transfer (but the repeat's locally
-    cached blocks), replay clean."""
-    out = subprocess.run([sys.executable, str(REPO / "tools" / "pd_demo.py"), "--block-sizes", f"{p_block},{d_block}",
-                          "--requests", "4", "--workdir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, check=False)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
-    rows = [ln for ln in out.stdout.splitlines() if re.search(r"\s(yes|NO|ERROR)\b", ln)]
-    assert len(rows) == 11 and all(ln.rstrip().endswith("yes") for ln in rows), "\n".join(rows)
-    for row in rows:
-        prompt, by_transfer = (int(x) for x in row.split()[-6:-4])
-        assert by_transfer == prompt or row.startswith("prefix-cache repeat"), row
-    assert "no violations" in out.stdout
-    matched = [json.loads(line)["input"] for f in (tmp_path / "event-logs").glob("decode.worker.*.jsonl")
-               for line in f.read_text().splitlines() if '"event":"matched"' in line.replace(" ", "")]
-    assert matched and all(f"prefill blocks of {p_block} tokens into blocks of {d_block}" in m["segments"]
-                           for m in matched)
 
 
 class Pair:

@@ -1,23 +1,39 @@
-"""Gemma 2 (sliding window + full attention: two KV cache groups) and DeepSeek-V2
-(MLA latents) on two real vLLM API servers with KVSMConnector: the server pair
-must be able to tell a misdirected transfer from a correct one.
+"""The demo's request mix (``tools/pd_demo.py``'s ``run_mix``) on real vLLM API
+servers with KVSMConnector and the kvsm router, for the pairs the demo's own
+run (``test_e2e_servers.py``, the tiny Llama) does not cover. One pair per
+module-scoped fixture, shared by its tests:
 
-The demo runs these kinds green through the router (``test_e2e_servers.py``);
-this shows that its comparison can fail on servers too. Each kind's pair:
+* block sizes that differ: two ``kv_both`` servers, blocks of 64 tokens and of
+  128, each the other's prefill in turn (a router per direction; read in
+  segments);
+* model kinds: Gemma 2 (sliding window + full attention: two KV cache groups),
+  DeepSeek-V2 (MLA latents), Qwen3 (bfloat16: on a CPU with AMX the decode
+  server's first forward pass is a loaded request's, which killed vLLM's AMX
+  attention until kvsm asked for the permission) and Gemma 3 (three
+  sliding-window layers to one global: four groups).
 
-* an honest transfer of a prompt the decode server has never seen gives the
-  prefill server's own output;
-* two requests' blocks swapped (every group's block ids, as a router that mixed
-  up two responses would hand them over): the reads succeed, into the wrong
+For each pair (each direction of the block-size pair):
+
+* the demo's mix through the router: every output equal to a single engine's
+  (the prefill server asked alone), every prompt token by transfer but the
+  prefix-cache repeat's locally cached blocks;
+* (model kinds) the comparison can fail: an honest transfer of a prompt the
+  decode server has never seen gives the prefill server's own output; two
+  requests' blocks swapped (every group's block ids, as a router that mixed up
+  two responses would hand them over): the reads succeed, into the wrong
   places, and both outputs differ from the prefill server's own;
-* the replay of both servers' logs is clean.
+* the replay of both servers' logs, once they are stopped, is clean.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -27,26 +43,153 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing.servers import VLLMServer, pd_specs
+from kvsm.testing.servers import RouterProcess, VLLMServer, pd_specs
 from kvsm.testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_demo() -> ModuleType:
+    """``tools/pd_demo.py`` as a module (``tools`` is no package)."""
+    spec = importlib.util.spec_from_file_location("kvsm_pd_demo", REPO / "tools" / "pd_demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+pd_demo = _load_demo()
+
 MAX_TOKENS = 12
 # Several blocks each (Gemma 2: 128 tokens a block, DeepSeek-V2: 16), never seen by either server before.
 PROMPT_LEN = 300
+# The mix as the demo's test sends it (tools/pd_demo.py --requests 4): 11 named requests, 4 of load.
+MIX_REQUESTS = 4
+
+
+def check_mix(mix: Any) -> None:
+    """What the demo exits 0 on, and more: every output equal to a single engine's,
+    every prompt token by transfer but the locally cached blocks of the repeat."""
+    assert mix.failures == [], mix.failures
+    assert len(mix.cases) == 11 and len(mix.load) == MIX_REQUESTS
+    rows = [(c.name, len(c.prompt), c.transferred, c.error or (c.text == c.reference)) for c in mix.cases]
+    assert all(c.match for c in mix.cases + mix.load), rows
+    for c in mix.cases:
+        assert c.transferred is not None, rows
+        assert c.transferred == len(c.prompt) or c.name == "prefix-cache repeat", rows
+
+
+def _stop(servers: list[VLLMServer], routers: list[RouterProcess]) -> None:
+    """The routers, then every server at once (each stop is idempotent)."""
+    for r in routers:
+        r.stop()
+    for s in servers:
+        s.terminate()
+    for s in servers:
+        s.stop()
+
+
+def _replay_is_clean(logs: Path, min_reads: int) -> None:
+    report = analyse(sorted(logs.glob("*.jsonl")))
+    assert report.exit_code == 0 and not report.findings, [str(f) for f in report.findings]
+    recv = [m for m in report.machines if m.lifecycle == "recv"]
+    assert len(recv) >= min_reads and {m.final_state for m in recv} == {"done"}, \
+        [(m.key, m.final_state) for m in recv]
+
+
+# ---------------------------------------------------------------- block sizes that differ
+# (First in the file: pytest runs the tests of this unparametrized fixture before
+# the model kinds' groups, and its last test stops its servers: one pair at a time.)
+
+
+class BlockSizePair:
+    """Two kv_both servers of the tiny Llama, blocks of 64 tokens (core 0) and of
+    128 (core 1), engine ids ``b64`` and ``b128``; a router for each direction."""
+
+    BLOCKS = (64, 128)
+
+    def __init__(self, tmp: Path) -> None:
+        self.model = str(build_tiny_model())
+        self.logs = tmp / "logs"
+        self.server: dict[int, VLLMServer] = {}
+        for spec, block in zip(pd_specs(event_log_dir=str(self.logs)), self.BLOCKS, strict=True):
+            spec.kv_role = "kv_both"
+            spec.block_size = block
+            spec.name = spec.engine_id = f"b{block}"
+            self.server[block] = VLLMServer(spec, self.model, tmp)
+        self.router = {(p, d): RouterProcess([self.server[p].url], [self.server[d].url], tmp)
+                       for p, d in ((64, 128), (128, 64))}
+
+    def start(self) -> None:
+        for s in self.server.values():
+            s.start()
+        for s in self.server.values():
+            s.wait_ready(timeout=600)
+        for r in self.router.values():
+            r.start()
+
+    def stop(self) -> None:
+        _stop(list(self.server.values()), list(self.router.values()))
+
+
+@pytest.fixture(scope="module")
+def block_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BlockSizePair]:
+    p = BlockSizePair(tmp_path_factory.mktemp("e2e-blocks"))
+    try:
+        p.start()
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.mark.timeout(900)  # the pair's start-up is this test's
+@pytest.mark.parametrize("p_block,d_block,seed", [(64, 128, 7), (128, 64, 8)], ids=["b64-to-b128", "b128-to-b64"])
+def test_the_demos_mix_with_block_sizes_that_differ(block_pair: BlockSizePair, p_block: int, d_block: int,
+                                                     seed: int) -> None:
+    """Prefill blocks of 64 tokens read into decode blocks of 128, then the other way
+    round on the same two servers (a seed of its own per direction: the second
+    direction's decode engine has not cached the prompts it served as prefill in
+    the first): every output equal to a single engine's, every prompt token by
+    transfer (but the repeat's locally cached blocks), and every read of the
+    direction paired its blocks in segments."""
+    mix = pd_demo.run_mix(block_pair.router[(p_block, d_block)].url, block_pair.server[p_block].url,
+                          block_pair.model, block_pair.logs, requests=MIX_REQUESTS, seed=seed,
+                          decode_engine=f"b{d_block}")
+    check_mix(mix)
+    # Only the decode side of a read logs `matched`: this engine's records are this direction's reads.
+    matched = [json.loads(line)["input"] for f in block_pair.logs.glob(f"b{d_block}.worker.*.jsonl")
+               for line in f.read_text().splitlines() if '"event":"matched"' in line.replace(" ", "")]
+    assert len(matched) >= len(mix.cases) + len(mix.load), len(matched)
+    assert all(f"prefill blocks of {p_block} tokens into blocks of {d_block}" in m["segments"] for m in matched), \
+        [m.get("segments") for m in matched]
+
+
+def test_replay_of_the_block_size_pair_is_clean(block_pair: BlockSizePair) -> None:
+    block_pair.stop()
+    _replay_is_clean(block_pair.logs, min_reads=2 * (11 + MIX_REQUESTS))
+
+
+# ---------------------------------------------------------------- model kinds
 
 
 class KindPair:
     def __init__(self, kind: str, tmp: Path) -> None:
+        self.kind = kind
         self.model = str(build_tiny_model(kind=kind))
         self.logs = tmp / "logs"
         self.prefill, self.decode = (VLLMServer(s, self.model, tmp)
                                      for s in pd_specs(event_log_dir=str(self.logs), model_kind=kind))
+        self.router = RouterProcess([self.prefill.url], [self.decode.url], tmp)
+
+    def start(self) -> None:
         for s in (self.prefill, self.decode):
             s.start()
         for s in (self.prefill, self.decode):
             s.wait_ready(timeout=600)
+        self.router.start()
 
     def complete(self, server: VLLMServer, prompt: list[int], max_tokens: int,
                  kv: dict[str, Any] | None = None) -> list[int]:
@@ -66,19 +209,22 @@ class KindPair:
         return kv
 
     def stop(self) -> None:
-        for s in (self.prefill, self.decode):
-            s.terminate()
-        for s in (self.prefill, self.decode):
-            s.stop()
+        _stop([self.prefill, self.decode], [self.router])
 
 
-@pytest.fixture(scope="module", params=["gemma2", "deepseek_v2"])
+@pytest.fixture(scope="module", params=["gemma2", "deepseek_v2", "qwen3", "gemma3"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindPair]:
     p = KindPair(request.param, tmp_path_factory.mktemp(f"e2e-{request.param}"))
     try:
+        p.start()
         yield p
     finally:
         p.stop()
+
+
+@pytest.mark.timeout(900)  # the pair's start-up is this test's
+def test_the_demos_mix_through_the_router(pair: KindPair) -> None:
+    check_mix(pd_demo.run_mix(pair.router.url, pair.prefill.url, pair.model, pair.logs, requests=MIX_REQUESTS))
 
 
 def test_an_honest_transfer_equals_and_swapped_blocks_are_caught(pair: KindPair) -> None:
@@ -95,7 +241,4 @@ def test_an_honest_transfer_equals_and_swapped_blocks_are_caught(pair: KindPair)
 
 def test_replay_of_both_servers_is_clean(pair: KindPair) -> None:
     pair.stop()
-    report = analyse(sorted(pair.logs.glob("*.jsonl")))
-    assert not report.findings, [str(f) for f in report.findings]
-    recv = [m for m in report.machines if m.lifecycle == "recv"]
-    assert len(recv) >= 3 and {m.final_state for m in recv} == {"done"}, [(m.key, m.final_state) for m in recv]
+    _replay_is_clean(pair.logs, min_reads=11 + MIX_REQUESTS + 3)
