@@ -30,6 +30,20 @@ for the Llama:
   (learned positions, as many KV heads as query heads) and ``opt``: more
   architecture families (``kvsm.testing.tiny_families``), one group each.
 
+Where the references come from: the pair's decode engine itself computes them
+(``PDEngine.generate(..., cache_salt=...)``), before any test runs and before
+anything is corrupted, apart from its prefix cache: the salted requests neither
+seed nor reuse the blocks that the pair's requests then read by transfer. It
+computes them as a single engine does (one prompt per call for the ONE_BY_ONE
+kinds). The SPLIT kinds' references compute a prompt of N tokens as the pair
+does, N - 1 tokens in one step and then the last: the decode engine batches one
+step short of one prompt length (``DECODE_SPLIT_LEN``, which the pair never
+meets there: that engine computes a prompt's last token only), and each other
+length that needs a reference gets a reference engine of its own, one per length
+(started beside the pair). For the lengths in this file: 2 + 3 reference engines,
+24 pair engines. (Shown equal to the separate reference engines used before, for
+every kind and every compared prompt.)
+
 For each: the decode outputs equal a single engine's, the prompt's KV came by
 transfer (``num_cached_tokens`` and the decode worker's ``matched`` records), a
 corrupted and a swapped transfer change the outputs, and the replay of both
@@ -61,7 +75,7 @@ from kvsm.testing.tiny_model import build_tiny_model, vllm_args
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 10
-# vllm.LLM arguments per kind (both engines and the reference alike): the recipe's
+# vllm.LLM arguments per kind (both engines and any reference engine alike): the recipe's
 # own (dtype, attention backend: CPU_MLA, float32, block 16, on any CPU).
 LLM_KWARGS: dict[str, dict[str, Any]] = {kind: vllm_args(kind) for kind in ("gemma2", "deepseek_v2", "qwen3_next",
                                                                             "qwen3", "gemma3", "llama4", *FAMILIES)}
@@ -80,8 +94,8 @@ def _prompt(n: int) -> list[int]:
 
 
 # Lengths: under one block, around the window (128), several blocks. Qwen3-Next's
-# reference engines compute each prompt as the pair does (see SPLIT): long prompts,
-# so that their one-step-short batch limit stays above vLLM's minimum.
+# references compute each prompt as the pair does (see SPLIT): long prompts, so
+# that their one-step-short batch limit stays above vLLM's minimum.
 PROMPTS = {kind: [_prompt(n) for n in ((260, 300, 270) if kind == "qwen3_next" else (40, 150, 300, 260))]
            for kind in LLM_KWARGS}
 SENSITIVE = {kind: [_prompt(280 if kind == "qwen3_next" else 200) for _ in range(3)] for kind in LLM_KWARGS}
@@ -99,6 +113,17 @@ SEVERAL = {kind: _prompt(260 if kind == "qwen3_next" else 180) for kind in LLM_K
 # property of the model's arithmetic, not of the transfer (the blocks are shown
 # byte-exact). Where vLLM turns chunked prefill off (CPU_MLA), the split is a no-op.
 SPLIT = {"qwen3_next", "deepseek_v2_bf16"}
+# The prompt length whose references a SPLIT kind's decode engine computes as the pair
+# does: it batches one step short of it (max_num_batched_tokens), which the pair
+# never meets there (that engine computes a prompt's last token only, on the
+# transferred KV). Each other length that needs a reference has an engine of its own.
+# The SENSITIVE (and, where compared, SEVERAL) prompts are cut to this length (drawn
+# at the lengths above, so that the other kinds' prompts stay as they were).
+DECODE_SPLIT_LEN = {"qwen3_next": 270, "deepseek_v2_bf16": 150}
+for _kind, _n in DECODE_SPLIT_LEN.items():
+    SENSITIVE[_kind] = [p[:_n] for p in SENSITIVE[_kind]]
+    SEVERAL[_kind] = SEVERAL[_kind][:_n]
+
 # Kinds whose prefill side holds the prompt's last token back (a Mamba/GDN state).
 HELD_BACK = {"qwen3_next"}
 
@@ -113,26 +138,34 @@ class KindPair:
         self.model = build_tiny_model(kind=MODEL_OF.get(kind, kind))
         self.logs = tmp / "logs"
         kw = LLM_KWARGS[kind]
-        prompts = PROMPTS[kind] + SENSITIVE[kind] + [SEVERAL[kind]]
+        # The prompts whose outputs are compared with a single engine's.
+        prompts = PROMPTS[kind] + SENSITIVE[kind] + ([] if kind in HELD_BACK else [SEVERAL[kind]])
         base = free_port_run(4)
-        # The reference engines start alongside the pair (startup dominates their cost).
-        if kind in SPLIT:  # one engine per prompt length, each batching one step short of it
+        decode_kw, on_decode, refs = kw, prompts, []
+        if kind in SPLIT:  # the decode engine's length, and an engine per other length (started first)
+            decode_kw = {**kw, "max_num_batched_tokens": DECODE_SPLIT_LEN[kind] - 1}
+            on_decode = [p for p in prompts if len(p) == DECODE_SPLIT_LEN[kind]]
             by_len: dict[int, list[list[int]]] = {}
             for prompt in prompts:
-                by_len.setdefault(len(prompt), []).append(prompt)
+                if len(prompt) != DECODE_SPLIT_LEN[kind]:
+                    by_len.setdefault(len(prompt), []).append(prompt)
             refs = [(group, run_engine_subprocess(
                 "reference", self.model, group, MAX_TOKENS, workdir=tmp / f"ref-{n}",
                 extra_args=["--llm-kwargs", json.dumps({**kw, "max_num_batched_tokens": n - 1}), "--one-by-one"]))
                 for n, group in by_len.items()]
-        else:
-            refs = [(prompts, run_engine_subprocess(
-                "reference", self.model, prompts, MAX_TOKENS, workdir=tmp / "ref",
-                extra_args=["--llm-kwargs", json.dumps(kw), *(["--one-by-one"] if kind in ONE_BY_ONE else [])]))]
         self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id=f"prefill-{kind}",
                                 log_dir=self.logs, workdir=tmp, cpu=0, llm_kwargs=kw)
         self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2,
-                               engine_id=f"decode-{kind}", log_dir=self.logs, workdir=tmp, cpu=1, llm_kwargs=kw)
-        self.reference: dict[tuple[int, ...], list[int]] = {}
+                               engine_id=f"decode-{kind}", log_dir=self.logs, workdir=tmp, cpu=1,
+                               llm_kwargs=decode_kw)
+        # On the decode engine, apart from its prefix cache (a salt): the pair's own
+        # requests find nothing of them cached there, and read their KV by transfer.
+        if kind in ONE_BY_ONE:
+            outs = [self.decode.generate([p], MAX_TOKENS, cache_salt="reference")[0] for p in on_decode]
+        else:
+            outs = self.decode.generate(on_decode, MAX_TOKENS, cache_salt="reference")
+        self.reference: dict[tuple[int, ...], list[int]] = {
+            tuple(p): o["token_ids"] for p, o in zip(on_decode, outs, strict=True)}
         for group, proc in refs:
             self.reference.update(zip(map(tuple, group), wait_engine_subprocess(proc)["outputs"], strict=True))
 
