@@ -111,11 +111,12 @@ def llama_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaSer
     """One prefill and one decode API server (the tiny Llama, KVSMConnector) and
     the router (``python -m kvsm.router``), shared by every module that only sends
     them requests and reads their logs and metrics (``test_e2e_servers``,
-    ``test_router``, ``test_grafana_dashboard``): starting a pair is most of such
-    a module's time. vLLM's stats are on (``/metrics``), the decode server logs
-    each request (``--enable-log-requests``: the router's disconnect test reads
-    its "aborted" line) and recomputes what it could not load (the dashboard's
-    failing request). Their tests run last in the session (see
+    ``test_router``): starting a pair is most of such a module's time. (The
+    dashboard's test keeps a pair of its own: its handshake-latency panel needs a
+    first handshake while Prometheus scrapes.) vLLM's stats are on
+    (``/metrics``), the decode server logs each request
+    (``--enable-log-requests``: the router's disconnect test reads its "aborted"
+    line) and recomputes what it could not load. Their tests run last in the session (see
     ``pytest_collection_modifyitems``), so the pair stops right after its last
     user; on the way out every process it started must be gone."""
     require("vllm")

@@ -2,8 +2,10 @@
 transfer the comparison must catch, and no request waiting on any timer.
 
 The demo's request mix on other model kinds and on block sizes that differ runs
-on pairs of servers shared by their tests, in test_e2e_servers_kinds.py. (The
-router's own behaviour, chat, streaming and errors are in test_router.py.)
+on pairs of servers shared by their tests, in test_e2e_servers_kinds.py. The
+tests after the demo run on the session's shared Llama servers (conftest.py's
+``llama_servers``), as test_router.py does (the router's own behaviour, chat,
+streaming and errors).
 """
 
 from __future__ import annotations
@@ -16,21 +18,20 @@ import subprocess
 import sys
 import time
 import urllib.error
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import require
+from conftest import LlamaServers, require
 
 require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.replay import analyse
-from kvsm.testing import build_tiny_model
 from kvsm.testing.reliability import metric, read_records, wait_until
-from kvsm.testing.servers import VLLMServer, pd_specs
+from kvsm.testing.servers import VLLMServer
 
 pytestmark = pytest.mark.slow
 
@@ -61,17 +62,12 @@ def test_the_demo_runs_green(tmp_path: Path) -> None:
 
 
 class Pair:
-    def __init__(self, tmp: Path) -> None:
-        self.model = str(build_tiny_model())
-        self.logs = tmp / "logs"
-        specs = pd_specs(event_log_dir=str(self.logs))
-        for spec in specs:
-            spec.log_stats = True  # /metrics: vLLM's prompt-token sources and kvsm's own metrics
-        self.prefill, self.decode = (VLLMServer(s, self.model, tmp) for s in specs)
-        for s in (self.prefill, self.decode):
-            s.start()
-        for s in (self.prefill, self.decode):
-            s.wait_ready(timeout=600)
+    """The session's shared Llama servers (conftest.py's ``llama_servers``), asked directly."""
+
+    def __init__(self, servers: LlamaServers) -> None:
+        self.model = servers.model
+        self.logs = servers.events
+        self.prefill, self.decode = servers.prefill, servers.decode
 
     def complete(self, server: VLLMServer, prompt: list[int], max_tokens: int,
                  kv: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -81,18 +77,10 @@ class Pair:
             body["kv_transfer_params"] = kv
         return server.post("/v1/completions", body)
 
-    def stop(self) -> None:
-        for s in (self.prefill, self.decode):
-            s.stop()
-
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    p = Pair(tmp_path_factory.mktemp("e2e"))
-    try:
-        yield p
-    finally:
-        p.stop()
+def pair(llama_servers: LlamaServers) -> Pair:
+    return Pair(llama_servers)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -130,7 +118,8 @@ def _settled(logs: Path, remote_reqs: set[str], timeout: float = 15.0,
 
 
 def test_an_idle_prefill_server_serves_its_one_request(pair: Pair) -> None:
-    """The first request this pair sees: the prefill server answers it and is then
+    """The first request the shared pair sees (this module's tests are the first of
+    its users, conftest.py): the prefill server answers it and is then
     left alone (no other request, nobody steps it); a second later the decode leg
     takes the prompt's KV by transfer, its first claim answered "ok". The
     prefill worker had the blocks pinned within milliseconds of the scheduler's
@@ -275,7 +264,7 @@ def test_metrics_show_the_prompts_came_over_the_transfer(pair: Pair) -> None:
     assert delta(decode, decode0, "vllm:kvsm_transfers_total") == n
     assert delta(decode, decode0, "vllm:kvsm_transfer_bytes_total") > 0
     assert metric(decode, "vllm:kvsm_handshake_time_seconds_count") >= 1
-    assert metric(decode, "vllm:kvsm_failures_total") == 0
+    assert delta(decode, decode0, "vllm:kvsm_failures_total") == 0
     by_source = {src: delta(decode, decode0, "vllm:prompt_tokens_by_source_total", source=src)
                  for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     # Every prompt token the decode engine did not have cached came over the transfer.
@@ -283,7 +272,7 @@ def test_metrics_show_the_prompts_came_over_the_transfer(pair: Pair) -> None:
     assert delta(decode, decode0, "vllm:prompt_tokens_cached_by_source_total", source="p2p") == \
         by_source["external_kv_transfer"]
     assert delta(prefill, prefill0, "vllm:kvsm_reads_served_total") == n
-    assert metric(prefill, "vllm:kvsm_leases_expired_total") == 0
+    assert delta(prefill, prefill0, "vllm:kvsm_leases_expired_total") == 0
 
 
 def test_a_decode_request_the_server_rejects_frees_the_prefill_blocks_at_once(pair: Pair) -> None:
@@ -327,7 +316,8 @@ def test_a_list_of_prompts_reads_only_its_own_prompts_blocks(pair: Pair) -> None
     first's (upstream does, and serves wrong text): they run locally, each
     output equal to a single engine's, and the decode log says why. The other
     prompts' prefill requests stay pinned until their lease ends (nobody was
-    given their params), which is why this test runs last on its pair."""
+    given their params), which is why this test runs last in this module: the
+    pair's later user (test_router) checks no pin count."""
     rng = random.Random(11)
     prompts = [_ids(rng, 250), _ids(rng, 250), _ids(rng, 90)]
     body = {"model": pair.model, "prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True}

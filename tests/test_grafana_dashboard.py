@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from conftest import LlamaServers, require_all
+from conftest import require, require_all
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "kvsm-dashboard.json"
@@ -170,43 +170,48 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory: pytest.TempPathFactory, llama_servers: LlamaServers) -> Iterator[Prometheus]:
-    """A real Prometheus scraping the session's shared servers (conftest.py's
-    ``llama_servers``: vLLM's stats on, the decode server recomputing what it
-    cannot load) every second while P/D requests flow, one of them failing."""
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     reason = _prometheus_or_reason()
     if reason is not None:
         if require_all():
             pytest.fail(f"{reason}, and KVSM_REQUIRE_ALL or CI is set", pytrace=False)
         pytest.skip(reason)
-    from kvsm.testing.servers import free_port
+    require("vllm")
+    from kvsm.testing import build_tiny_model
+    from kvsm.testing.servers import VLLMServer, free_port, pd_specs, running_pair
 
     tmp = tmp_path_factory.mktemp("grafana")
-    model, prefill, decode = llama_servers.model, llama_servers.prefill, llama_servers.decode
-    prom = Prometheus(tmp, [f"127.0.0.1:{prefill.spec.port}", f"127.0.0.1:{decode.spec.port}"])
-    try:
-        prom.wait_ready()
-        # Both targets scraped once before this test's requests: rates see them as increases.
-        deadline = time.monotonic() + 30
-        while len([x for x in prom.query("up == 1")]) < 2:
-            assert time.monotonic() < deadline, "prometheus never scraped both servers"
-            time.sleep(0.5)
-        time.sleep(1.5)  # one more scrape each (every second) before the requests
-        body = {"model": model, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        for i in range(6):  # P/D requests, as a router sends them
-            prompt = list(range(20 + i, 300 + i))
-            kv = prefill.post("/v1/completions", {**body, "prompt": prompt, "max_tokens": 1,
+    model = str(build_tiny_model())
+    p_spec, d_spec = pd_specs(event_log_dir=str(tmp / "logs"))
+    for spec in (p_spec, d_spec):
+        spec.log_stats = True
+    d_spec.kv_load_failure_policy = "recompute"
+    prefill, decode = VLLMServer(p_spec, model, tmp), VLLMServer(d_spec, model, tmp)
+    with running_pair(prefill, decode):
+        prom = Prometheus(tmp, [f"127.0.0.1:{p_spec.port}", f"127.0.0.1:{d_spec.port}"])
+        try:
+            prom.wait_ready()
+            # Both targets scraped once before any request: rates see the requests as increases.
+            deadline = time.monotonic() + 30
+            while len([x for x in prom.query("up == 1")]) < 2:
+                assert time.monotonic() < deadline, "prometheus never scraped both servers"
+                time.sleep(0.5)
+            time.sleep(1.5)
+            body = {"model": model, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            for i in range(6):  # P/D requests, as a router sends them
+                prompt = list(range(20 + i, 300 + i))
+                kv = prefill.post("/v1/completions", {**body, "prompt": prompt, "max_tokens": 1,
+                                                      "kv_transfer_params": {"do_remote_decode": True}})
+                decode.post("/v1/completions", {**body, "prompt": prompt,
+                                                "kv_transfer_params": kv["kv_transfer_params"]})
+            # One failing: its params name a prefill engine whose port nothing listens on.
+            kv = prefill.post("/v1/completions", {**body, "prompt": list(range(500, 700)), "max_tokens": 1,
                                                   "kv_transfer_params": {"do_remote_decode": True}})
-            decode.post("/v1/completions", {**body, "prompt": prompt,
-                                            "kv_transfer_params": kv["kv_transfer_params"]})
-        # One failing: its params name a prefill engine whose port nothing listens on.
-        kv = prefill.post("/v1/completions", {**body, "prompt": list(range(500, 700)), "max_tokens": 1,
-                                              "kv_transfer_params": {"do_remote_decode": True}})
-        dead = {**kv["kv_transfer_params"], "remote_port": free_port(), "remote_engine_id": "gone"}
-        decode.post("/v1/completions", {**body, "prompt": list(range(500, 700)), "kv_transfer_params": dead})
-        yield prom
-    finally:
-        prom.stop()
+            dead = {**kv["kv_transfer_params"], "remote_port": free_port(), "remote_engine_id": "gone"}
+            decode.post("/v1/completions", {**body, "prompt": list(range(500, 700)), "kv_transfer_params": dead})
+            yield prom
+        finally:
+            prom.stop()
 
 
 @pytest.mark.slow
