@@ -34,7 +34,7 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing.pd_pair import PDEngine
+from kvsm.testing.pd_pair import PDEngine, started
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
 from kvsm.testing.tiny_model import build_tiny_model, vllm_args
@@ -79,10 +79,10 @@ class Pair:
         self.blocks = blocks
         self.ways = ways
         base = free_port_run(4)
-        self.engines = tuple(
+        self.engines = started(*(
             PDEngine(name, "kv_both", model=model, port=base + 2 * i, engine_id=f"{name}-b{block}", log_dir=self.logs,
-                     workdir=tmp, cpu=i, llm_kwargs={**kw, "block_size": block})
-            for i, (name, block) in enumerate(zip(("a", "b"), blocks)))
+                     workdir=tmp, cpu=i, llm_kwargs={**kw, "block_size": block}, wait=False)
+            for i, (name, block) in enumerate(zip(("a", "b"), blocks))))
         # Each way's references, computed by its decode engine before anything is read into it.
         self.reference: dict[tuple[int, ...], list[int]] = {}
         for way in ways:

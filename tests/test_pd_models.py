@@ -66,7 +66,7 @@ require("vllm")
 
 from kvsm.replay import analyse
 from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
-from kvsm.testing.pd_pair import PDEngine, matched_tokens
+from kvsm.testing.pd_pair import PDEngine, matched_tokens, started
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
 from kvsm.testing.tiny_families import FAMILIES
@@ -153,11 +153,11 @@ class KindPair:
                 "reference", self.model, group, MAX_TOKENS, workdir=tmp / f"ref-{n}",
                 extra_args=["--llm-kwargs", json.dumps({**kw, "max_num_batched_tokens": n - 1}), "--one-by-one"]))
                 for n, group in by_len.items()]
-        self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id=f"prefill-{kind}",
-                                log_dir=self.logs, workdir=tmp, cpu=0, llm_kwargs=kw)
-        self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2,
-                               engine_id=f"decode-{kind}", log_dir=self.logs, workdir=tmp, cpu=1,
-                               llm_kwargs=decode_kw)
+        self.prefill, self.decode = started(
+            PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id=f"prefill-{kind}",
+                     log_dir=self.logs, workdir=tmp, cpu=0, llm_kwargs=kw, wait=False),
+            PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id=f"decode-{kind}",
+                     log_dir=self.logs, workdir=tmp, cpu=1, llm_kwargs=decode_kw, wait=False))
         # On the decode engine, apart from its prefix cache (a salt): the pair's own
         # requests find nothing of them cached there, and read their KV by transfer.
         if kind in ONE_BY_ONE:

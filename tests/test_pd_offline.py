@@ -36,7 +36,7 @@ require("vllm")
 from kvsm.facts import PROMPT_FINGERPRINT_KEY, prompt_fingerprint
 from kvsm.replay import analyse
 from kvsm.testing import build_tiny_model
-from kvsm.testing.pd_pair import PDEngine, matched_tokens
+from kvsm.testing.pd_pair import PDEngine, matched_tokens, started
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
 
@@ -69,10 +69,11 @@ class Pair:
         self.model = build_tiny_model()
         self.logs = tmp / "logs"
         base = free_port_run(4)
-        self.prefill = PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id="prefill-pd",
-                                log_dir=self.logs, workdir=tmp, cpu=0)
-        self.decode = PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id="decode-pd",
-                               log_dir=self.logs, workdir=tmp, cpu=1)
+        self.prefill, self.decode = started(
+            PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id="prefill-pd",
+                     log_dir=self.logs, workdir=tmp, cpu=0, wait=False),
+            PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id="decode-pd",
+                     log_dir=self.logs, workdir=tmp, cpu=1, wait=False))
         # The single engine's outputs: the decode engine's own, computed apart from its prefix
         # cache (a cache_salt) before anything is read into it.
         refs = self.decode.generate(ALL_PROMPTS, MAX_TOKENS, cache_salt="reference")

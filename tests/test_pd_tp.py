@@ -38,7 +38,7 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing.pd_pair import PDEngine, matched_tokens
+from kvsm.testing.pd_pair import PDEngine, matched_tokens, started
 from kvsm.testing.ports import free_port_run
 from kvsm.testing.reliability import wait_until
 from kvsm.testing.tiny_model import build_tiny_model, vllm_args
@@ -75,10 +75,10 @@ class TPPairOffline:
         self.logs = tmp / "logs"
         self.ids = (f"a-tp{a_tp}", f"b-tp{b_tp}")
         base = free_port_run(4)
-        self.engines = tuple(
+        self.engines = started(*(
             PDEngine(name, "kv_both", model=self.model, port=base + 2 * i, engine_id=self.ids[i], log_dir=self.logs,
-                     workdir=tmp, **_engine_args(tp, i, e_kw))
-            for i, (name, tp, e_kw) in enumerate((("a", a_tp, a_kw), ("b", b_tp, b_kw))))
+                     workdir=tmp, wait=False, **_engine_args(tp, i, e_kw))
+            for i, (name, tp, e_kw) in enumerate((("a", a_tp, a_kw), ("b", b_tp, b_kw)))))
         self.reference: dict[tuple[int, ...], list[int]] = {}
 
     def way(self, direction: str) -> tuple[int, int]:

@@ -241,8 +241,12 @@ class PDEngine:
     def __init__(self, name: str, kv_role: str, *, model: str | os.PathLike[str], port: int, engine_id: str,
                  log_dir: str | os.PathLike[str] | None, workdir: str | os.PathLike[str], cpu: int | None = None,
                  extra: dict[str, Any] | None = None, max_model_len: int = 512, start_timeout: float = 240.0,
-                 llm_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+                 llm_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 wait: bool = True) -> None:
+        """Start the engine process; ``wait``: until it is ready (else call
+        :meth:`wait_ready`, or :func:`started` for several engines started at once)."""
         self.name = name
+        self.start_timeout = start_timeout
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.stderr_path = workdir / f"{name}.stderr.log"
@@ -272,7 +276,13 @@ class PDEngine:
         self._other: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"pd-{name}-stdout")
         self._reader.start()
-        self.info = self._wait_reply(start_timeout)
+        self.info: dict[str, Any] | None = self._wait_reply(start_timeout) if wait else None
+
+    def wait_ready(self) -> PDEngine:
+        """Wait (up to the start timeout) for the engine started with ``wait=False``."""
+        if self.info is None:
+            self.info = self._wait_reply(self.start_timeout)
+        return self
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -343,6 +353,18 @@ class PDEngine:
                 self.proc.wait()
         self._stderr.close()
         return self.proc.returncode
+
+
+def started(*engines: PDEngine) -> tuple[PDEngine, ...]:
+    """Engines constructed with ``wait=False``, once all are ready: they start side
+    by side (an engine's start is mostly one core's Python imports, and a pair's
+    engines are pinned to a core each). If one fails, all are closed."""
+    try:
+        return tuple(engine.wait_ready() for engine in engines)
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
 
 
 def matched_tokens(logs: Path, engine_id: str, remote_reqs: Sequence[str], timeout: float = 10.0) -> dict[str, int]:
