@@ -9,9 +9,12 @@ themselves are not judged, except where a behaviour is many times the noise).
 * ``test_bench_scale_smoke``: section 8 (tools/bench_scale.py: vLLM's
   Scheduler, the simulation and real worker loops at two sizes; about 45 s).
 
-Sections 6 and 7 on real servers (four pairs of API servers, kvsm's and
-upstream's, about 4 min) are a comparison with upstream, not a CI test: run
+The three section smokes compare kvsm with upstream ``NixlConnector``: they
+are marked ``bench`` and run on demand (``bash tools/dev.sh test -m bench``),
+not by the test command. Sections 6 and 7 on real servers (four pairs of API
+servers, kvsm's and upstream's, about 4 min) have no test: run
 ``python tools/bench.py --smoke --only e2e,handshake`` for their smoke version.
+``test_ttft_breakdown_smoke`` (kvsm's own tool) runs with the slow tests.
 Where a section judges a row against a target, the verdict printed beside it
 ("met" / "MISSED") is checked against the row's own figure.
 """
@@ -92,6 +95,7 @@ def _side_by_side(row: list[str]) -> None:
     assert re.fullmatch(r"-?\d+\.\d+x", row[3]) or (row[3] == "-" and _num(row[2]) == 0), row
 
 
+@pytest.mark.bench
 def test_bench_smoke(tmp_path: Path) -> None:
     out, data = _run(tmp_path, "scheduler,eventlog,replay", timeout=240)
 
@@ -117,6 +121,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert first["ratio"] > 0 and first["kvsm"]["values"] and first["upstream"]["values"]
 
 
+@pytest.mark.bench
 def test_bench_nixl_smoke(tmp_path: Path) -> None:
     """Sections 2 and 3: both connectors' workers in their own processes over real NIXL."""
     out, data = _run(tmp_path, "worker,transfer", timeout=420)
@@ -148,6 +153,7 @@ def test_bench_nixl_smoke(tmp_path: Path) -> None:
         [sec.get("failures") for sec in data["sections"].values()]
 
 
+@pytest.mark.bench
 def test_bench_scale_smoke(tmp_path: Path) -> None:
     """Section 8: every part measured at both sizes, flatness rows, no simulation
     violation, memory back to its baseline after every round."""

@@ -171,10 +171,12 @@ run_tests() {
     local rc=0 t0=$SECONDS
     say "fast tests (-m 'not slow')"
     run_pytest -m "not slow" || rc=$?
-    say "fast tests: exit $rc after $((SECONDS - t0)) s; slow tests (-m slow)"
+    # The benchmark smokes (-m bench) compare kvsm with upstream NixlConnector: a
+    # benchmark's business, run on demand (bash tools/dev.sh test -m bench), not here.
+    say "fast tests: exit $rc after $((SECONDS - t0)) s; slow tests (-m 'slow and not bench')"
     local rc_slow=0
     t0=$SECONDS
-    run_pytest -m slow || rc_slow=$?
+    run_pytest -m "slow and not bench" || rc_slow=$?
     say "slow tests: exit $rc_slow after $((SECONDS - t0)) s"
     if [[ $rc -ne 0 || $rc_slow -ne 0 ]]; then
         die "tests failed (fast: exit $rc, slow: exit $rc_slow)"
