@@ -49,6 +49,11 @@ CLAIM_RETRY_NS = 4 * MS
 NOTIF_POLL_MAX_NS = 50 * MS
 # How long after a claim the prefill side polls at full speed.
 NOTIF_FAST_WINDOW_NS = 200 * MS
+# The first poll after a claim comes this soon, whatever the configured interval,
+# and the next ones double up to it: a read posted right behind its claim (early
+# reads) may reach our NIXL agent just after the claim's own progress call, and a
+# small read completes only at our next progress.
+NOTIF_FOLLOW_UP_NS = 1 * MS
 # Per-request warnings (a failed load, an expired lease, a violation): at most
 # this many per kind and window go to Python logging; the event log has all.
 WARN_BURST = 20
@@ -229,6 +234,7 @@ class WorkerContext:
     _oneway: dict[int, tuple[PeerIO, int]]
     _polling: dict[str, None]  # insertion-ordered: the same run polls in the same order
     _poll_timer: TimerHandle | None
+    _read_poll_ns: int  # the read poll's interval: the configured one, or ramping up to it after a grant
     _stall_timer: TimerHandle | None
     _notif_timer: TimerHandle | None
     _expiry_timer: TimerHandle | None
@@ -357,7 +363,7 @@ class WorkerContext:
     def _settle(self, req: str) -> None:
         raise NotImplementedError
 
-    def _arm_poll(self) -> None:
+    def _arm_poll(self, *, soon: bool = False) -> None:
         raise NotImplementedError
 
     def _arm_notif_poll(self, *, soon: bool = False) -> None:

@@ -75,6 +75,7 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
         self._notif_min_ns = max(1, int(cfg.notif_poll_interval_s * S))
         self._notif_interval_ns = self._notif_min_ns
         self._notif_fast_until_ns = 0
+        self._read_poll_ns = self._notif_min_ns
         self._recv_effects = self._recv_effect_table()
         self._send_effects = self._send_effect_table()
         self._peer_effects = self._peer_effect_table()

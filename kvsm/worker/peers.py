@@ -323,6 +323,8 @@ class PeerSide(WorkerContext):
         for req, _ in claim.reqs:
             if req in self._polling:
                 self._guard(req, self._settle, req)
+        if any(req in self._polling for req, _ in claim.reqs):
+            self._arm_poll(soon=True)  # still in flight: served a moment after the answer, most likely
 
     def _claiming(self, req: str) -> bool:
         """The request still waits for its claims' answers (``RECV_CLAIMING_STATES``)."""

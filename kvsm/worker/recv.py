@@ -24,7 +24,7 @@ from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import PEER_UNREACHABLE_STATES, RECV, RECV_EARLY_POST_STATES
 from kvsm.loop import LoopError
 from kvsm.transport.base import Heads, TransferState, XferHandle
-from kvsm.worker.context import PeerIO, RecvEffect, RecvIO, S
+from kvsm.worker.context import NOTIF_FOLLOW_UP_NS, PeerIO, RecvEffect, RecvIO, S
 from kvsm.worker.recv_plan import RecvPlanning, describe_segments, segments_of
 from kvsm.worker.send import notif_of
 from kvsm.worker.tp_map import ReadPlan
@@ -431,15 +431,24 @@ class RecvSide(RecvPlanning):
         whole = layout.num_bytes(len(start.local_block_ids), start.group_sizes)
         return whole * start.segment_tokens // start.block_sizes[0] if start.segment_tokens else whole
 
-    def _arm_poll(self) -> None:
+    def _arm_poll(self, *, soon: bool = False) -> None:
+        """Poll the reads in flight every ``notif_poll_interval``; ``soon``: a claim
+        was just granted with its reads still in flight, which the prefill worker
+        may serve a moment after its answer left: poll within NOTIF_FOLLOW_UP_NS,
+        then at doubling intervals up to the configured one."""
+        if soon:
+            self._read_poll_ns = min(self._notif_min_ns, NOTIF_FOLLOW_UP_NS)
+            if self._poll_timer is not None and self._poll_timer.deadline_ns > self.loop.now_ns() + self._read_poll_ns:
+                self.loop.cancel(self._poll_timer)
+                self._poll_timer = None
         if self._poll_timer is None and self._polling:
-            self._poll_timer = self.loop.call_later(int(self.cfg.notif_poll_interval_s * S), self._poll_reads,
-                                                    label="poll reads")
+            self._poll_timer = self.loop.call_later(self._read_poll_ns, self._poll_reads, label="poll reads")
 
     def _poll_reads(self) -> None:
         self._poll_timer = None
         for req in list(self._polling):
             self._guard(req, self._settle, req)
+        self._read_poll_ns = min(self._read_poll_ns * 2, self._notif_min_ns)
         self._arm_poll()
 
     # -- telling vLLM and the prefill side ----------------------------------------------------

@@ -19,7 +19,14 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import CLAIM_ANSWERS, SEND, SEND_NEW_AFTER_END
 from kvsm.loop import LoopError
-from kvsm.worker.context import NOTIF_FAST_WINDOW_NS, NOTIF_POLL_MAX_NS, SendEffect, SendIO, WorkerContext
+from kvsm.worker.context import (
+    NOTIF_FAST_WINDOW_NS,
+    NOTIF_FOLLOW_UP_NS,
+    NOTIF_POLL_MAX_NS,
+    SendEffect,
+    SendIO,
+    WorkerContext,
+)
 
 # A read's notification: the prefill request id, and when several decode ranks
 # read this rank, how many (``<req>\x1f<readers>``; a bare id: one); a read
@@ -270,10 +277,11 @@ class SendSide(WorkerContext):
         now = self.loop.now_ns()
         if soon:
             # A claimed request is read next, and on a fresh connection the read
-            # needs our side to progress too: poll at full speed for a while.
+            # needs our side to progress too: poll at full speed for a while, the
+            # first poll within NOTIF_FOLLOW_UP_NS (the read may be just behind).
             self._notif_fast_until_ns = now + NOTIF_FAST_WINDOW_NS
-            self._notif_interval_ns = self._notif_min_ns
-            if self._notif_timer is not None and self._notif_timer.deadline_ns > now + self._notif_min_ns:
+            self._notif_interval_ns = min(self._notif_min_ns, NOTIF_FOLLOW_UP_NS)
+            if self._notif_timer is not None and self._notif_timer.deadline_ns > now + self._notif_interval_ns:
                 self.loop.cancel(self._notif_timer)
                 self._notif_timer = None
         if self._notif_timer is None and (self._send_io or self._has_readers):
@@ -296,7 +304,9 @@ class SendSide(WorkerContext):
             # the table records it as stale; after expiry, as the violation it is.
             self._guard(req, self._on_read_notif, ev.ReadNotif(req=req, reader=peer, readers=readers, early=early))
         if notifs or self.loop.now_ns() < self._notif_fast_until_ns:
-            self._notif_interval_ns = self._notif_min_ns
+            # Full speed: the configured interval, reached by doubling from a claim's
+            # first follow-up (the same interval when it is the default 1 ms).
+            self._notif_interval_ns = min(self._notif_interval_ns * 2, self._notif_min_ns)
         else:
             self._notif_interval_ns = min(self._notif_interval_ns * 2, NOTIF_POLL_MAX_NS)
         self._arm_notif_poll()
