@@ -191,12 +191,16 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
         prom = Prometheus(tmp, [f"127.0.0.1:{p_spec.port}", f"127.0.0.1:{d_spec.port}"])
         try:
             prom.wait_ready()
-            # Both targets scraped once before any request: rates see the requests as increases.
+            # Both targets scraped before any request, the second time after the first had
+            # been seen: rates then see the requests as increases over a sample before them.
             deadline = time.monotonic() + 30
             while len([x for x in prom.query("up == 1")]) < 2:
                 assert time.monotonic() < deadline, "prometheus never scraped both servers"
                 time.sleep(0.5)
-            time.sleep(1.5)
+            seen = time.time()
+            while not all(float(x["value"][1]) > seen for x in prom.query("timestamp(up)") or [{"value": [0, 0]}]):
+                assert time.monotonic() < deadline, "prometheus did not scrape both servers again"
+                time.sleep(0.2)
             body = {"model": model, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
             for i in range(6):  # P/D requests, as a router sends them
                 prompt = list(range(20 + i, 300 + i))
