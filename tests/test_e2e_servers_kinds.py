@@ -1,23 +1,22 @@
 """The demo's request mix (``tools/pd_demo.py``'s ``run_mix``) on real vLLM API
 servers with KVSMConnector and the kvsm router, for the pairs the demo's own
-run (``test_e2e_servers.py``, the tiny Llama) does not cover. One pair per
-module-scoped fixture, shared by its tests:
+run (``test_e2e_servers.py``, the tiny Llama) does not cover: one pair per
+model kind (a module-scoped fixture), shared by its tests. (Block sizes that
+differ are read both ways by the offline ``kv_both`` pair of
+``test_pd_block_mismatch.py``: the same segment reads on real engines, with a
+corrupted transfer and a local prefix hit besides.) The kinds: Gemma 2
+(sliding window + full attention: two KV cache groups), DeepSeek-V2 (MLA
+latents), Qwen3 (bfloat16: on a CPU with AMX the decode server's first forward
+pass is a loaded request's, which killed vLLM's AMX attention until kvsm asked
+for the permission) and Gemma 3 (three sliding-window layers to one global:
+four groups).
 
-* block sizes that differ: two ``kv_both`` servers, blocks of 64 tokens and of
-  128, each the other's prefill in turn (a router per direction; read in
-  segments);
-* model kinds: Gemma 2 (sliding window + full attention: two KV cache groups),
-  DeepSeek-V2 (MLA latents), Qwen3 (bfloat16: on a CPU with AMX the decode
-  server's first forward pass is a loaded request's, which killed vLLM's AMX
-  attention until kvsm asked for the permission) and Gemma 3 (three
-  sliding-window layers to one global: four groups).
-
-For each pair (each direction of the block-size pair):
+For each pair:
 
 * the demo's mix through the router: every output equal to a single engine's
   (the prefill server asked alone), every prompt token by transfer but the
   prefix-cache repeat's locally cached blocks;
-* (model kinds) the comparison can fail: an honest transfer of a prompt the
+* the comparison can fail: an honest transfer of a prompt the
   decode server has never seen gives the prefill server's own output; two
   requests' blocks swapped (every group's block ids, as a router that mixed up
   two responses would hand them over): the reads succeed, into the wrong
@@ -28,7 +27,6 @@ For each pair (each direction of the block-size pair):
 from __future__ import annotations
 
 import importlib.util
-import json
 import random
 import sys
 from collections.abc import Iterator
@@ -103,76 +101,6 @@ def _replay_is_clean(logs: Path, min_reads: int) -> None:
 # ---------------------------------------------------------------- block sizes that differ
 # (First in the file: pytest runs the tests of this unparametrized fixture before
 # the model kinds' groups, and its last test stops its servers: one pair at a time.)
-
-
-class BlockSizePair:
-    """Two kv_both servers of the tiny Llama, blocks of 64 tokens (core 0) and of
-    128 (core 1), engine ids ``b64`` and ``b128``; a router for each direction."""
-
-    BLOCKS = (64, 128)
-
-    def __init__(self, tmp: Path) -> None:
-        self.model = str(build_tiny_model())
-        self.logs = tmp / "logs"
-        self.server: dict[int, VLLMServer] = {}
-        for spec, block in zip(pd_specs(event_log_dir=str(self.logs)), self.BLOCKS, strict=True):
-            spec.kv_role = "kv_both"
-            spec.block_size = block
-            spec.name = spec.engine_id = f"b{block}"
-            self.server[block] = VLLMServer(spec, self.model, tmp)
-        self.router = {(p, d): RouterProcess([self.server[p].url], [self.server[d].url], tmp)
-                       for p, d in ((64, 128), (128, 64))}
-
-    def start(self) -> None:
-        for s in self.server.values():
-            s.start()
-        for s in self.server.values():
-            s.wait_ready(timeout=600)
-        for r in self.router.values():
-            r.start()
-
-    def stop(self) -> None:
-        _stop(list(self.server.values()), list(self.router.values()))
-
-
-@pytest.fixture(scope="module")
-def block_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BlockSizePair]:
-    p = BlockSizePair(tmp_path_factory.mktemp("e2e-blocks"))
-    try:
-        p.start()
-        yield p
-    finally:
-        p.stop()
-
-
-@pytest.mark.timeout(900)  # the pair's start-up is this test's
-@pytest.mark.parametrize("p_block,d_block,seed", [(64, 128, 7), (128, 64, 8)], ids=["b64-to-b128", "b128-to-b64"])
-def test_the_demos_mix_with_block_sizes_that_differ(block_pair: BlockSizePair, p_block: int, d_block: int,
-                                                     seed: int) -> None:
-    """Prefill blocks of 64 tokens read into decode blocks of 128, then the other way
-    round on the same two servers (a seed of its own per direction: the second
-    direction's decode engine has not cached the prompts it served as prefill in
-    the first): every output equal to a single engine's, every prompt token by
-    transfer (but the repeat's locally cached blocks), and every read of the
-    direction paired its blocks in segments."""
-    mix = pd_demo.run_mix(block_pair.router[(p_block, d_block)].url, block_pair.server[p_block].url,
-                          block_pair.model, block_pair.logs, requests=MIX_REQUESTS, seed=seed,
-                          decode_engine=f"b{d_block}")
-    check_mix(mix)
-    # Only the decode side of a read logs `matched`: this engine's records are this direction's reads.
-    matched = [json.loads(line)["input"] for f in block_pair.logs.glob(f"b{d_block}.worker.*.jsonl")
-               for line in f.read_text().splitlines() if '"event":"matched"' in line.replace(" ", "")]
-    assert len(matched) >= len(mix.cases) + len(mix.load), len(matched)
-    assert all(f"prefill blocks of {p_block} tokens into blocks of {d_block}" in m["segments"] for m in matched), \
-        [m.get("segments") for m in matched]
-
-
-def test_replay_of_the_block_size_pair_is_clean(block_pair: BlockSizePair) -> None:
-    block_pair.stop()
-    _replay_is_clean(block_pair.logs, min_reads=2 * (11 + MIX_REQUESTS))
-
-
-# ---------------------------------------------------------------- model kinds
 
 
 class KindPair:
