@@ -50,7 +50,7 @@ def require_all() -> bool:
 def require_netns() -> None:
     """Skip the calling test module where network namespaces cannot be made (fail
     it instead when :func:`require_all`: CI runs the two-host tests). Module level."""
-    from kvsm.testing.netns import netns_unavailable_reason
+    from kvsm_testing.netns import netns_unavailable_reason
 
     reason = netns_unavailable_reason()
     if reason is not None:
@@ -83,9 +83,9 @@ class LlamaServers:
     """The session's one pair of tiny-Llama API servers, with kvsm's router in front."""
 
     model: str
-    prefill: Any  # kvsm.testing.servers.VLLMServer
+    prefill: Any  # kvsm_testing.servers.VLLMServer
     decode: Any
-    router: Any  # kvsm.testing.servers.RouterProcess
+    router: Any  # kvsm_testing.servers.RouterProcess
     events: Path  # both servers' event logs
 
 
@@ -120,8 +120,8 @@ def llama_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaSer
     ``pytest_collection_modifyitems``), so the pair stops right after its last
     user; on the way out every process it started must be gone."""
     require("vllm")
-    from kvsm.testing import build_tiny_model
-    from kvsm.testing.servers import RouterProcess, VLLMServer, pd_specs, running_pair
+    from kvsm_testing import build_tiny_model
+    from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs, running_pair
 
     tmp = tmp_path_factory.mktemp("llama-servers")
     model = str(build_tiny_model())

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from kvsm.testing.pins import PinWorker
+from kvsm_testing.pins import PinWorker
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from conftest import examples
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import RECV, SEND
-from kvsm.sim import Faults, SimConfig, Simulation
+from kvsm_testing.sim import Faults, SimConfig, Simulation
 
 # Aborts everywhere, and the faults that hold a request in the states an abort
 # can otherwise not reach (a silent handshake, a read that hangs or lands late,

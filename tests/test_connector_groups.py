@@ -17,9 +17,9 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.connector import KVSMConnector
-from kvsm.metadata import KVSMConnectorMetadata
-from kvsm.testing.scheduler import SchedulerHarness, make_scheduler, remote_decode_params, remote_prefill_params
+from kvsm.vllm.connector import KVSMConnector
+from kvsm.vllm.metadata import KVSMConnectorMetadata
+from kvsm_testing.scheduler import SchedulerHarness, make_scheduler, remote_decode_params, remote_prefill_params
 
 BS = 16
 WINDOW = 32
@@ -134,7 +134,7 @@ def test_a_mamba_state_group_is_described_and_one_with_speculative_slots_refused
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-    from kvsm.connector import kv_groups_of
+    from kvsm.vllm.connector import kv_groups_of
 
     def config(mamba: MambaSpec) -> KVCacheConfig:
         full = FullAttentionSpec(block_size=1152, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)

@@ -21,11 +21,12 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.facts import PRODUCER_KEY, PROMPT_FINGERPRINT_KEY, prompt_fingerprint
+from kvsm.handoff.facts import PRODUCER_KEY, PROMPT_FINGERPRINT_KEY, prompt_fingerprint
 from kvsm.handshake import PROTOCOL_VERSION
-from kvsm.metadata import KVSMConnectorMetadata
-from kvsm.testing.pins import PinWorker
-from kvsm.testing.scheduler import (
+from kvsm.vllm.config import kvsm_config
+from kvsm.vllm.metadata import KVSMConnectorMetadata
+from kvsm_testing.pins import PinWorker
+from kvsm_testing.scheduler import (
     SchedulerHarness,
     make_scheduler,
     remote_decode_params,
@@ -558,7 +559,7 @@ def test_plugin_entry_point_registers_the_connector_without_module_path() -> Non
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                          check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "kvsm.connector KVSMConnector"
+    assert out.stdout.strip().splitlines()[-1] == "kvsm.vllm.connector KVSMConnector"
 
 
 def test_harness_loads_it_by_name_through_the_plugin() -> None:
@@ -585,21 +586,20 @@ def test_bad_config_is_refused_naming_the_key(extra: dict[str, Any], needle: str
 
 
 def test_side_channel_and_event_log_fall_back_to_the_environment() -> None:
-    from kvsm.config import KVSMConfig
 
     with make_scheduler(kv_role="kv_both", extra_config={}) as h:
         env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "7100",
                "KVSM_EVENT_LOG_DIR": "/tmp/kvsm-logs"}
-        cfg = KVSMConfig.from_vllm(h.vllm_config, env=env)
+        cfg = kvsm_config(h.vllm_config, env=env)
         assert (cfg.side_channel_host, cfg.side_channel_port, cfg.event_log_dir) == ("10.1.2.3", 7100,
                                                                                       "/tmp/kvsm-logs")
-        bare = KVSMConfig.from_vllm(h.vllm_config, env={})
+        bare = kvsm_config(h.vllm_config, env={})
         assert (bare.side_channel_host, bare.side_channel_port, bare.event_log_dir) == ("localhost", 5600, None)
         assert bare.lease_s == 30 and bare.heartbeat_interval_s == 5
         with pytest.raises(ValueError, match="VLLM_NIXL_SIDE_CHANNEL_PORT"):
-            KVSMConfig.from_vllm(h.vllm_config, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "99999"})
+            kvsm_config(h.vllm_config, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "99999"})
     with make_scheduler(kv_role="kv_both", extra_config={"side_channel_host": "h", "side_channel_port": 6000,
                                                         "event_log_dir": "/x"}) as h:
-        cfg = KVSMConfig.from_vllm(h.vllm_config, env=env)
+        cfg = kvsm_config(h.vllm_config, env=env)
         assert (cfg.side_channel_host, cfg.side_channel_port, cfg.event_log_dir) == ("h", 6000, "/x")
         assert cfg.event_log_path("worker", 1).startswith(f"/x/{cfg.engine_id}.worker.rank1.")

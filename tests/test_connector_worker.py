@@ -15,11 +15,11 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvsm.connector import KVSMConnector
-from kvsm.loop import THREAD_NAME_PREFIX
-from kvsm.metadata import KVSMConnectorMetadata
-from kvsm.testing.ports import free_port as _free_port
-from kvsm.testing.scheduler import make_scheduler
+from kvsm.runtime.loop import THREAD_NAME_PREFIX
+from kvsm.vllm.connector import KVSMConnector
+from kvsm.vllm.metadata import KVSMConnectorMetadata
+from kvsm_testing.ports import free_port as _free_port
+from kvsm_testing.scheduler import make_scheduler
 
 
 def kv_caches(num_blocks: int = 8, layers: int = 2) -> dict[str, torch.Tensor]:
@@ -89,7 +89,7 @@ def test_idle_loop_burns_no_cpu(connector: KVSMConnector) -> None:
 def test_stats_carry_the_request_state_counts(connector: KVSMConnector) -> None:
     """The stats a step hands vLLM carry how many requests of each lifecycle are
     in each state (a level: sent when it changes), under this worker's source."""
-    from kvsm.metadata import SendFinish, SendStart
+    from kvsm.vllm.metadata import SendFinish, SendStart
 
     connector.register_kv_caches(kv_caches())
     connector.get_kv_connector_stats()  # start from an empty interval
@@ -192,7 +192,7 @@ def test_a_clean_shutdown_ends_the_log_with_what_was_live(tmp_path: Any) -> None
     state still held, so replay can tell a clean stop from a crash."""
     import json
 
-    from kvsm.metadata import SendFinish, SendStart
+    from kvsm.vllm.metadata import SendFinish, SendStart
 
     c = worker_connector(event_log_dir=str(tmp_path), kv_lease_duration=60)
     try:

@@ -38,6 +38,7 @@ from kubernetes_validate.utils import latest_version
 
 from kvsm import router as kvsm_router
 from kvsm.config import EXTRA_KEYS, KVSMConfig
+from kvsm.vllm.config import kvsm_config as parse_config
 
 MANIFEST_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 MANIFESTS = sorted(MANIFEST_DIR.glob("*.yaml"))
@@ -190,7 +191,7 @@ def kvsm_config(container: dict[str, Any], pod_ip: str = "10.0.0.7") -> tuple[di
         cache_config=SimpleNamespace(block_size=16),
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 8, use_mla=False),
     )
-    return kvt, KVSMConfig.from_vllm(vllm_config, env=env)
+    return kvt, parse_config(vllm_config, env=env)
 
 
 def check_vllm_containers(docs: list[dict[str, Any]]) -> list[str]:

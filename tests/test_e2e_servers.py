@@ -30,8 +30,8 @@ require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.replay import analyse
-from kvsm.testing.reliability import metric, read_records, wait_until
-from kvsm.testing.servers import VLLMServer
+from kvsm_testing.reliability import metric, read_records, wait_until
+from kvsm_testing.servers import VLLMServer
 
 pytestmark = pytest.mark.slow
 

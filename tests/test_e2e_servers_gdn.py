@@ -33,11 +33,11 @@ require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.replay import analyse
-from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
-from kvsm.testing.pd_pair import matched_tokens
-from kvsm.testing.reliability import wait_until
-from kvsm.testing.servers import RouterProcess, VLLMServer, pd_specs
-from kvsm.testing.tiny_model import build_tiny_model, vllm_args
+from kvsm_testing.engine import run_engine_subprocess, wait_engine_subprocess
+from kvsm_testing.pd_pair import matched_tokens
+from kvsm_testing.reliability import wait_until
+from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs
+from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
 pytestmark = pytest.mark.slow
 

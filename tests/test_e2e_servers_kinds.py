@@ -41,8 +41,8 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing.servers import RouterProcess, VLLMServer, pd_specs
-from kvsm.testing.tiny_model import build_tiny_model
+from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs
+from kvsm_testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ comparison; at the end the replay of every rank's log is clean with no request
 left on any rank.
 
 These pairs run on a 2-core machine only because the servers and the router share
-the test's session (``ServerSpec.own_session``): see ``kvsm.testing.servers`` for
+the test's session (``ServerSpec.own_session``): see ``kvsm_testing.servers`` for
 the kernel behaviour that starves a server in a session of its own.
 """
 
@@ -44,9 +44,9 @@ require("nixl")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.replay import analyse
-from kvsm.testing import build_tiny_model
-from kvsm.testing.reliability import read_records, wait_until
-from kvsm.testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, stop_pair
+from kvsm_testing import build_tiny_model
+from kvsm_testing.reliability import read_records, wait_until
+from kvsm_testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, stop_pair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

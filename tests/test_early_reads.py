@@ -3,7 +3,7 @@
 A decode worker that knows every prefill worker a request reads from (their
 agents are loaded) posts the request's reads as soon as its claims have left,
 so the claims' round trip overlaps the reads. The real ``WorkerHalf``s run as
-in ``test_worker_virtual.py`` (``kvsm.testing.virtual_pair``: driven loops on
+in ``test_worker_virtual.py`` (``kvsm_testing.virtual_pair``: driven loops on
 one virtual clock, inproc side channel, in-memory transport moving real
 bytes); freezing the prefill worker holds its answers back, so each ordering
 of read, claim and finish is played on purpose. Every log is replayed.
@@ -18,7 +18,7 @@ from typing import Any
 import test_worker_virtual
 
 from kvsm.replay import analyse
-from kvsm.testing.virtual_pair import MS, S, VirtualPair
+from kvsm_testing.virtual_pair import MS, S, VirtualPair
 
 pair = test_worker_virtual.pair  # the fixture: prefill engines A (lease 30 s) and S (0.3 s)
 

@@ -5,13 +5,13 @@ KVSMConnector, event logs on) behind ``kvsm.router``. While real requests
 flow through the router (their side-channel claims and NIXL reads go to the
 same prefill worker), two fuzzers run at once:
 
-* ``kvsm.testing.fuzz.SideChannelFuzzer`` sends tens of thousands of hostile
+* ``kvsm_testing.fuzz.SideChannelFuzzer`` sends tens of thousands of hostile
   messages to the prefill worker's side channel (TCP): random bytes,
   truncated/oversized/wrong-typed msgpack, wrong compatibility hashes, unknown
   ranks, bad framing, REQ/ROUTER peers, socket types a ROUTER refuses, raw TCP
   garbage, frames over the size limits, ZMTP frame headers claiming 64 MiB,
   connections held half-open;
-* ``kvsm.testing.fuzz.PinChannelFuzzer``, a hostile LOCAL sender (same user),
+* ``kvsm_testing.fuzz.PinChannelFuzzer``, a hostile LOCAL sender (same user),
   sends thousands to the prefill worker's pin channel (``ipc://``, the path
   read from the ``worker.started`` record of its event log): random frames,
   wrong and wrong-sized tokens, another engine's token, correct-looking pins
@@ -85,25 +85,25 @@ from conftest import require
 
 require("vllm")
 
+from kvsm.handoff.pins import MAX_MESSAGE_BYTES
 from kvsm.handshake import (
     MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
     CompatInfo,
     HandshakeServer,
 )
-from kvsm.pin_channel import MAX_MESSAGE_BYTES
 from kvsm.replay import analyse
-from kvsm.testing import build_tiny_model
-from kvsm.testing.fuzz import (
+from kvsm_testing import build_tiny_model
+from kvsm_testing.fuzz import (
     PULL_REFUSED_SOCKET_TYPES,
     FuzzReport,
     PinChannelFuzzer,
     PinFuzzReport,
     SideChannelFuzzer,
 )
-from kvsm.testing.pins import PinWorker
-from kvsm.testing.reliability import wait_until
-from kvsm.testing.servers import (
+from kvsm_testing.pins import PinWorker
+from kvsm_testing.reliability import wait_until
+from kvsm_testing.servers import (
     RouterProcess,
     VLLMServer,
     pd_specs,
@@ -596,8 +596,8 @@ def test_the_pin_fuzzers_books_balance_on_a_local_server() -> None:
     token (so wrong shapes, types and sizes reach the decoder and must be
     malformed; each case's intent is checked against kvsm's decoder). Nothing
     it sends pins anything; a valid message afterwards still does."""
-    from kvsm.facts import SendFinish
-    from kvsm.pin_channel import encode_pins
+    from kvsm.handoff.facts import SendFinish
+    from kvsm.handoff.pins import encode_pins
 
     p = PinWorker("pin-fuzz-test")
     try:

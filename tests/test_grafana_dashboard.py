@@ -44,7 +44,7 @@ def exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 def kvsm_metric_names() -> set[str]:
     """The ``vllm:kvsm_*`` metrics kvsm registers, with the series names Prometheus
     derives from them (counters' ``_total``, histograms' ``_bucket/_sum/_count``)."""
-    source = (REPO / "kvsm" / "vllm_stats.py").read_text()
+    source = (REPO / "kvsm" / "vllm" / "stats.py").read_text()
     names = set()
     for name in re.findall(r'"(vllm:kvsm_\w+)"', source):
         names |= {name, name + "_total", name + "_bucket", name + "_sum", name + "_count"}
@@ -122,7 +122,7 @@ def _prometheus_or_reason() -> str | None:
 
 class Prometheus:
     def __init__(self, workdir: Path, targets: list[str]) -> None:
-        from kvsm.testing.ports import free_port
+        from kvsm_testing.ports import free_port
 
         self.port = free_port()
         config = workdir / "prometheus.yml"
@@ -177,8 +177,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
             pytest.fail(f"{reason}, and KVSM_REQUIRE_ALL or CI is set", pytrace=False)
         pytest.skip(reason)
     require("vllm")
-    from kvsm.testing import build_tiny_model
-    from kvsm.testing.servers import VLLMServer, free_port, pd_specs, running_pair
+    from kvsm_testing import build_tiny_model
+    from kvsm_testing.servers import VLLMServer, free_port, pd_specs, running_pair
 
     tmp = tmp_path_factory.mktemp("grafana")
     model = str(build_tiny_model())

@@ -1,5 +1,5 @@
 """kvsm.handshake over real ZMQ sockets on 127.0.0.1 (OS-chosen ports, or ports
-from kvsm.testing.ports where a test needs one that it binds, closes or re-binds).
+from kvsm_testing.ports where a test needs one that it binds, closes or re-binds).
 
 The server runs in a thread driven by a small zmq.Poller loop, as kvsm's loop
 thread will drive it; the client is driven from the test thread the same way.
@@ -54,7 +54,7 @@ from kvsm.handshake import (
     encode,
     peer_address,
 )
-from kvsm.testing.ports import free_port
+from kvsm_testing.ports import free_port
 
 COMPAT = CompatInfo(model="tiny-llama", dtype="float32", num_layers=2, num_kv_heads=2,
                     head_size=64, block_size=16, kv_layout="NHD")

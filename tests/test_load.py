@@ -40,17 +40,17 @@ from conftest import require
 require("vllm")
 
 from kvsm.handshake import MAX_CLAIMS
-from kvsm.metadata import HeartbeatTarget, RecvStart, SendFinish
 from kvsm.replay import analyse
-from kvsm.testing.load import ROUND, GatedAgent, Workers, idle_resources, kvsm_objects, run_round
-from kvsm.testing.load import remote_params as _remote
+from kvsm.vllm.metadata import HeartbeatTarget, RecvStart, SendFinish
+from kvsm_testing.load import ROUND, GatedAgent, Workers, idle_resources, kvsm_objects, run_round
+from kvsm_testing.load import remote_params as _remote
 
 pytestmark = pytest.mark.slow
 
 # ============================================================================ (a) worker loops
 
 # The harness (the gated in-memory transport, the two workers, one round) is
-# kvsm.testing.load's, shared with tools/bench.py section 8.
+# kvsm_testing.load's, shared with tools/bench.py section 8.
 # Per-request kinds of one round (READ requests are the ones that are all
 # transferring at once; ABORT ones are aborted while their reads are held).
 READS, ABORTS, NOTHING, ABANDONS, ABNORMAL = ROUND.reads, ROUND.aborts, ROUND.nothing, ROUND.abandons, ROUND.abnormal
@@ -225,7 +225,7 @@ def _wait_settled(events: Path, n: int, timeout: float = 30.0) -> None:
     """Until the event logs show ``n`` requests finished on both sides: ``n`` send
     machines released on the prefill side (the release follows the read's
     notification, after the client's answer) and ``n`` recv machines done."""
-    from kvsm.testing.reliability import read_records, wait_until
+    from kvsm_testing.reliability import read_records, wait_until
 
     def probe() -> bool:
         finals = Counter((r["engine_id"], r["dst"]) for r in read_records(sorted(events.glob("*.worker.*.jsonl")))
@@ -239,7 +239,7 @@ def _rss(servers: Sequence[Any]) -> dict[str, int]:
     """VmRSS of every process of the servers, keyed ``name/pid/process name``."""
     import psutil
 
-    from kvsm.testing.servers import server_pids, vm_rss_bytes
+    from kvsm_testing.servers import server_pids, vm_rss_bytes
 
     out = {}
     for server in servers:
@@ -252,8 +252,8 @@ def _rss(servers: Sequence[Any]) -> dict[str, int]:
 
 
 def test_a_thousand_requests_through_the_router(tmp_path: Path) -> None:
-    from kvsm.testing import build_tiny_model
-    from kvsm.testing.servers import RouterProcess, VLLMServer, pd_specs, running_pair
+    from kvsm_testing import build_tiny_model
+    from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs, running_pair
 
     model = str(build_tiny_model())
     events = tmp_path / "events"

@@ -23,7 +23,8 @@ import pytest
 import zmq
 
 from kvsm.lifecycle.clock import VirtualClock
-from kvsm.loop import (
+from kvsm.runtime.group import DrivenLoops
+from kvsm.runtime.loop import (
     MAX_BATCH,
     MAX_BLOCK_MS,
     EventLoop,
@@ -33,7 +34,6 @@ from kvsm.loop import (
     TimerHandle,
     WrongThread,
 )
-from kvsm.loop_group import DrivenLoops
 
 MS = 1_000_000  # ns
 S = 1_000_000_000
@@ -610,7 +610,7 @@ def test_on_error_that_raises_does_not_kill_the_loop(make_loop: MakeLoop) -> Non
 
 def test_without_on_error_errors_are_logged(make_loop: MakeLoop, caplog: pytest.LogCaptureFixture) -> None:
     loop = make_loop()
-    with caplog.at_level("ERROR", logger="kvsm.loop"):
+    with caplog.at_level("ERROR", logger="kvsm.runtime.loop"):
         loop.post(lambda: 1 / 0, req="r-log", label="logged")
         barrier(loop)
     assert any("logged" in r.getMessage() and "r-log" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""The two-host harness itself (``kvsm.testing.netns``): the KV link carries TCP
+"""The two-host harness itself (``kvsm_testing.netns``): the KV link carries TCP
 between the hosts, each fault does what it says (and heals), and everything it
 creates is gone afterwards, on success, on failure and after a process that
 died without cleaning up.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require_all
-from kvsm.testing.netns import PREFIX, TwoHosts, netns_unavailable_reason
+from kvsm_testing.netns import PREFIX, TwoHosts, netns_unavailable_reason
 
 REASON = netns_unavailable_reason()
 if REASON is not None:
@@ -85,7 +85,7 @@ def test_a_failure_inside_still_removes_everything() -> None:
 def test_namespaces_left_by_a_dead_run_are_removed_by_the_next(tmp_path: Path) -> None:
     """A process that made its hosts and died by SIGKILL leaves them behind; the
     next TwoHosts finds them by the dead pid in their name and removes them."""
-    script = ("from kvsm.testing.netns import TwoHosts; import os, signal; h = TwoHosts(); "
+    script = ("from kvsm_testing.netns import TwoHosts; import os, signal; h = TwoHosts(); "
               "print(h.prefill.netns, h.decode.netns, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     out = subprocess.run([PY, "-c", script], capture_output=True, text=True, cwd=str(Path(__file__).parents[1]),
                          check=False)

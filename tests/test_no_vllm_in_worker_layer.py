@@ -5,7 +5,7 @@ import creeping into it must fail here, not there.
 Each check runs in a fresh interpreter with ``sys.modules['vllm'] = None``, so
 that any ``import vllm...`` raises ImportError; the handshake's messages and
 codec are also checked with zmq blocked the same way. Only the vLLM adapters
-(``kvsm.metadata``, ``kvsm.vllm_stats``, ``kvsm.connector``, ``kvsm.plugin``)
+(``kvsm.vllm.metadata``, ``kvsm.vllm.stats``, ``kvsm.connector``, ``kvsm.vllm.plugin``)
 may import vLLM.
 """
 
@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 
 from conftest import require
-from kvsm.facts import RecvAbort, SendFinish, StepFacts
+from kvsm.handoff.facts import RecvAbort, SendFinish, StepFacts
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WORKER_LAYER = ["kvsm.stats", "kvsm.facts", "kvsm.pin_channel", "kvsm.transport.memory", "kvsm.lifecycle",
-                "kvsm.block_pairing", "kvsm.eventlog"]
+WORKER_LAYER = ["kvsm.worker.stats", "kvsm.handoff.facts", "kvsm.handoff.pins", "kvsm.transport.memory",
+                "kvsm.lifecycle", "kvsm.scheduler",
+                "kvsm.eventlog"]
 WITHOUT_ZMQ = ["kvsm.handshake.messages", "kvsm.handshake.codec"]
 
 
@@ -75,7 +76,7 @@ def test_vllms_connector_metadata_is_the_step_facts() -> None:
     require("vllm")
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-    from kvsm.metadata import KVSMConnectorMetadata
+    from kvsm.vllm.metadata import KVSMConnectorMetadata
 
     meta = KVSMConnectorMetadata(3)
     assert isinstance(meta, KVConnectorMetadata) and isinstance(meta, StepFacts) and not meta

@@ -4,7 +4,7 @@ vLLM-CPU lays a block's bytes out by its kernel (the vec kernel keeps K
 transposed per head, the AMX one in 16-token tiles), so a 128-token block is
 not two 64-token blocks as bytes (upstream here delivers 4 wrong outputs of 5
 at 64 -> 128, with no error). kvsm describes where each token of a block
-lives (``kvsm.token_layout``, checked against vLLM's own cache writer at
+lives (``kvsm.vllm.token_layout``, checked against vLLM's own cache writer at
 start) and reads each pair of blocks in segments of the smaller size.
 
 Offline pairs of ``kv_both`` engines on real engines: the KV-sensitive tiny
@@ -34,10 +34,10 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing.pd_pair import PDEngine, started
-from kvsm.testing.ports import free_port_run
-from kvsm.testing.reliability import wait_until
-from kvsm.testing.tiny_model import build_tiny_model, vllm_args
+from kvsm_testing.pd_pair import PDEngine, started
+from kvsm_testing.ports import free_port_run
+from kvsm_testing.reliability import wait_until
+from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Offline prefill -> decode pairs of other model kinds, checked against one engine.
 
-Each kind is a tiny random-weight model built here (``kvsm.testing.tiny_model``,
+Each kind is a tiny random-weight model built here (``kvsm_testing.tiny_model``,
 tuned so that a wrong KV cache changes its greedy output), served by two vLLM
 engines with KVSMConnector in two processes, as ``test_pd_offline.py`` does
 for the Llama:
@@ -28,7 +28,7 @@ for the Llama:
 * ``qwen2``, ``mistral`` (every layer sliding-window: one group whose early
   blocks are null), ``phi3`` (fused projections, head size 96), ``gpt2``
   (learned positions, as many KV heads as query heads) and ``opt``: more
-  architecture families (``kvsm.testing.tiny_families``), one group each.
+  architecture families (``kvsm_testing.tiny_families``), one group each.
 
 Where the references come from: the pair's decode engine itself computes them
 (``PDEngine.generate(..., cache_salt=...)``), before any test runs and before
@@ -65,12 +65,12 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
-from kvsm.testing.pd_pair import PDEngine, matched_tokens, started
-from kvsm.testing.ports import free_port_run
-from kvsm.testing.reliability import wait_until
-from kvsm.testing.tiny_families import FAMILIES
-from kvsm.testing.tiny_model import build_tiny_model, vllm_args
+from kvsm_testing.engine import run_engine_subprocess, wait_engine_subprocess
+from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
+from kvsm_testing.ports import free_port_run
+from kvsm_testing.reliability import wait_until
+from kvsm_testing.tiny_families import FAMILIES
+from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
 pytestmark = pytest.mark.slow
 

@@ -33,12 +33,12 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.facts import PROMPT_FINGERPRINT_KEY, prompt_fingerprint
+from kvsm.handoff.facts import PROMPT_FINGERPRINT_KEY, prompt_fingerprint
 from kvsm.replay import analyse
-from kvsm.testing import build_tiny_model
-from kvsm.testing.pd_pair import PDEngine, matched_tokens, started
-from kvsm.testing.ports import free_port_run
-from kvsm.testing.reliability import wait_until
+from kvsm_testing import build_tiny_model
+from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
+from kvsm_testing.ports import free_port_run
+from kvsm_testing.reliability import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -38,10 +38,10 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing.pd_pair import PDEngine, matched_tokens, started
-from kvsm.testing.ports import free_port_run
-from kvsm.testing.reliability import wait_until
-from kvsm.testing.tiny_model import build_tiny_model, vllm_args
+from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
+from kvsm_testing.ports import free_port_run
+from kvsm_testing.reliability import wait_until
+from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
 pytestmark = pytest.mark.slow
 

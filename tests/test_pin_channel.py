@@ -1,5 +1,5 @@
 """The pin channel: a scheduler's finishes reach its workers at once, and nobody
-else's do (kvsm.pin_channel; real ZMQ sockets, a real second process)."""
+else's do (kvsm.handoff.pins; real ZMQ sockets, a real second process)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvsm.facts import SendFinish
-from kvsm.pin_channel import (
+from kvsm.handoff.facts import SendFinish
+from kvsm.handoff.pins import (
     MAX_MESSAGE_BYTES,
     MAX_PINS_PER_MESSAGE,
     PinChannelClient,
@@ -23,8 +23,8 @@ from kvsm.pin_channel import (
     decode_pins,
     encode_pins,
 )
-from kvsm.testing.peer_process import PeerProcess
-from kvsm.testing.pins import PinWorker
+from kvsm_testing.peer_process import PeerProcess
+from kvsm_testing.pins import PinWorker
 
 REPO = Path(__file__).resolve().parents[1]
 

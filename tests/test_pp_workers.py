@@ -45,17 +45,17 @@ torch = require("torch")
 from worker_peer import agent_name, compat_fields, config_fields, geometry, layer_names, make_caches, pattern
 
 from kvsm.config import KVSMConfig
-from kvsm.connector import KVSMWorkerChannel
 from kvsm.eventlog.log import EventLog
+from kvsm.handoff.pins import PinTarget
 from kvsm.handshake import CompatInfo
-from kvsm.pin_channel import PinTarget
 from kvsm.replay import analyse
-from kvsm.testing.peer_process import PeerProcess
-from kvsm.testing.ports import free_port
-from kvsm.testing.scheduler import SchedulerHarness, make_scheduler, remote_decode_params
 from kvsm.transport.layout import describe_kv_caches
 from kvsm.transport.nixl import NixlTransport
+from kvsm.vllm.connector import KVSMWorkerChannel
 from kvsm.worker import WorkerHalf
+from kvsm_testing.peer_process import PeerProcess
+from kvsm_testing.ports import free_port
+from kvsm_testing.scheduler import SchedulerHarness, make_scheduler, remote_decode_params
 
 pytestmark = pytest.mark.slow
 

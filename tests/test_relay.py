@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from kvsm.config import KVSMConfig
 from kvsm.handshake import (
     CompatInfo,
     HandshakeClient,
@@ -31,7 +30,8 @@ from kvsm.handshake import (
 )
 from kvsm.handshake.client import HandshakeResult
 from kvsm.handshake.relay import internal_endpoint
-from kvsm.testing.reliability import wait_until
+from kvsm.vllm.config import kvsm_config
+from kvsm_testing.reliability import wait_until
 
 COMPAT = CompatInfo(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_size=64, block_size=16,
                     kv_layout="NHD")
@@ -189,7 +189,7 @@ def _vllm_config(dp_index: int, tp: int, base: int) -> SimpleNamespace:
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_the_port_plan_is_base_plus_the_data_parallel_index_whatever_the_tp(tp: int) -> None:
-    ports = [KVSMConfig.from_vllm(_vllm_config(i, tp, 6100), env={}).side_channel_port for i in range(3)]
+    ports = [kvsm_config(_vllm_config(i, tp, 6100), env={}).side_channel_port for i in range(3)]
     assert ports == [6100, 6101, 6102]
 
 

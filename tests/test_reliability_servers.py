@@ -55,8 +55,8 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
-from kvsm.testing import build_tiny_model
-from kvsm.testing.reliability import (
+from kvsm_testing import build_tiny_model
+from kvsm_testing.reliability import (
     Node,
     StreamOutcome,
     is_terminal,
@@ -69,7 +69,7 @@ from kvsm.testing.reliability import (
     stream_completion,
     wait_until,
 )
-from kvsm.testing.servers import RouterProcess, pd_specs
+from kvsm_testing.servers import RouterProcess, pd_specs
 
 pytestmark = pytest.mark.slow
 

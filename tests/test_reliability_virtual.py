@@ -3,7 +3,7 @@
 ``test_reliability_worker.py`` runs these faults over real NIXL between
 processes on real time and checks that the right thing happens; here the same
 faults (a handler raising, injected with the same ``inject_fault``) hit the
-real workers of a ``kvsm.testing.virtual_pair.VirtualPair``, and the window
+real workers of a ``kvsm_testing.virtual_pair.VirtualPair``, and the window
 itself is asserted exactly: "fails at once" is the same virtual instant, "at
 its handshake timeout" is that many nanoseconds, "released by its read, not
 by the lease" is the read's own instant.
@@ -18,7 +18,7 @@ from test_worker_virtual import POLL_NS, make, polled, replayed
 
 from worker_peer import inject_fault
 
-from kvsm.testing.virtual_pair import MS, S, VirtualPair
+from kvsm_testing.virtual_pair import MS, S, VirtualPair
 
 FAST = {"handshake_timeout_s": 0.5, "peer_backoff_s": 1.0, "transfer_timeout_s": 1.0}
 

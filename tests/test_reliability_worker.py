@@ -68,7 +68,7 @@ from test_worker_nixl import (
 )
 from worker_peer import inject_fault
 
-from kvsm.metadata import HeartbeatTarget, RecvStart
+from kvsm.vllm.metadata import HeartbeatTarget, RecvStart
 
 # Blocks of 1 MiB (two layers of 8 heads x 16 tokens x 2 x 512 float32): a read of
 # 48 permuted blocks is 96 descriptors and 48 MiB, which UCX's cma copies inside

@@ -17,7 +17,7 @@ from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import LifecycleTracker
 from kvsm.lifecycle.table import RECV, SEND
 from kvsm.replay import _malformed, _record_ok, analyse, chrome_trace, main, render_text
-from kvsm.sim import Faults, SimConfig, run_simulation
+from kvsm_testing.sim import Faults, SimConfig, run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 CLEAN = ROOT / "tests" / "data" / "sample-clean"

@@ -42,7 +42,7 @@ from kvsm.replay import (
 )
 from kvsm.replay.fold import _divergence
 from kvsm.replay.model import _where
-from kvsm.sim import Faults, SimConfig, run_simulation
+from kvsm_testing.sim import Faults, SimConfig, run_simulation
 
 # ~3,000 requests, ~28,000 records: large enough that a planted line sits among
 # thousands handled by the fast path on both sides of it.

@@ -49,7 +49,7 @@ require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.router import create_app
-from kvsm.testing.servers import VLLMServer, free_port
+from kvsm_testing.servers import VLLMServer, free_port
 
 pytestmark = pytest.mark.slow
 

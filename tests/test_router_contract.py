@@ -3,7 +3,7 @@
 Each router below is transcribed from its source: what it sends to the
 prefill engine, and what it forwards from the prefill engine's answer to the
 decode engine. The engines are vLLM's real ``Scheduler`` with kvsm
-(``kvsm.testing.scheduler``, no model, no worker); between them the prefill
+(``kvsm_testing.scheduler``, no model, no worker); between them the prefill
 answer goes through JSON, as it does over HTTP (and Dynamo's request plane).
 The tests check that kvsm's prefill side accepts exactly what each router
 sends and pins the blocks, that what it returns carries everything upstream's
@@ -41,7 +41,7 @@ Sources of the contracts (as stored in the public index this was written from):
   the decode request gets ``prefill_result["disaggregated_params"]
   ["kv_transfer_params"]`` and fails without it). Dynamo runs kvsm under the
   name it accepts: ``kv_connector "NixlConnector"`` loaded from
-  ``kv_connector_module_path "kvsm.plugin"``.
+  ``kv_connector_module_path "kvsm.vllm.plugin"``.
 * vLLM's push-mode proxy, ``vllm-project/vllm``
   ``examples/disaggregated/disaggregated_serving/disagg_proxy_pushconnector_demo.py``
   (``PushProxy._build_decode_kv_params``): the decode engine gets the prefill
@@ -63,9 +63,9 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.connector import KVSMConnector
-from kvsm.metadata import KVSMConnectorMetadata
-from kvsm.testing.scheduler import SchedulerHarness, make_scheduler
+from kvsm.vllm.connector import KVSMConnector
+from kvsm.vllm.metadata import KVSMConnectorMetadata
+from kvsm_testing.scheduler import SchedulerHarness, make_scheduler
 
 PREFILL_HOST, PREFILL_PORT = "10.1.2.3", 23456
 PROMPT_TOKENS, BLOCK_SIZE = 40, 16  # 3 blocks, the last one partial
@@ -78,7 +78,7 @@ NIXL_PULL_PREFILL_PARAMS: dict[str, Any] = {
 
 # What an operator puts in --kv-transfer-config to run kvsm under Dynamo: the only
 # name Dynamo's make_kv_connector_protocol accepts that kvsm can answer to.
-DYNAMO_KVSM_CONFIG = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kvsm.plugin"}
+DYNAMO_KVSM_CONFIG = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kvsm.vllm.plugin"}
 
 # A client's request, with the fields the routers rewrite for the prefill leg.
 CLIENT_BODY: dict[str, Any] = {"model": "m", "prompt": "p", "max_tokens": CLIENT_MAX_TOKENS, "min_tokens": 2,
@@ -429,17 +429,17 @@ def test_dynamo_spelling_inside_vllms_multi_connector_runs_kvsm() -> None:
 
 def test_the_alias_loads_kvsm_and_leaves_upstreams_nixl_connector_alone() -> None:
     """Dynamo's spelling resolves to kvsm in vLLM's real ``KVConnectorFactory``:
-    ``kvsm.plugin.NixlConnector`` is KVSMConnector for a config that names the
+    ``kvsm.vllm.plugin.NixlConnector`` is KVSMConnector for a config that names the
     module; vLLM's registry keeps upstream's NixlConnector for every other one,
     however often the plugin registers."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as UpstreamNixl
 
-    import kvsm.plugin
+    import kvsm.vllm.plugin
 
-    kvsm.plugin.register()
-    kvsm.plugin.register()
+    kvsm.vllm.plugin.register()
+    kvsm.vllm.plugin.register()
     alias = KVTransferConfig(kv_role="kv_both", **DYNAMO_KVSM_CONFIG)
     assert KVConnectorFactory.get_connector_class(alias) is KVSMConnector
     assert KVConnectorFactory.supports_hma_config(alias)  # KVSMConnector's SupportsHMA, not upstream's answer
@@ -448,6 +448,6 @@ def test_the_alias_loads_kvsm_and_leaves_upstreams_nixl_connector_alone() -> Non
     assert KVConnectorFactory.get_connector_class_by_name("NixlConnector") is UpstreamNixl
     assert KVConnectorFactory.get_connector_class_by_name("KVSMConnector") is KVSMConnector
     assert alias.has_connector("NixlConnector")  # vLLM's name-keyed NIXL settings apply to it
-    assert kvsm.plugin.NixlConnector is KVSMConnector
+    assert kvsm.vllm.plugin.NixlConnector is KVSMConnector
     with pytest.raises(AttributeError, match="NixlPushConnector"):
-        _ = kvsm.plugin.NixlPushConnector
+        _ = kvsm.vllm.plugin.NixlPushConnector

@@ -1,4 +1,4 @@
-"""The scheduler harness (kvsm.testing.scheduler) driving vLLM's real Scheduler
+"""The scheduler harness (kvsm_testing.scheduler) driving vLLM's real Scheduler
 with upstream's NixlConnector (scheduler side only: no NIXL agent, no worker).
 
 These tests pin down how vLLM 0.32 calls a connector's scheduler-side hooks
@@ -20,8 +20,8 @@ require("vllm")
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from kvsm.testing.ports import free_port as _free_port
-from kvsm.testing.scheduler import (
+from kvsm_testing.ports import free_port as _free_port
+from kvsm_testing.scheduler import (
     make_scheduler,
     remote_decode_params,
     remote_prefill_params,

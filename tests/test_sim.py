@@ -15,8 +15,8 @@ from conftest import examples
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import RECV, SEND
 from kvsm.replay import analyse
-from kvsm.sim import Faults, SimConfig, Simulation, run_simulation
-from kvsm.sim.config import S
+from kvsm_testing.sim import Faults, SimConfig, Simulation, run_simulation
+from kvsm_testing.sim.config import S
 
 fault_profiles = st.builds(
     Faults,

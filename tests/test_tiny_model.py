@@ -5,7 +5,7 @@ Builds the models into a temporary cache, then runs vLLM in fresh interpreters
 few hundred tokens, and checks what later P/D tests rely on: greedy outputs are
 deterministic across processes, differ between prompts, are not degenerate,
 and depend on the KV cache (garbage in the cached blocks changes them). The
-Llama model goes through ``kvsm.testing.engine``'s probe; the other kinds
+Llama model goes through ``kvsm_testing.engine``'s probe; the other kinds
 (Gemma2, DeepSeek-V2, Qwen3-Next) through the probe at the end of this file,
 which also reports (and the tests check) their KV cache groups and tensors.
 
@@ -26,7 +26,7 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.testing.tiny_model import build_tiny_model, model_dir_for
+from kvsm_testing.tiny_model import build_tiny_model, model_dir_for
 
 MAX_TOKENS = 32
 BLOCK_SIZE = 128
@@ -118,7 +118,7 @@ def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
     model_dir: Path, prompts: tuple[list, list[int]], tmp_path: Path
 ) -> None:
     prompts, lengths = prompts
-    from kvsm.testing.engine import run_engine_subprocess, wait_engine_subprocess
+    from kvsm_testing.engine import run_engine_subprocess, wait_engine_subprocess
 
     # Two fresh interpreters side by side: a plain reference run, and a probe
     # that also reruns the prompts with prefix-cache hits and with garbage KV.
@@ -172,7 +172,7 @@ def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
 # ---------------------------------------------------------------------------
 
 NEW_KINDS = ("gemma2", "deepseek_v2", "qwen3_next", "qwen3", "gemma3", "llama4")
-# kvsm.testing.tiny_families: built and laid out as checked here; their outputs'
+# kvsm_testing.tiny_families: built and laid out as checked here; their outputs'
 # dependence on the KV cache is checked in transformers here and by the offline
 # pairs (test_pd_models.py: a corrupted and a swapped transfer change them), not
 # by the probe below, whose one-token change at the start of a long prompt a
@@ -274,8 +274,8 @@ def _probe_engine(kind: str, model_dir: str, out: str) -> None:
 
     import torch
 
-    from kvsm.testing.engine import _shutdown, generate_greedy, greedy_params, make_llm
-    from kvsm.testing.tiny_model import vllm_args
+    from kvsm_testing.engine import _shutdown, generate_greedy, greedy_params, make_llm
+    from kvsm_testing.tiny_model import vllm_args
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -385,7 +385,7 @@ def kind_dirs(model_dir: Path) -> dict[str, Path]:
 def test_kinds_are_built_cached_and_apart(model_dir: Path, kind_dirs: dict[str, Path]) -> None:
     from transformers import AutoConfig
 
-    from kvsm.testing.tiny_model import KINDS, model_dtype, vllm_args
+    from kvsm_testing.tiny_model import KINDS, model_dtype, vllm_args
 
     assert KINDS == ("llama", *NEW_KINDS, *FAMILIES)
     # The Llama API and directory are what they were: kind="llama" is the default.
@@ -469,7 +469,7 @@ def _run_probe(kind: str, path: Path, workdir: Path) -> dict:
     import sys
     import time
 
-    from kvsm.testing.engine import engine_env
+    from kvsm_testing.engine import engine_env
 
     workdir.mkdir(parents=True, exist_ok=True)
     out, log = workdir / "probe.json", workdir / "probe.log"
@@ -494,7 +494,7 @@ def _run_probe(kind: str, path: Path, workdir: Path) -> dict:
 def test_kind_outputs_are_distinct_and_depend_on_kv(
     kind: str, kind_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    from kvsm.testing.tiny_model import model_dtype
+    from kvsm_testing.tiny_model import model_dtype
 
     probe = _run_probe(kind, kind_dirs[kind], tmp_path)
     names = list(probe["prompt_lengths"])

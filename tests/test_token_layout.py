@@ -2,7 +2,7 @@
 kernels, checked against vLLM's own cache writer, and real NIXL reads of
 segments between two agents.
 
-``kvsm.token_layout`` says where each token of a block lives for the ``vec``
+``kvsm.vllm.token_layout`` says where each token of a block lives for the ``vec``
 and ``amx`` kernels; here vLLM's writer (``cpu_attn_reshape_and_cache``)
 fills blocks of one size, NIXL reads them segment by segment into blocks of
 another, and the result must equal what the writer puts in blocks of that
@@ -25,11 +25,11 @@ require("nixl._api")
 torch = require("torch")
 
 from kvsm.handshake import CompatInfo, compat_hash, compat_mismatch
-from kvsm.scheduler import _pair_segments
-from kvsm.token_layout import _write, planes_hold, planes_of, token_planes
+from kvsm.scheduler.half import _pair_segments
 from kvsm.transport.base import TransferState
 from kvsm.transport.layout import KVLayout, Segments, TokenPlanes, describe_kv_caches
 from kvsm.transport.nixl import NixlTransport
+from kvsm.vllm.token_layout import _write, planes_hold, planes_of, token_planes
 
 HEADS, HEAD = 2, 32
 KERNELS = [("vec", torch.float32), ("vec", torch.bfloat16), ("vec16", torch.float32)]

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from kvsm.replay import analyse
-from kvsm.testing.virtual_tp import DECODE, PREFILL, TPPair
 from kvsm.transport.memory import Fault
 from kvsm.worker.tp_map import heads_of, read_plan
+from kvsm_testing.virtual_tp import DECODE, PREFILL, TPPair
 
 SIZES = [1, 2, 4, 8]
 

@@ -1,8 +1,8 @@
 """Two hosts over a real network: the prefill server and the decode server in
 network namespaces of their own, joined by veth links, the router beside the
-decode server, UCX forced onto TCP over the KV link (``kvsm.testing.netns``,
-``kvsm.testing.two_host_pair``), and the network faults of
-``kvsm.testing.net_faults`` injected on that link while requests flow.
+decode server, UCX forced onto TCP over the KV link (``kvsm_testing.netns``,
+``kvsm_testing.two_host_pair``), and the network faults of
+``kvsm_testing.net_faults`` injected on that link while requests flow.
 
 kvsm's goals, asserted here for each fault: every request is answered right
 (the decode engine recomputes what it could not load) within 6 s (at most one
@@ -34,11 +34,11 @@ require("vllm")
 require("nixl")
 
 from kvsm.replay import analyse
-from kvsm.testing import build_tiny_model
-from kvsm.testing.net_faults import ScenarioResult, run_scenario
-from kvsm.testing.netns import TwoHosts
-from kvsm.testing.reliability import live_kvsm_requests, metric, read_records, wait_until
-from kvsm.testing.two_host_pair import TwoHostPair, read_transports
+from kvsm_testing import build_tiny_model
+from kvsm_testing.net_faults import ScenarioResult, run_scenario
+from kvsm_testing.netns import TwoHosts
+from kvsm_testing.reliability import live_kvsm_requests, metric, read_records, wait_until
+from kvsm_testing.two_host_pair import TwoHostPair, read_transports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

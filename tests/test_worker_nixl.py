@@ -57,19 +57,19 @@ from worker_peer import (
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.handshake import PROTOCOL_VERSION, CompatInfo, MetadataRequest, encode
-from kvsm.metadata import (
+from kvsm.replay import analyse
+from kvsm.transport.layout import describe_kv_caches
+from kvsm.transport.nixl import NixlTransport
+from kvsm.vllm.metadata import (
     HeartbeatTarget,
     KVSMConnectorMetadata,
     RecvAbandon,
     RecvAbort,
     RecvStart,
 )
-from kvsm.replay import analyse
-from kvsm.testing.peer_process import PeerProcess
-from kvsm.testing.ports import free_port
-from kvsm.transport.layout import describe_kv_caches
-from kvsm.transport.nixl import NixlTransport
 from kvsm.worker import WorkerHalf
+from kvsm_testing.peer_process import PeerProcess
+from kvsm_testing.ports import free_port
 
 PEER_SCRIPT = Path(__file__).with_name("worker_peer.py")
 REPO = PEER_SCRIPT.parent.parent

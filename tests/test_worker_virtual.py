@@ -1,7 +1,7 @@
 """The workers' timing logic on virtual time: windows asserted exactly.
 
 The real ``WorkerHalf``s (prefill and decode) run in this process on one
-virtual clock (``kvsm.testing.virtual_pair``: driven loops, inproc side
+virtual clock (``kvsm_testing.virtual_pair``: driven loops, inproc side
 channel, in-memory transport moving real bytes). Each scenario here is one of
 ``test_worker_nixl.py`` or ``test_reliability_worker.py`` whose point is a
 window (a lease, a timeout, a back-off, "at once"): there it runs over real
@@ -20,10 +20,10 @@ import pytest
 
 from kvsm.lifecycle.table import LEASE_MARGIN_NS
 from kvsm.replay import analyse
-from kvsm.testing.virtual_pair import BLOCK_TOKENS, DECODE, MS, S, VirtualPair
 from kvsm.transport.memory import Fault
 from kvsm.worker.context import NOTIF_POLL_MAX_NS
 from kvsm.worker.peers import CLAIM_RETRY_NS
+from kvsm_testing.virtual_pair import BLOCK_TOKENS, DECODE, MS, S, VirtualPair
 
 WIRE_NS = 200_000  # the fabric's read latency (VirtualPair)
 POLL_NS = 1 * MS  # the decode loop polls reads in flight this often (notif_poll_interval_s)

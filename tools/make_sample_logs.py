@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the sample event logs under tests/data/ from the simulation.
 
-The simulation runs the real prefill and decode workers (``kvsm.sim``); their
+The simulation runs the real prefill and decode workers (``kvsm_testing.sim``); their
 logs are ``prefill-0.worker.rank0.jsonl`` and ``decode-0.worker.rank0.jsonl``.
 
 * ``sample-clean/``: a prefill and a decode worker log of a run with every
@@ -36,7 +36,7 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import LifecycleTracker
 from kvsm.lifecycle.table import RECV, SEND
-from kvsm.sim import Faults, SimConfig, run_simulation
+from kvsm_testing.sim import Faults, SimConfig, run_simulation
 
 CLEAN_SEED = 7
 VIOLATIONS_SEED = 11

@@ -1,6 +1,6 @@
 """Reproduce the offline failure of pins that wait for an engine step, and keep its logs.
 
-Before the pin channel (``kvsm.pin_channel``), a prefill engine told its worker
+Before the pin channel (``kvsm.handoff.pins``), a prefill engine told its worker
 that a finished request was pinned only with its next engine step. Offline,
 after ``generate`` returned, nothing stepped it again, and every decode
 request failed at its handshake timeout with its claims answered "unknown".
@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "tests" / "data" / "unpinned-offline"))
     args = parser.parse_args(argv)
-    from kvsm.scheduler import PIN_VIA_STEP_ENV
-    from kvsm.testing import build_tiny_model
-    from kvsm.testing.pd_pair import PDEngine
-    from kvsm.testing.ports import free_port_run
+    from kvsm.scheduler.half import PIN_VIA_STEP_ENV
+    from kvsm_testing import build_tiny_model
+    from kvsm_testing.pd_pair import PDEngine
+    from kvsm_testing.ports import free_port_run
 
     os.environ[PIN_VIA_STEP_ENV] = "1"  # the engines inherit it: the old path
     model = build_tiny_model()

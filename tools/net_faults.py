@@ -1,5 +1,5 @@
 """Network faults between two hosts, kvsm against upstream ``NixlConnector``:
-every scenario of ``kvsm.testing.net_faults`` on a fresh two-host pair per
+every scenario of ``kvsm_testing.net_faults`` on a fresh two-host pair per
 connector (network namespaces, UCX on TCP over the KV link), one markdown
 table of what each request saw. Needs root (network namespaces) and nftables.
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvsm.testing import build_tiny_model
-from kvsm.testing.net_faults import SCENARIOS, ScenarioResult, run_scenario
-from kvsm.testing.netns import TwoHosts
-from kvsm.testing.two_host_pair import TwoHostPair
+from kvsm_testing import build_tiny_model
+from kvsm_testing.net_faults import SCENARIOS, ScenarioResult, run_scenario
+from kvsm_testing.netns import TwoHosts
+from kvsm_testing.two_host_pair import TwoHostPair
 
 KVSM_CONFIG = {"handshake_timeout": 5, "stall_timeout": 2, "peer_backoff": 1, "peer_backoff_max": 4}
 # The handshake scenario needs a peer no request has reached yet: it goes first.

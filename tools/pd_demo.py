@@ -304,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         block_sizes = (p_block, d_block)
 
     from kvsm.replay import analyse
-    from kvsm.testing import build_tiny_model
-    from kvsm.testing.servers import VLLMServer, free_port, pd_specs
+    from kvsm_testing import build_tiny_model
+    from kvsm_testing.servers import VLLMServer, free_port, pd_specs
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvsm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_nixl import BLOCKS_PER_TRANSFER, FORWARD_S, LEASE_S, Geometry, Peer
 from benchlib import Sizes
 
-from kvsm.testing.ports import free_port
+from kvsm_testing.ports import free_port
 
 # Frames that are a thread waiting, not working.
 _IDLE = ("poll (zmq", "wait (threading", "_wait_for_tstate_lock", "select (", "sleep", "recv (", "readline")

@@ -42,8 +42,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsm.testing import build_tiny_model  # noqa: E402
-from kvsm.testing.servers import VLLMServer, pd_specs, running_pair  # noqa: E402
+from kvsm_testing import build_tiny_model  # noqa: E402
+from kvsm_testing.servers import VLLMServer, pd_specs, running_pair  # noqa: E402
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}

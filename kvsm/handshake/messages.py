@@ -75,7 +75,7 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # The KV cache groups (vLLM's hybrid KV cache manager), in order: each one's
     # kind, block size and number of layers ("" for one plain group).
     kv_groups: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-    # How a block holds its tokens (``kvsm.token_layout``), "" if not known. Two
+    # How a block holds its tokens (``kvsm.vllm.token_layout``), "" if not known. Two
     # engines that name the same one may differ in block size: the decode side
     # reads in segments.
     token_layout: ShortStr = ""

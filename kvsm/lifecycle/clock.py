@@ -3,7 +3,7 @@
 Everything in kvsm that reads the time takes a ``Clock``; nothing calls
 ``time.monotonic_ns()`` directly. The system clock is for production; the
 virtual clock only moves when something moves it: a test, the replay, or an
-event loop on virtual time (``kvsm.loop``, ``mode="autojump"`` or
+event loop on virtual time (``kvsm.runtime.loop``, ``mode="autojump"`` or
 ``"driven"``), which jumps it to its next timer when it has nothing to do.
 """
 

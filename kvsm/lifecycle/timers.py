@@ -3,7 +3,7 @@
 The event loop asks ``next_deadline_ns()`` to know how long it may block in
 its poller (on virtual time: where to jump the clock when it has nothing to
 do), and ``pop_due(now_ns)`` for what has fired. The simulation's own agenda
-(``kvsm.sim``) is the very same heap on the same virtual clock.
+(``kvsm_testing.sim``) is the very same heap on the same virtual clock.
 """
 
 from __future__ import annotations

@@ -26,14 +26,14 @@ from typing import Any
 
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
-from kvsm.facts import RecvStart
+from kvsm.handoff.facts import RecvStart
+from kvsm.handoff.pins import PinChannelServer
 from kvsm.handshake import CompatInfo, HandshakeClient, HandshakeServer
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
-from kvsm.loop import EventLoop, LoopError, TimerHandle
-from kvsm.pin_channel import PinChannelServer
-from kvsm.stats import StatsRecorder
+from kvsm.runtime.loop import EventLoop, LoopError, TimerHandle
 from kvsm.transport.base import Transport, XferHandle
+from kvsm.worker.stats import StatsRecorder
 from kvsm.worker.tp_map import ReadPlan, Source
 
 log = logging.getLogger("kvsm.worker")

@@ -2,7 +2,7 @@
 
 One per worker process (one per tensor parallel rank of each pipeline stage). It owns the machines of
 the three lifecycles (recv, send, peer) and one event-loop thread
-(``kvsm.loop``) that does everything else: the side channel (a handshake
+(``kvsm.runtime.loop``) that does everything else: the side channel (a handshake
 server when this engine prefills for others, a handshake client when it
 decodes), the pin channel, every NIXL call after registration, every timer.
 
@@ -20,22 +20,22 @@ from typing import Any
 
 from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
-from kvsm.facts import StepFacts
+from kvsm.handoff.facts import StepFacts
+from kvsm.handoff.pins import PinChannelServer, PinTarget
 from kvsm.handshake import CompatInfo, HandshakeClient, HandshakeServer
 from kvsm.handshake.relay import internal_endpoint
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
 from kvsm.lifecycle.table import PEER, RECV, SEND
-from kvsm.loop import EventLoop, TimerHandle
-from kvsm.pin_channel import PinChannelServer, PinTarget
-from kvsm.stats import StatsRecorder
+from kvsm.runtime.loop import EventLoop, TimerHandle
 from kvsm.transport.base import Transport
 from kvsm.worker.context import RateLimitedLog, Results, S, log
 from kvsm.worker.peers import PeerSide
 from kvsm.worker.recovery import Recovery
 from kvsm.worker.recv import RecvSide
 from kvsm.worker.send import SendSide
+from kvsm.worker.stats import StatsRecorder
 
 
 class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):

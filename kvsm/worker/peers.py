@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from kvsm.facts import HeartbeatTarget
+from kvsm.handoff.facts import HeartbeatTarget
 from kvsm.handshake import (
     MAX_CLAIMS,
     ClaimsReply,
@@ -44,7 +44,7 @@ from kvsm.lifecycle.table import (
     RECV_CLAIMING_STATES,
     RECV_ENDING_STATES,
 )
-from kvsm.loop import LoopError
+from kvsm.runtime.loop import LoopError
 from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerEffect, PeerIO, S, WorkerContext
 
 # A claim answer (the prefill side's word), not a state of ours.

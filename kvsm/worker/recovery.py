@@ -4,7 +4,7 @@ for, and nothing it held is lost (no stranded machine, no unarmed timer)."""
 from __future__ import annotations
 
 from kvsm.lifecycle import events as ev
-from kvsm.loop import LoopError
+from kvsm.runtime.loop import LoopError
 from kvsm.worker.context import SendIO, WorkerContext, log
 
 

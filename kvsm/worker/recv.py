@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvsm.facts import RecvAbandon, RecvAbort, RecvStart
+from kvsm.handoff.facts import RecvAbandon, RecvAbort, RecvStart
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import PEER_UNREACHABLE_STATES, RECV, RECV_EARLY_POST_STATES
-from kvsm.loop import LoopError
+from kvsm.runtime.loop import LoopError
 from kvsm.transport.base import Heads, TransferState, XferHandle
 from kvsm.worker.context import NOTIF_FOLLOW_UP_NS, PeerIO, RecvEffect, RecvIO, S
 from kvsm.worker.recv_plan import RecvPlanning, describe_segments, segments_of

@@ -12,7 +12,7 @@ layer of ours must come from some stage, for every run of heads.
 
 from __future__ import annotations
 
-from kvsm.facts import RecvStart
+from kvsm.handoff.facts import RecvStart
 from kvsm.transport.layout import Segments
 from kvsm.worker.context import Link, RecvIO, WorkerContext
 from kvsm.worker.tp_map import HeadRun, ReadPlan, Source, read_plan

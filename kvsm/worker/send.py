@@ -1,6 +1,6 @@
 """The sending side (prefill engine): requests whose blocks decode engines read.
 
-SendFinish(ok), straight from the scheduler (``kvsm.pin_channel``, not with a
+SendFinish(ok), straight from the scheduler (``kvsm.handoff.pins``, not with a
 later step) -> finished_ok: pin, arm the lease from the scheduler's decision
 -> the decode side's read notification -> read_notif: free_blocks, i.e.
 finished_sending. Claims and heartbeats extend the lease; expiry frees the
@@ -14,11 +14,11 @@ the finish too waits in ``read_early``.
 
 from __future__ import annotations
 
-from kvsm.facts import SendFinish
+from kvsm.handoff.facts import SendFinish
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import CLAIM_ANSWERS, SEND, SEND_NEW_AFTER_END
-from kvsm.loop import LoopError
+from kvsm.runtime.loop import LoopError
 from kvsm.worker.context import (
     NOTIF_FAST_WINDOW_NS,
     NOTIF_FOLLOW_UP_NS,
