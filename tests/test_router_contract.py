@@ -41,7 +41,7 @@ Sources of the contracts (as stored in the public index this was written from):
   the decode request gets ``prefill_result["disaggregated_params"]
   ["kv_transfer_params"]`` and fails without it). Dynamo runs kvsm under the
   name it accepts: ``kv_connector "NixlConnector"`` loaded from
-  ``kv_connector_module_path "kvsm.vllm.plugin"``.
+  ``kv_connector_module_path "kvsm.plugin"``.
 * vLLM's push-mode proxy, ``vllm-project/vllm``
   ``examples/disaggregated/disaggregated_serving/disagg_proxy_pushconnector_demo.py``
   (``PushProxy._build_decode_kv_params``): the decode engine gets the prefill
@@ -78,7 +78,7 @@ NIXL_PULL_PREFILL_PARAMS: dict[str, Any] = {
 
 # What an operator puts in --kv-transfer-config to run kvsm under Dynamo: the only
 # name Dynamo's make_kv_connector_protocol accepts that kvsm can answer to.
-DYNAMO_KVSM_CONFIG = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kvsm.vllm.plugin"}
+DYNAMO_KVSM_CONFIG = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kvsm.plugin"}
 
 # A client's request, with the fields the routers rewrite for the prefill leg.
 CLIENT_BODY: dict[str, Any] = {"model": "m", "prompt": "p", "max_tokens": CLIENT_MAX_TOKENS, "min_tokens": 2,
@@ -429,7 +429,7 @@ def test_dynamo_spelling_inside_vllms_multi_connector_runs_kvsm() -> None:
 
 def test_the_alias_loads_kvsm_and_leaves_upstreams_nixl_connector_alone() -> None:
     """Dynamo's spelling resolves to kvsm in vLLM's real ``KVConnectorFactory``:
-    ``kvsm.vllm.plugin.NixlConnector`` is KVSMConnector for a config that names the
+    ``kvsm.plugin.NixlConnector`` is KVSMConnector for a config that names the
     module; vLLM's registry keeps upstream's NixlConnector for every other one,
     however often the plugin registers."""
     from vllm.config import KVTransferConfig
