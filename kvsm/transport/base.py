@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvsm.transport.layout import Segments
+    from kvsm.transport.regions import Segments
 
 # Heads ``(start, count, of)``: a run of a block's heads (a tensor parallel
 # rank's share); None: the whole block.

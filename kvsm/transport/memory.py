@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from kvsm.lifecycle.clock import Clock
 from kvsm.transport.base import Heads, TransferState, Transport, XferHandle
-from kvsm.transport.layout import KVLayout, Region, Segments, TokenPlanes
+from kvsm.transport.regions import KVLayout, Region, Segments, TokenPlanes
 
 
 class Fault(enum.Enum):

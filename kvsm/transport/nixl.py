@@ -64,7 +64,7 @@ import msgspec
 import numpy as np
 
 from kvsm.transport.base import Heads, TransferState, Transport, XferHandle
-from kvsm.transport.layout import KVLayout, Segments
+from kvsm.transport.regions import KVLayout, Segments
 
 log = logging.getLogger(__name__)
 
