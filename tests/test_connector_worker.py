@@ -188,8 +188,9 @@ def test_side_channel_refusals_are_counted_in_the_stats(connector: KVSMConnector
 
 
 def test_a_clean_shutdown_ends_the_log_with_what_was_live(tmp_path: Any) -> None:
-    """The worker's last record names the requests still live and the per-request
-    state still held, so replay can tell a clean stop from a crash."""
+    """A clean stop ends every live request (closed at shutdown, its pinned blocks
+    freed) and then writes the clean-stop record, so replay finds nothing open; the
+    same log cut before the stop reads as a crash."""
     import json
 
     from kvsm.vllm.metadata import SendFinish, SendStart
@@ -210,21 +211,26 @@ def test_a_clean_shutdown_ends_the_log_with_what_was_live(tmp_path: Any) -> None
     finally:
         c.shutdown()
     (path,) = [p for p in tmp_path.iterdir() if ".worker." in p.name]
-    last = json.loads(path.read_text().splitlines()[-1])
+    lines = path.read_text().splitlines(keepends=True)
+    records = [json.loads(line) for line in lines]
+    last = records[-1]
     assert last["event"] == "worker.shutdown" and last["clean"] is True, last
-    assert last["live"] == {"recv": {}, "send": {"pinned-1": "awaiting_pull"}}
-    assert last["resources"]["send_machines"] == 1 and last["resources"]["recv_io"] == 0
+    # The pinned request ended closed at shutdown (its blocks freed) before the record.
+    (closing,) = [i for i, r in enumerate(records) if r.get("event") == "shutdown"]
+    assert (records[closing]["src"], records[closing]["dst"]) == ("awaiting_pull", "closed_at_shutdown")
+    assert "free_blocks" in records[closing]["effects"], records[closing]
+    assert last["live"] == {"recv": {}, "send": {}}
+    assert last["resources"]["send_machines"] == 0 and last["resources"]["recv_io"] == 0
     assert last["side_channel"]["served"] == {} and last["side_channel"]["errors"] == {}, last["side_channel"]
-    # Replay takes the record's word: the pinned request is open at a clean
-    # shutdown, not a violation; the same log cut before the record is a crash.
+    # Replay finds every request ended; the same log cut before the stop is a crash.
     from kvsm.replay import analyse
 
     report = analyse([path])
     assert report.exit_code == 0, [str(f) for f in report.findings]
-    assert [(o.lifecycle, o.req, o.state, o.blocks) for o in report.open_at_shutdown] == [
-        ("send", "pinned-1", "awaiting_pull", 2)]
+    assert report.open_at_shutdown == []
+    assert [m.final_state for m in report.machines if m.req == "pinned-1"] == ["closed_at_shutdown"]
     crashed = tmp_path / "crashed.jsonl"
-    crashed.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+    crashed.write_text("".join(lines[:closing]))
     assert [f.kind for f in analyse([crashed]).findings] == ["not_terminal_at_end"]
 
 

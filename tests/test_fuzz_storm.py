@@ -520,7 +520,7 @@ def test_the_books_balance_after_a_clean_stop(storm: Storm) -> None:
     # Nothing live, nothing held on either side. Not per request: peers, sockets,
     # readers, the prefill's notification poll (one timer, armed for good once a
     # reader has connected). The fuzzer's abandons of unknown requests are early
-    # abandons (send machines in abandoned_early), forgotten at the clean stop.
+    # abandons (send machines in abandoned_early), closed at the clean stop.
     for engine, rec in shutdown.items():
         assert rec["live"] == {"recv": {}, "send": {}}, (engine, rec["live"])
         held = {k: v for k, v in rec["resources"].items()
@@ -542,9 +542,10 @@ def test_the_books_balance_after_a_clean_stop(storm: Storm) -> None:
     assert {m.final_state for m in recv} == {"done"} and {m.final_state for m in send} == {"released"}
     assert pin_report.real_ids <= {m.req for m in send}  # what the fuzzer named were real requests
     # The fuzzer's abandons of requests the engine never had, each remembered as an
-    # early abandon until the clean stop forgot it (the storm is shorter than a lease):
+    # early abandon until the clean stop closed it (the storm is shorter than a lease):
     # at most 4096 at once, the worker's bound on what a hostile peer makes it hold.
-    assert {m.final_state for m in early} <= {"forgotten"}, Counter(m.final_state for m in early)
+    assert {m.final_state for m in early} <= {"forgotten", "closed_at_shutdown"}, Counter(
+        m.final_state for m in early)
     assert len(early) == min(4096, report.abandoned_claims), (len(early), report.abandoned_claims)
 
 

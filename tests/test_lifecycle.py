@@ -53,18 +53,20 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "read_failed": ev.ReadFailed(req="p", why="EIO"),
     "backoff_over": ev.BackoffOver(req="p"),
     "closed": ev.Closed(req="p"),
+    "shutdown": ev.Shutdown(req="r"),
 }
 
 
 def test_every_trigger_has_a_typed_event() -> None:
     triggers = set().union(*(spec.triggers for spec in LIFECYCLES.values()))
     assert triggers <= set(ev.EVENT_TYPES), triggers - set(ev.EVENT_TYPES)
-    assert set(SAMPLE_EVENTS) == set(ev.EVENT_TYPES)
+    assert set(SAMPLE_EVENTS) == set().union(*(spec.triggers for spec in (RECV, SEND, LIFECYCLES["peer"])))
 
 
 def test_lifecycles_of_design() -> None:
-    assert RECV.initial == "new" and RECV.terminal == {"done", "failed", "aborted"}
-    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired", "forgotten"}
+    assert RECV.initial == "new" and RECV.terminal == {"done", "failed", "aborted", "closed_at_shutdown"}
+    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired", "forgotten",
+                                                              "closed_at_shutdown"}
     # The happy paths of docs/design.md.
     t = LifecycleTracker(RECV, VirtualClock(), policy=IllegalEventPolicy.RAISE)
     t.create("r")
@@ -159,10 +161,13 @@ def test_a_read_notification_before_its_claim_is_held() -> None:
 
 
 def test_blocks_are_never_handed_back_while_a_read_may_write() -> None:
-    """After reads are posted, only quiescence (or a finished/errored read) releases blocks."""
+    """After reads are posted, only quiescence (or a finished/errored read) releases blocks
+    (or the clean stop: the process ends, and vLLM takes nothing back after it)."""
     releasing = {"deliver_blocks", "report_invalid", "release_blocks"}
     checked = set()
     for (src, trigger), rules in RECV.rules.items():
+        if trigger == "shutdown":
+            continue
         for rule in rules:
             if src in ("transferring", "failing", "aborting") and releasing & set(rule.effects):
                 assert trigger in ("all_reads_done", "error", "reads_quiesced"), (src, trigger)
@@ -172,6 +177,29 @@ def test_blocks_are_never_handed_back_while_a_read_may_write() -> None:
                 checked.add(src)
     # Each of those states does release blocks somewhere (else the checks above saw nothing).
     assert checked == {"transferring", "failing", "aborting", "reading_unclaimed"}, checked
+
+
+def test_a_clean_stop_ends_every_live_request_and_hands_back_what_it_holds() -> None:
+    """Every live state of recv and send has a ``shutdown`` rule to the terminal
+    ``closed_at_shutdown``; whatever holds blocks there releases them, so a log that
+    ends with a clean stop balances the block ledger."""
+    for spec in (RECV, SEND):
+        assert "closed_at_shutdown" in spec.terminal
+        for state in set(spec.states) - spec.terminal:
+            (rule,) = spec.rules[(state, "shutdown")]
+            assert rule.dest == "closed_at_shutdown" and not rule.conditions, (spec.name, state)
+    t = LifecycleTracker(SEND, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    t.create("p")
+    t.apply(ev.FinishedOk(req="p", block_ids=(1, 2)))
+    o = t.apply(ev.Shutdown(req="p"))
+    assert (o.src, o.dst, o.effects) == ("awaiting_pull", "closed_at_shutdown", ("cancel_lease", "free_blocks"))
+    assert t.final_state("p") == "closed_at_shutdown"
+    r = LifecycleTracker(RECV, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    r.create("r")
+    for name in ("matched", "allocated", "handshake_ok", "reads_posted"):
+        r.apply(SAMPLE_EVENTS[name])
+    o = r.apply(ev.Shutdown(req="r"))
+    assert (o.src, o.dst) == ("transferring", "closed_at_shutdown") and "release_blocks" in o.effects
 
 
 def test_declaration_errors_name_the_problem() -> None:

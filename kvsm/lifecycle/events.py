@@ -237,6 +237,12 @@ class Closed(Event, frozen=True, tag="closed"):
     """The worker shuts down: it forgets the peer."""
 
 
+class Shutdown(Event, frozen=True, tag="shutdown"):
+    """The worker shuts down (a clean stop) while this request is still live:
+    what it holds goes back, so its last record says it ended closed at
+    shutdown instead of leaving it open as a crash would."""
+
+
 AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __args__)
     Matched,
     Allocated,
@@ -263,6 +269,7 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     ReadFailed,
     BackoffOver,
     Closed,
+    Shutdown,
 ]
 
 EVENT_TYPES: dict[str, type[Event]] = {

@@ -153,6 +153,7 @@ RECV_STATES = [
     "done",
     "failed",
     "aborted",
+    "closed_at_shutdown",
 ]
 
 _FAILURES = ["error", "timeout", "peer_dead", "internal_error"]
@@ -234,10 +235,15 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "abort", "source": "failing", "dest": "aborting"},
     *_each(["all_reads_done", "reads_quiesced", "error"], source="aborting", dest="aborted",
            after=["notify_abandon", "release_reads", "release_blocks", "cancel_timers"]),
+    # A clean stop: whatever is live ends here, its blocks going back (the process
+    # ends, so no read can land anywhere vLLM would look).
+    {"trigger": "shutdown", "source": [s for s in RECV_STATES if s not in ("done", "failed", "aborted",
+                                                                            "closed_at_shutdown")],
+     "dest": "closed_at_shutdown", "after": ["release_reads", "release_blocks", "cancel_timers"]},
 ]
 
 _RECV_LATER = ["remote_known", "transferring", "failing", "aborting"]
-_RECV_ENDS = ["done", "failed", "aborted"]
+_RECV_ENDS = ["done", "failed", "aborted", "closed_at_shutdown"]
 RECV_STALE: list[dict[str, Any]] = [
     {"trigger": "handshake_ok", "source": _RECV_LATER,
      "why": "an answer to a second claim: the first one moved the request on"},
@@ -247,7 +253,8 @@ RECV_STALE: list[dict[str, Any]] = [
      "source": _RECV_ENDS, "why": "the request ended (and vLLM was told) before this input arrived"},
 ]
 
-SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "released", "expired", "forgotten"]
+SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "released", "expired", "forgotten",
+               "closed_at_shutdown"]
 
 SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "finished_ok", "source": "prefilling", "dest": "awaiting_pull",
@@ -291,11 +298,20 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
      "after": ["cancel_abandon_timer", "pin_blocks", "arm_lease"]},
     *_each(["abort", "finished_abnormally"], source="read_early", dest="released", after="cancel_abandon_timer"),
     {"trigger": "abandon_expired", "source": "read_early", "dest": "forgotten"},
+    # A clean stop: pinned blocks are freed (finished_sending, so the block ledger
+    # balances); a request not pinned yet holds nothing, its timers stop.
+    {"trigger": "shutdown", "source": "awaiting_pull", "dest": "closed_at_shutdown",
+     "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "shutdown", "source": "prefilling", "dest": "closed_at_shutdown"},
+    {"trigger": "shutdown", "source": ["abandoned_early", "read_early"], "dest": "closed_at_shutdown",
+     "after": "cancel_abandon_timer"},
 ]
 
 SEND_STALE: list[dict[str, Any]] = [
     {"trigger": ["finished_ok", "finished_abnormally", "abort"], "source": ["awaiting_pull", "released", "expired"],
      "why": "told twice (a direct hand-off that partly failed also goes with the next step)"},
+    {"trigger": ["finished_ok", "finished_abnormally", "abort", "remote_abandoned", "read_notif", "heartbeat"],
+     "source": "closed_at_shutdown", "why": "the worker was shutting down: it had let the request go"},
     {"trigger": "remote_abandoned", "source": ["abandoned_early", "released", "expired", "forgotten"],
      "why": "nothing is pinned for it (abandoned twice, or released already)"},
     {"trigger": "read_notif", "source": "released",
@@ -322,6 +338,7 @@ CLAIM_ANSWERS: Mapping[str | None, str] = {
     "released": "expired",
     "expired": "expired",
     "forgotten": "unknown",
+    "closed_at_shutdown": "expired",
 }
 
 PEER_STATES = ["unconnected", "alive", "stale", "dead", "probing", "closed"]
@@ -559,7 +576,7 @@ RECV = LifecycleSpec(
     name="recv",
     states=tuple(RECV_STATES),
     initial="new",
-    terminal=frozenset({"done", "failed", "aborted"}),
+    terminal=frozenset({"done", "failed", "aborted", "closed_at_shutdown"}),
     transitions=tuple(RECV_TRANSITIONS),
     entry_states=frozenset({"new", "pending_handshake"}),
     named_violations={},
@@ -570,7 +587,7 @@ SEND = LifecycleSpec(
     name="send",
     states=tuple(SEND_STATES),
     initial="prefilling",
-    terminal=frozenset({"released", "expired", "forgotten"}),
+    terminal=frozenset({"released", "expired", "forgotten", "closed_at_shutdown"}),
     transitions=tuple(SEND_TRANSITIONS),
     entry_states=frozenset({"prefilling"}),
     named_violations={

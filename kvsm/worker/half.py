@@ -235,11 +235,12 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
         # Peers are closed first: a peer is no request, and its machine ends here.
         for m in self.peers.live():
             self._apply_peer(ev.Closed(req=m.req))
-        # Early abandons hold nothing: the timers that would forget them fire now.
-        for req, io in list(self._send_io.items()):
-            if io.abandon_timer is not None:
-                self.loop.cancel(io.abandon_timer)
-                self._abandon_expired(req)
+        # Every request still live ends closed at shutdown: pinned blocks are freed,
+        # blocks taken for reads go back, so the log's last records balance the ledger.
+        for m in self.send.live():
+            self._guard(m.req, self._apply_send, ev.Shutdown(req=m.req))
+        for m in self.recv.live():
+            self._guard(m.req, self._apply_recv, ev.Shutdown(req=m.req))
         self._note("worker.shutdown", None, clean=True,
                    live={"recv": {m.req: m.state for m in self.recv.live()},
                          "send": {m.req: m.state for m in self.send.live()}},
