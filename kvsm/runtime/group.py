@@ -12,16 +12,34 @@ earliest timer of any loop) only when nothing can run. Same inputs, same run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 
-from kvsm.lifecycle.clock import VirtualClock
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvsm.runtime.loop import EventLoop
+from kvsm.lifecycle.clock import Clock, VirtualClock
 
 MAX_ROUNDS = 100_000
+
+
+class DrivenLoop(Protocol):
+    """What the group drives of a ``kvsm.runtime.loop.EventLoop`` (a protocol, so
+    that the group and the loop do not import each other)."""
+
+    name: str
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def driven_running(self) -> bool: ...
+
+    def run_once(self) -> int: ...
+
+    def has_work_due(self) -> bool: ...
+
+    def next_deadline_ns(self) -> int | None: ...
+
+    def stop(self, timeout: float = ...) -> bool: ...
 
 
 class DrivenLoops:
@@ -30,7 +48,7 @@ class DrivenLoops:
     def __init__(self, clock: VirtualClock, context: zmq.Context | None = None) -> None:
         self.clock = clock
         self.context = context if context is not None else zmq.Context()
-        self.loops: list[EventLoop] = []
+        self.loops: list[DrivenLoop] = []
         # Loops that do not run for now (a process cut off by a partition: its
         # sockets stay open, what is sent to it waits, its timers do not fire).
         self.frozen: set[int] = set()
@@ -39,7 +57,7 @@ class DrivenLoops:
         """EventLoop keyword arguments for a loop of this group (clock passed apart)."""
         return {"mode": "driven", "context": self.context, "group": self}
 
-    def add(self, loop: EventLoop) -> None:
+    def add(self, loop: DrivenLoop) -> None:
         """Called by EventLoop's constructor for a loop made with ``group=self``."""
         if loop.clock is not self.clock:
             raise ValueError(f"loop {loop.name!r} is not on the group's clock")

@@ -7,6 +7,9 @@ kvsm gives each process exactly one thread that owns all of it, so nothing
 that touches a socket or a NIXL handle ever needs a lock, and every outcome
 comes out of one place in one order.
 
+The machinery the loop thread runs each iteration (poller, readers, timers,
+counters) is ``kvsm.runtime.dispatch``; this module is the loop's public face.
+
 How other threads talk to it (trio's *entry queue* idea, ``kvsm.runtime.entry``):
 they never touch a socket or a timer; they hand a callable to ``post`` (fire
 and forget) or ``call`` (wait for the result, with a timeout). ``post``
@@ -47,17 +50,17 @@ Time (``mode``). Timer deadlines and ``now_ns`` read the injectable clock.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Literal, Self, TypeVar
+from typing import Final, Literal, Protocol, Self, TypeVar
 
 import zmq
 
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
-from kvsm.lifecycle.timers import TimerHandle, TimerHeap
+from kvsm.lifecycle.timers import TimerHandle
+from kvsm.runtime.dispatch import MAX_BATCH, MAX_BLOCK_MS, Dispatch
 from kvsm.runtime.entry import (
     CallSlot,
     EntryQueue,
@@ -65,14 +68,10 @@ from kvsm.runtime.entry import (
     LoopFull,
     LoopRejected,
     LoopStopped,
-    Posted,
     Where,
     WrongThread,
     describe,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvsm.runtime.group import DrivenLoops
 
 __all__ = [
     "EventLoop",
@@ -81,6 +80,8 @@ __all__ = [
     "LoopMode",
     "LoopRejected",
     "LoopStopped",
+    "MAX_BATCH",
+    "MAX_BLOCK_MS",
     "TimerHandle",
     "Where",
     "WrongThread",
@@ -88,18 +89,10 @@ __all__ = [
 
 T = TypeVar("T")
 
-log = logging.getLogger(__name__)
-
 LoopMode = Literal["real", "autojump", "driven"]
 _MODES: Final = ("real", "autojump", "driven")
 
 THREAD_NAME_PREFIX: Final = "kvsm-loop-"
-# Longest single wait in the poller: even an idle loop with no timers looks at
-# its stop flag this often, and no wait is ever unbounded.
-MAX_BLOCK_MS: Final = 1000
-# Posted callables run per iteration at most; the rest wait one iteration, so
-# timers and sockets get their turn even under a flood of posts.
-MAX_BATCH: Final = 1024
 # run_until_idle gives up after this many busy iterations (a reader that never
 # drains, or a callable that re-posts itself forever).
 MAX_IDLE_ITERATIONS: Final = 100_000
@@ -110,17 +103,11 @@ _NS_PER_MS: Final = 1_000_000
 _wake_endpoint_ids = itertools.count()
 
 
-class _Timer:
-    """What a timer runs; ``done`` lets ``cancel`` stop a timer that is due but
-    not yet run in the current batch (the heap already counts it as fired)."""
+class LoopGroup(Protocol):
+    """What a loop made with ``group=`` joins (``kvsm.runtime.group.DrivenLoops``;
+    a protocol here so that the group and the loop do not import each other)."""
 
-    __slots__ = ("done", "fn", "label", "req")
-
-    def __init__(self, fn: Callable[[], None], req: str | None, label: str) -> None:
-        self.fn = fn
-        self.req = req
-        self.label = label
-        self.done = False
+    def add(self, loop: EventLoop) -> None: ...
 
 
 class EventLoop:
@@ -143,7 +130,7 @@ class EventLoop:
         max_pending: int = 100_000,
         mode: LoopMode = "real",
         autojump_threshold_s: float = 0.001,
-        group: DrivenLoops | None = None,
+        group: LoopGroup | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
@@ -156,27 +143,13 @@ class EventLoop:
         self.name = name
         self.mode = mode
         self._clock = clock
-        self._autojump = mode == "autojump"
-        self._autojump_ms = -(-int(autojump_threshold_s * 1e9) // _NS_PER_MS)
+        autojump_ms = -(-int(autojump_threshold_s * 1e9) // _NS_PER_MS)
         self._context = context if context is not None else zmq.Context.instance()
-        self._on_error = on_error
         # Entry queue and wake pair, shared with posting threads (kvsm.runtime.entry).
         endpoint = f"inproc://kvsm-loop-wake-{next(_wake_endpoint_ids)}-{id(self):x}"
         self._entry = EntryQueue(self._context, max_pending, endpoint)
-        self._wake_rx = self._entry.rx
-
         # Loop-thread state: touched only by the loop thread once it runs.
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_rx, zmq.POLLIN)
-        self._readers: dict[zmq.Socket, tuple[Callable[[], object], str]] = {}
-        self._owned: set[zmq.Socket] = set()
-        self._timers: TimerHeap[_Timer] = TimerHeap()
-        self._run_count = 0
-        self._timers_fired = 0
-        self._errors = 0
-        self._on_error_failures = 0
-        self._discarded = 0
-        self._iterations = 0
+        self._core = Dispatch(name, self._entry, clock, on_error, autojump_ms if mode == "autojump" else None)
 
         self._thread: threading.Thread | None = None
         self._driven = False  # mode "driven" and started
@@ -219,7 +192,7 @@ class EventLoop:
         thread = self._thread
         if thread is None:
             if first:
-                self._shut_down()
+                self._core.shut_down()
                 self._loop_ident = None
             return True
         if self.in_loop_thread():
@@ -297,19 +270,20 @@ class EventLoop:
         when posts come in bursts. ``errors`` counts exceptions handed to
         ``on_error`` (those ``call`` returns to its caller are not errors).
         """
+        core = self._core
         return {
             "posted": self._entry.posted,
-            "run": self._run_count,
-            "timers_fired": self._timers_fired,
-            "timers_pending": len(self._timers),
-            "errors": self._errors,
-            "on_error_failures": self._on_error_failures,
+            "run": core.run_count,
+            "timers_fired": core.timers_fired,
+            "timers_pending": len(core.timers),
+            "errors": core.errors,
+            "on_error_failures": core.on_error_failures,
             "dropped_posts": self._entry.dropped,
-            "discarded": self._discarded,
+            "discarded": core.discarded,
             "wakeups": self._entry.wakeups,
-            "iterations": self._iterations,
+            "iterations": core.iterations,
             "pending": len(self._entry.items),
-            "readers": len(self._readers),
+            "readers": len(core.readers),
         }
 
     # ------------------------------------------------------- loop thread only
@@ -340,21 +314,12 @@ class EventLoop:
         return self._schedule(deadline_ns, fn, req, label)
 
     def _schedule(self, deadline_ns: int, fn: Callable[[], None], req: str | None, label: str) -> TimerHandle:
-        if not callable(fn):
-            raise TypeError(f"a timer needs a callable, got {fn!r}")
-        return self._timers.schedule(deadline_ns, label, _Timer(fn, req, label))
+        return self._core.schedule(deadline_ns, fn, req, label)
 
     def cancel(self, handle: TimerHandle | None) -> bool:
         """Cancel a timer; False if it already ran or was cancelled."""
         self._check_thread("cancel")
-        if handle is None:
-            return False
-        entry = handle.payload
-        if not isinstance(entry, _Timer) or entry.done:
-            return False
-        entry.done = True
-        self._timers.cancel(handle)  # False when it is already popped as due: still cancelled
-        return True
+        return self._core.cancel(handle)
 
     def add_reader(self, sock: zmq.Socket, callback: Callable[[], object], *, label: str = "") -> None:
         """Call ``callback`` on the loop whenever ``sock`` has a message waiting.
@@ -366,19 +331,12 @@ class EventLoop:
         Close a registered socket with ``close_socket``, never directly.
         """
         self._check_thread("add_reader")
-        if not callable(callback):
-            raise TypeError(f"add_reader needs a callable, got {callback!r}")
-        if sock not in self._readers:
-            self._poller.register(sock, zmq.POLLIN)
-        self._readers[sock] = (callback, label)
+        self._core.add_reader(sock, callback, label)
 
     def remove_reader(self, sock: zmq.Socket) -> bool:
         """Stop watching ``sock`` (it stays open, and the caller's again); False if not watched."""
         self._check_thread("remove_reader")
-        if self._readers.pop(sock, None) is None:
-            return False
-        self._poller.unregister(sock)
-        return True
+        return self._core.remove_reader(sock)
 
     def socket(self, socket_type: int) -> zmq.Socket:
         """A new socket on the loop's context, owned by the loop (closed by ``stop``).
@@ -389,16 +347,13 @@ class EventLoop:
         self._check_thread("socket")
         sock = self._context.socket(socket_type)
         sock.setsockopt(zmq.LINGER, 0)
-        self._owned.add(sock)
+        self._core.owned.add(sock)
         return sock
 
     def close_socket(self, sock: zmq.Socket) -> None:
         """Stop watching ``sock`` and close it."""
         self._check_thread("close_socket")
-        if sock in self._readers:
-            self.remove_reader(sock)
-        self._owned.discard(sock)
-        sock.close(linger=0)
+        self._core.close_socket(sock)
 
     # ------------------------------------------------------------ the loop
 
@@ -406,10 +361,10 @@ class EventLoop:
         self._loop_ident = threading.get_ident()
         try:
             while not self._entry.stopping:
-                if self._guarded_iterate(None) < 0:
+                if self._core.guarded_iterate(None) < 0:
                     time.sleep(_POLL_ERROR_BACKOFF_S)
         finally:
-            self._shut_down()
+            self._core.shut_down()
             # Thread ids are reused: a later thread must not pass for this loop's.
             self._loop_ident = None
 
@@ -422,9 +377,9 @@ class EventLoop:
         self._check_thread("run_once")
         if self._entry.stopping:
             return 0
-        if self._readers:
-            self._forget_closed_readers()
-        return max(0, self._guarded_iterate(0))
+        if self._core.readers:
+            self._core.forget_closed_readers()
+        return max(0, self._core.guarded_iterate(0))
 
     def run_until_idle(self, max_iterations: int = MAX_IDLE_ITERATIONS) -> int:
         """Driven mode: ``run_once`` until it finds nothing to do; returns the work done.
@@ -446,153 +401,9 @@ class EventLoop:
     def next_deadline_ns(self) -> int | None:
         """The earliest pending timer's deadline (loop clock), or None: where a
         driver of several loops moves the clock when none has work."""
-        return self._timers.next_deadline_ns()
+        return self._core.timers.next_deadline_ns()
 
     def has_work_due(self) -> bool:
         """A post is queued or a timer is due (sockets not looked at)."""
-        deadline = self._timers.next_deadline_ns()
+        deadline = self._core.timers.next_deadline_ns()
         return bool(self._entry.items) or (deadline is not None and deadline <= self._clock.monotonic_ns())
-
-    def _guarded_iterate(self, timeout_ms: int | None) -> int:
-        """One iteration; -1 when the loop's own machinery raised (reported)."""
-        try:
-            return self._iterate(self._poll_timeout_ms() if timeout_ms is None else timeout_ms)
-        except zmq.ContextTerminated as exc:
-            # Without its context the loop can do nothing: say so and stop.
-            self._report(exc, None, "context terminated", "loop", None)
-            self._entry.stop()
-        except BaseException as exc:  # noqa: BLE001 - the loop must not die
-            self._report(exc, None, "loop iteration", "loop", None)
-        return -1
-
-    def _iterate(self, timeout_ms: int) -> int:
-        ready = self._poller.poll(timeout_ms)
-        self._iterations += 1
-        woke = False
-        readable: list[zmq.Socket] = []
-        for sock, _events in ready:
-            if sock is self._wake_rx:
-                woke = True
-            else:
-                readable.append(sock)
-        if woke:
-            self._entry.drain_wake()
-        elif self._autojump and not ready and not self._entry.items:
-            # Nothing happened for the threshold: virtual time moves to the next timer.
-            deadline = self._timers.next_deadline_ns()
-            if deadline is not None:
-                self._clock.jump_to(deadline)  # type: ignore[attr-defined]
-        before = self._run_count + self._timers_fired
-        self._run_due_timers()
-        if woke or self._entry.items:
-            self._run_posted()
-        if readable:
-            self._dispatch(readable)
-        return self._run_count + self._timers_fired - before + len(readable)
-
-    def _poll_timeout_ms(self) -> int:
-        """How long the poller may block: until the next timer, rounded up
-        (a timer never fires early), at most ``MAX_BLOCK_MS``; 0 with work queued."""
-        if self._entry.items:
-            return 0
-        if self._readers:
-            self._forget_closed_readers()
-        deadline = self._timers.next_deadline_ns()
-        if deadline is None:
-            return MAX_BLOCK_MS
-        wait_ns = deadline - self._clock.monotonic_ns()
-        if wait_ns <= 0:
-            return 0
-        if self._autojump:
-            return self._autojump_ms
-        return min(MAX_BLOCK_MS, -(-wait_ns // _NS_PER_MS))
-
-    def _forget_closed_readers(self) -> None:
-        """A socket closed behind the loop's back must leave the poller: zmq would
-        poll fd 0 in its place (pyzmq passes a NULL handle)."""
-        closed = [s for s in self._readers if s.closed]
-        for sock in closed:
-            _, label = self._readers.pop(sock)
-            self._poller.unregister(sock)
-            self._owned.discard(sock)
-            err = RuntimeError("socket was closed while registered; use close_socket()")
-            self._report(err, None, label, "reader", None)
-
-    def _run_due_timers(self) -> None:
-        if not self._timers:
-            return
-        for handle in self._timers.pop_due(self._clock.monotonic_ns()):
-            entry: _Timer = handle.payload
-            if entry.done:
-                continue  # cancelled by a timer that ran before it in this batch
-            if self._entry.stopping:
-                return
-            entry.done = True
-            try:
-                entry.fn()
-            except BaseException as exc:  # noqa: BLE001 - the loop must not die
-                self._report(exc, entry.req, entry.label, "timer", entry.fn)
-            self._timers_fired += 1
-
-    def _run_posted(self) -> None:
-        # No lock held while they run: posters never wait on a callable.
-        batch_iter = iter(self._entry.take(MAX_BATCH))
-        entry = self._entry
-        for fn, req, label in batch_iter:
-            if entry.stopping:
-                self._discard(itertools.chain([(fn, req, label)], batch_iter))
-                return
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - the loop must not die
-                where: Where = "call" if isinstance(fn, CallSlot) else "post"
-                self._report(exc, req, label, where, fn)
-            self._run_count += 1
-
-    def _dispatch(self, readable: list[zmq.Socket]) -> None:
-        for sock in readable:
-            if self._entry.stopping:
-                return
-            entry = self._readers.get(sock)
-            if entry is None:
-                continue  # removed by an earlier callback in this iteration
-            callback, label = entry
-            if sock.closed:
-                self._forget_closed_readers()
-                continue
-            try:
-                callback()
-            except BaseException as exc:  # noqa: BLE001 - the loop must not die
-                self._report(exc, None, label, "reader", callback)
-
-    def _report(self, exc: BaseException, req: str | None, label: str, where: Where, fn: object) -> None:
-        self._errors += 1
-        error = LoopError(exc, req, label or (describe(fn) if fn is not None else ""), where)
-        handler = self._on_error
-        if handler is None:
-            log.error("loop %r: %s", self.name, error, exc_info=exc)
-            return
-        try:
-            handler(error)
-        except BaseException:  # nor may its error handler kill it
-            self._on_error_failures += 1
-            log.exception("loop %r: on_error raised while handling %s", self.name, error)
-
-    def _discard(self, items: Iterable[Posted]) -> None:
-        """Drop posted callables that will never run; wake their ``call`` waiters."""
-        for fn, _req, label in items:
-            self._discarded += 1
-            if isinstance(fn, CallSlot):
-                fn.fail(LoopStopped(f"loop {self.name!r} stopped before call {label!r} ran"))
-
-    def _shut_down(self) -> None:
-        """Drop what is left and close every socket the loop owns (runs once, last)."""
-        self._discard(self._entry.take_all())
-        for sock in list(self._readers) + list(self._owned):
-            try:
-                sock.close(linger=0)
-            except zmq.ZMQError:  # pragma: no cover - closing a socket of a dead context
-                pass
-        self._readers.clear()
-        self._owned.clear()
-        self._entry.close()
