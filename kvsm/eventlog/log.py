@@ -25,24 +25,19 @@ record that names its parent.
 
 from __future__ import annotations
 
-import atexit
-import errno
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
-import msgspec
-import orjson
-import structlog
-
 from kvsm import __version__ as _KVSM_VERSION
+from kvsm.eventlog import exit as _exit
 from kvsm.eventlog import schema
+from kvsm.eventlog.output import TornWrite, json_renderer, render_batch, render_stub, write_all
 from kvsm.eventlog.schema import HEADER_FIELDS, SCHEMA_VERSION
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock, SystemClock
 from kvsm.lifecycle.machine import Outcome
@@ -56,45 +51,6 @@ WRITER_THREAD_NAME: Final = "kvsm-eventlog-writer"
 _RESERVED: Final = frozenset(HEADER_FIELDS)
 
 Processor = Callable[[Any, str, dict[str, Any]], Any]
-
-_JSON_OPTIONS: Final = orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
-
-
-def _json_default(obj: Any) -> Any:
-    """What orjson cannot encode natively: msgspec structs (events), sets, bytes;
-    anything else as its repr, so one odd field never costs a whole record."""
-    if isinstance(obj, msgspec.Struct):
-        return msgspec.to_builtins(obj)
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj, key=repr)
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return bytes(obj).hex()
-    try:
-        return obj.__structlog__()
-    except AttributeError:
-        return repr(obj)
-
-
-class TornWrite(OSError):
-    """A write failed after part of the batch reached the file: the last line
-    there is cut short, so the next write must start on a fresh line."""
-
-
-def _write_all(fd: int, data: bytes | bytearray) -> None:
-    """One ``write`` for the batch; loop only on the (rare) short write."""
-    view = memoryview(data)
-    done = 0
-    while done < len(data):
-        try:
-            n = os.write(fd, view[done:])
-        except OSError as e:
-            if done:
-                raise TornWrite(e.errno, f"{e.strerror} (after {done} of {len(data)} bytes)") from e
-            raise
-        if n <= 0:  # pragma: no cover - a regular file never returns 0 here
-            raise TornWrite(errno.EIO, f"write returned 0 after {done} of {len(data)} bytes")
-        done += n
-
 
 class EventLog:
     """A per-process, thread-safe, non-blocking structured event log (JSONL).
@@ -150,11 +106,11 @@ class EventLog:
         # The structlog chain the writer runs; the renderer is always last.
         self._processors: list[Processor] = [
             *processors,
-            structlog.processors.JSONRenderer(serializer=orjson.dumps, option=_JSON_OPTIONS, default=_json_default),
+            json_renderer(),
         ]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._init_process_state(parent_pid=None)
-        _LIVE_LOGS.add(self)
+        _exit.LIVE_LOGS.add(self)
 
     # -- per-process state (also rebuilt in a forked child) ------------------
 
@@ -317,7 +273,7 @@ class EventLog:
         self._stopping = True
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()) + self.flush_interval_s)
-        _LIVE_LOGS.discard(self)
+        _exit.LIVE_LOGS.discard(self)
         return ok and not self._thread.is_alive()
 
     @property
@@ -438,47 +394,14 @@ class EventLog:
                 self._progress.notify_all()
 
     def _render_batch(self, batch: list[dict[str, Any]]) -> bytearray:
-        """Run each record through the structlog chain (ending in the orjson
-        renderer, which appends the newline) into one buffer for one write.
-
-        Each line goes into the buffer as soon as it is rendered: keeping a
-        batch's lines alive as separate ``bytes`` until a join took fresh heap
-        pages for every batch, and those page faults cost 5-10x the rendering
-        itself here (about 5 against 0.6 µs a record, 2026-12-05)."""
-        procs = self._processors
-        out = bytearray()
-        if len(procs) == 1:  # only the renderer: call orjson as it would, without the frame
-            for rec in batch:
-                try:
-                    out += orjson.dumps(rec, option=_JSON_OPTIONS, default=_json_default)
-                except Exception as e:  # noqa: BLE001 - one bad record must not kill the writer
-                    out += self._render_stub(rec, e)
-            return out
-        for rec in batch:
-            try:
-                line: Any = rec
-                for proc in procs:
-                    line = proc(None, "emit", line)
-            except (Exception, structlog.DropEvent) as e:  # noqa: BLE001 - one bad record must not kill the writer
-                line = self._render_stub(rec, e)
-            out += line
-        return out
+        """The batch as one buffer for one write (``kvsm.eventlog.output``)."""
+        return render_batch(self._processors, batch, self._render_stub)
 
     def _render_stub(self, rec: dict[str, Any], error: BaseException) -> bytes:
-        """A record that could not be rendered is still written, as its header
-        plus the error (so ``seq`` stays gap-free and the loss is visible)."""
-        stub: dict[str, Any] = {k: rec.get(k) for k in HEADER_FIELDS}
-        if isinstance(error, structlog.DropEvent):  # a user processor dropped it
-            stub["dropped_by_processor"] = True
-        else:
+        data, failed = render_stub(rec, error, _RESERVED)
+        if failed:
             self._render_errors += 1
-            stub["render_error"] = f"{type(error).__name__}: {error}"
-            stub["fields_repr"] = repr({k: v for k, v in rec.items() if k not in _RESERVED})[:4096]
-        try:
-            return orjson.dumps(stub, option=_JSON_OPTIONS, default=repr)
-        except Exception:  # noqa: BLE001 - e.g. a header value itself is odd
-            return orjson.dumps({k: v if isinstance(v, (int, str, type(None))) else repr(v) for k, v in stub.items()},
-                                option=_JSON_OPTIONS)
+        return data
 
     def _open(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -505,7 +428,7 @@ class EventLog:
 
     def _write_bytes(self, fd: int, data: bytes | bytearray) -> None:
         """The one system call per batch (a seam tests use to inject faults)."""
-        _write_all(fd, data)
+        write_all(fd, data)
 
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None
@@ -516,23 +439,5 @@ class EventLog:
                 pass
 
 
-# Every live log, so fork and interpreter exit can reach them without keeping
-# them alive.
-_LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for log in list(_LIVE_LOGS):
-        log._after_fork_in_child()
-
-
-def _close_all_at_exit() -> None:
-    for log in list(_LIVE_LOGS):
-        try:
-            log.close(timeout=2.0)
-        except Exception:  # noqa: BLE001 - never fail interpreter exit
-            pass
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_close_all_at_exit)
+# Fork and interpreter exit reach every live log through kvsm.eventlog.exit.
+_close_all_at_exit = _exit.close_all_at_exit
