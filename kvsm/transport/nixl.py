@@ -57,89 +57,27 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvsm.transport.base import Heads, TransferState, Transport, XferHandle
+from kvsm.transport.nixl_state import (
+    METADATA_VERSION,
+    NixlPeerInfo,
+    NixlXferHandle,
+    Peer,
+    View,
+    decode_peer_info,
+    nixl_errors,
+)
 from kvsm.transport.regions import KVLayout, Segments
 
+# NixlPeerInfo and NixlXferHandle are this module's public names too.
+__all__ = ["METADATA_VERSION", "NixlPeerInfo", "NixlTransport", "NixlXferHandle"]
+
 log = logging.getLogger(__name__)
-
-METADATA_VERSION = 1
-
-
-class NixlPeerInfo(msgspec.Struct, frozen=True):
-    """What a peer needs to read our blocks: sent in the handshake."""
-
-    version: int
-    name: str
-    agent_metadata: bytes
-    layout: KVLayout
-
-
-_DECODER = msgspec.msgpack.Decoder(NixlPeerInfo)
-
-
-def _nixl_errors() -> tuple[type[BaseException], ...]:
-    import nixl._bindings as b
-
-    return tuple(getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error")
-                 and isinstance(getattr(b, n), type))
-
-
-class NixlXferHandle(XferHandle):
-    """A posted read: the base handle plus the NIXL handle and what we know of it."""
-
-    __slots__ = ("_nixl", "error", "released", "state")
-
-    def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                 notif: bytes, tag: str = "") -> None:
-        super().__init__(peer, local_blocks, remote_blocks, notif, tag)
-        self._nixl = None  # nixl_xfer_handle while NIXL holds it
-        self.state = TransferState.PENDING
-        self.error = ""  # why it ended in ERROR
-        self.released = False  # the caller gave it up
-
-    def __repr__(self) -> str:
-        return (f"NixlXferHandle(peer={self.peer!r}, blocks={len(self.local_blocks)}, "
-                f"state={self.state.value}, tag={self.tag!r})")
-
-
-@dataclass
-class _View:
-    """Our blocks of some of our layers (the layers a peer of another pipeline
-    parallel stage shares with us), with their prepped descriptor lists."""
-
-    layout: KVLayout
-    dlist: Any  # nixl_prepped_dlist_handle of all its blocks (local agent)
-    cuts: dict[Heads, Any] = field(default_factory=dict)  # prepped lists of runs of heads
-    layers: tuple[str, ...] = ()  # its layer names (computed once: a read asks for them)
-
-    def __post_init__(self) -> None:
-        self.layers = self.layout.layer_names()
-
-    def release(self) -> None:
-        for cut in self.cuts.values():
-            cut.release()
-        self.cuts.clear()
-        if self.dlist is not None:
-            self.dlist.release()
-            self.dlist = None
-
-
-@dataclass
-class _Peer:
-    name: str
-    raw: bytes  # the metadata it was added with (add_peer is idempotent on it)
-    layout: KVLayout  # its blocks of the layers we share (all of its own unless pipeline stages differ)
-    dlist: Any  # nixl_prepped_dlist_handle of all its blocks of those layers
-    mine: _View | None  # our blocks of those layers; None: we share no layer (a read only notifies)
-    handles: set[NixlXferHandle] = field(default_factory=set)
-    cuts: dict[Heads, Any] = field(default_factory=dict)  # prepped lists of runs of heads
-    block_tokens_differ: bool = False  # its blocks hold another number of tokens: segment reads only
 
 
 class NixlTransport(Transport):
@@ -153,15 +91,15 @@ class NixlTransport(Transport):
         self.layout = layout
         self._layers = layout.layer_names()
         self.num_groups = layout.num_groups
-        self._errors = _nixl_errors()
-        self._peers: dict[str, _Peer] = {}
+        self._errors = nixl_errors()
+        self._peers: dict[str, Peer] = {}
         self._closed = False
         self._reg = None
         self._local = None
         self._local_cuts: dict[Heads, Any] = {}
         # Our blocks of a subset of our layers, by those layers (pipeline parallel
         # stages that split the model's layers differently), prepped once each.
-        self._views: dict[tuple[str, ...], _View] = {}
+        self._views: dict[tuple[str, ...], View] = {}
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                    backends=list(backends), num_threads=num_threads)
         # UCX's TCP transport connects *blocking* by default: loading the metadata
@@ -208,15 +146,7 @@ class NixlTransport(Transport):
         ``remove_peer`` does. An incompatible KV layout raises ``ValueError``
         naming the first difference, before anything is loaded."""
         self._check_open()
-        try:
-            info = _DECODER.decode(metadata)
-        except msgspec.DecodeError as e:
-            raise ValueError(f"malformed NIXL peer metadata ({len(metadata)} bytes): {e}") from e
-        if info.version != METADATA_VERSION:
-            raise ValueError(f"peer {info.name!r}: metadata version {info.version}, "
-                             f"expected {METADATA_VERSION}")
-        if info.name == self.name:
-            raise ValueError(f"peer metadata carries our own agent name {self.name!r}")
+        info = decode_peer_info(metadata, self.name)
         old = self._peers.get(info.name)
         if old is not None and old.raw == metadata:
             return info.name
@@ -246,7 +176,7 @@ class NixlTransport(Transport):
             raise
         differ = mine is not None and any(a.block_tokens != b.block_tokens
                                           for a, b in zip(mine.layout.regions, theirs.regions))
-        self._peers[info.name] = _Peer(info.name, bytes(metadata), theirs, dlist, mine, block_tokens_differ=differ)
+        self._peers[info.name] = Peer(info.name, bytes(metadata), theirs, dlist, mine, block_tokens_differ=differ)
         # Start the UCX wire-up now (returns at once; our get_notifs/check polls
         # progress it): the first read then takes ~2 ms instead of ~55 ms.
         try:
@@ -269,14 +199,14 @@ class NixlTransport(Transport):
             return None, theirs
         return self.layout.only(common), theirs.only(common)
 
-    def _view(self, layout: KVLayout) -> _View:
+    def _view(self, layout: KVLayout) -> View:
         """Our prepped blocks of ``layout``'s layers (prepped once per set of layers)."""
         if layout is self.layout:
-            return _View(layout, self._local, self._local_cuts)  # (shared: released by close)
+            return View(layout, self._local, self._local_cuts)  # (shared: released by close)
         key = layout.layer_names()
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = _View(layout, self._agent.prep_xfer_dlist(
+            view = self._views[key] = View(layout, self._agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT", layout.all_block_descs(), layout.mem_type))
         return view
 
@@ -305,7 +235,7 @@ class NixlTransport(Transport):
         if p is not None:
             self._drop_peer(p)
 
-    def _drop_peer(self, p: _Peer) -> None:
+    def _drop_peer(self, p: Peer) -> None:
         for h in list(p.handles):
             if h.state is TransferState.PENDING:
                 self._poll(h)
@@ -385,7 +315,7 @@ class NixlTransport(Transport):
                             lambda: self._agent.make_prepped_xfer("READ", local_list, local_idx, remote_list,
                                                                   remote_idx, notif_msg=notif))
 
-    def _launch(self, p: _Peer, h: NixlXferHandle, make: Callable[[], Any]) -> NixlXferHandle:
+    def _launch(self, p: Peer, h: NixlXferHandle, make: Callable[[], Any]) -> NixlXferHandle:
         """Create (``make``) and start one READ; nothing to read: only the notification."""
         if not h.local_blocks:
             if h.notif and not self.send_notif(p.name, h.notif):
@@ -404,7 +334,7 @@ class NixlTransport(Transport):
         self._set(h, st)
         return h
 
-    def _post_segments(self, p: _Peer, mine: KVLayout, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+    def _post_segments(self, p: Peer, mine: KVLayout, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                        notif: bytes, tag: str, local_heads: Heads | None, remote_heads: Heads | None,
                        segments: Segments) -> NixlXferHandle:
         """One READ of segment pairs (blocks of different sizes), its descriptors built now."""
