@@ -19,7 +19,7 @@ import random
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsm.handoff.facts import (
     HeartbeatTarget,
@@ -31,15 +31,17 @@ from kvsm.handoff.facts import (
     StepFacts,
 )
 from kvsm.handoff.pins import PinChannelClient
+from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.invariants import InvariantViolation
+from kvsm.lifecycle.timers import TimerHandle
 from kvsm.scheduler.block_pairing import pair_segments
 from kvsm.transport.layout import TokenPlanes
-from kvsm.transport.memory import Fault, InMemoryAgent, token_layout_of
-from kvsm_testing.sim.config import DECODE_FAULTS, MS
+from kvsm.transport.memory import Fault, InMemoryAgent, InMemoryFabric, token_layout_of
+from kvsm_testing.sim.config import DECODE_FAULTS, MS, SimConfig
+from kvsm_testing.sim.observe import EngineObserver
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvsm.worker import WorkerHalf
-    from kvsm_testing.sim.harness import Simulation
 
 BLOCK_TOKENS = 16
 SIDE_CHANNEL_PORT = 5600
@@ -137,6 +139,26 @@ class _Block:
     block_id: int
     block_hash: None = None
     is_null: bool = False
+
+
+class Simulation(Protocol):
+    """What the engines use of the simulation that runs them
+    (``kvsm_testing.sim.harness.Simulation``): a protocol, so that the harness
+    imports the engines and not the other way round."""
+
+    config: SimConfig
+    rng: random.Random
+    clock: VirtualClock
+    fabric: InMemoryFabric
+    violations: list[InvariantViolation]
+    decode_observer: EngineObserver
+
+    @property
+    def prefill(self) -> PrefillEngine: ...
+
+    def at(self, delay_ns: int, fn: Callable[[], None]) -> TimerHandle: ...
+
+    def chance(self, p: float) -> bool: ...
 
 
 class _Engine:

@@ -99,8 +99,8 @@ class Simulation:
         self.violations: list[InvariantViolation] = []
         self.fabric = InMemoryFabric(self.clock, latency_ns=config.wire_latency_ns, fault_for=self._fault_for,
                                      delay_for=lambda h, fault: self.decode.delay_of(h.tag))
-        self.prefill = PrefillEngine(self)
-        self.decode = DecodeEngine(self)
+        self.prefill: PrefillEngine = PrefillEngine(self)
+        self.decode: DecodeEngine = DecodeEngine(self)
         self.prefill_observer = EngineObserver(self.prefill.engine_id, self.observers)
         self.decode_observer = EngineObserver(self.decode.engine_id, self.observers)
         self.decode.agent.on_write = self._check_write
