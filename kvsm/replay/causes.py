@@ -29,255 +29,27 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvsm.eventlog.reader import Record, read_back
-from kvsm.lifecycle.events import Event
-
-if TYPE_CHECKING:
-    from kvsm.replay.model import Machine
-
-StreamKey = tuple[str, str, int, int]  # engine_id, role, rank, pid
+from kvsm.eventlog.reader import Record
+from kvsm.replay.evidence import (
+    CAUSE_STATES,
+    FAILURES,
+    HANDOFF_FAILED,
+    NOTE_EVENTS,
+    PEER_DEAD_LOGGING,
+    PIN_LOGGING,
+    PINNED,
+    PREFILL_FINISHED,
+    Context,
+    clip,
+    inp,
+    n_times,
+    secs,
+)
+from kvsm.replay.model import Cause, Machine, StreamKey
 
 __all__ = ["CAUSE_STATES", "NOTE_EVENTS", "RULES", "Cause", "explain"]
-
-# Final states whose machines get a cause line (besides every non-terminal one).
-CAUSE_STATES = frozenset({"failed", "expired"})
-# Diagnostic records with no request that causes read (collected by replay's fold).
-CLAIMS_ANSWERED = "worker.claims_answered"
-CLAIM_FAILED = "worker.claim_failed"
-PEER_DEAD = "worker.peer_dead"
-NOTE_EVENTS = frozenset({CLAIMS_ANSWERED, CLAIM_FAILED, PEER_DEAD})
-PINNED = "sched.pinned"
-HANDOFF_FAILED = "sched.pin_handoff_failed"
-PREFILL_FINISHED = "sched.prefill_finished"
-# A scheduler log that writes either has the pin records (a newer scheduler).
-_PIN_LOGGING = frozenset({PINNED, "sched.workers_connected"})
-_PEER_DEAD_LOGGING = frozenset({PEER_DEAD})
-_FAILURES = ("error", "timeout", "peer_dead", "internal_error")
-_ANSWERS = ("unknown", "ok", "expired")
-CLIP = 200  # characters of an error's detail kept in a line
-_NONE: dict[str, Any] = {}
-
-
-@dataclass
-class Cause:
-    """One failed or stuck machine and what the logs of both engines show for it."""
-
-    engine_id: str
-    role: str
-    rank: int
-    pid: int
-    lifecycle: str
-    req: str
-    final_state: str | None
-    rule: str  # the RULES entry that explained it
-    line: str
-
-    def __str__(self) -> str:
-        return f"{self.engine_id}/{self.role}#{self.rank} {self.lifecycle}:{self.req} {self.final_state}: {self.line}"
-
-
-# --- formatting ---------------------------------------------------------------
-
-
-def _times(n: int) -> str:
-    return f"{n:,} time" if n == 1 else f"{n:,} times"
-
-
-def _secs(ns: int) -> str:
-    s = ns / 1e9
-    return f"{s:.1f} s" if abs(s) >= 1 else f"{s:.3f} s"
-
-
-def _clip(value: Any, n: int = CLIP) -> str:
-    text = " ".join(str(value).split())
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _inp(r: Record, name: str, default: Any = None) -> Any:
-    value = r.input
-    if isinstance(value, Event):
-        return getattr(value, name, default)
-    return value.get(name, default) if type(value) is dict else default
-
-
-class _Lines:
-    """A log record's own fields, read again from its file (the typed records
-    keep only the header): one read per file, one parse per record asked for."""
-
-    def __init__(self) -> None:
-        self._files: dict[str, list[bytes] | None] = {}
-        self._fields: dict[int, dict[str, Any]] = {}
-
-    def fields(self, r: Record, keep: bool = True) -> dict[str, Any]:
-        """``r``'s line as written (``{}`` if it is gone or changed since);
-        ``keep``: remember the parse for the next caller."""
-        got = self._fields.get(id(r))
-        if got is not None:
-            return got
-        d = read_back(r, self._files) or {}  # gone or changed since: nothing beyond the header
-        if keep:
-            self._fields[id(r)] = d
-        return d
-
-
-@dataclass
-class _Claims:
-    """What one decode engine's claim replies said about each of its requests."""
-
-    answers: dict[str, list[int]]  # local req -> [unknown, ok, expired]
-    failed: dict[str, list[Any]]  # local req -> [count, last error]
-    logged: bool  # the engine's logs have claim records at all
-
-
-# --- what the logs hold, indexed once -----------------------------------------
-
-
-class _Context:
-    def __init__(self, todo: Sequence[Machine], by_req: dict[StreamKey, dict[str, dict[str, Machine]]],
-                 notes: dict[tuple[str, str], list[Record]], stream_notes: dict[StreamKey, list[Record]],
-                 streams: dict[StreamKey, list[Record]], log_events: dict[StreamKey, set[str]],
-                 shutdowns: dict[StreamKey, Record]) -> None:
-        self.notes = notes
-        self.stream_notes = stream_notes
-        self.streams = streams
-        self.log_events = log_events
-        self.shutdowns = shutdowns
-        self.lines = _Lines()
-        self.t0 = min((recs[0].t_wall_ns for recs in streams.values() if recs), default=0)
-        self.by_engine: dict[str, list[StreamKey]] = {}
-        for key in streams:
-            self.by_engine.setdefault(key[0], []).append(key)
-        self._claims: dict[StreamKey, _Claims] = {}
-        self._peer_dead: dict[str, dict[Any, list[tuple[Record, dict[str, Any]]]]] = {}
-        self._peer_dead_said: dict[tuple[Any, ...], Any] = {}
-        self._streams_of: dict[tuple[str, str | None], list[StreamKey]] = {}
-        self._logs: dict[tuple[str, frozenset[str], str | None], bool] = {}
-        self.by_req = by_req
-        self.any_recv = any(d.get("recv") for d in by_req.values())
-        # The decode requests that read from the failed prefill ones: one pass over
-        # the recv machines, only when a send machine needs it.
-        want = {(m.engine_id, m.req) for m in todo if m.lifecycle == "send"}
-        self.recv_of: dict[tuple[str, str], list[Machine]] = {}
-        if want:
-            recv_of = self.recv_of
-            for lifecycles in by_req.values():
-                for m in lifecycles.get("recv", _NONE).values():
-                    matched = m.matched
-                    if matched is None:
-                        continue
-                    inp = matched.input
-                    try:  # the decoded Matched event, as nearly always
-                        remote = (inp.remote_engine, inp.remote_req)
-                    except AttributeError:
-                        remote = (_inp(matched, "remote_engine", ""), _inp(matched, "remote_req", ""))
-                    if remote in want:
-                        recv_of.setdefault(remote, []).append(m)
-
-    def send_of(self, remote: tuple[str, str]) -> list[Machine]:
-        """The send machines of a prefill request, one per log of its engine holding it."""
-        found = []
-        for key in self.by_engine.get(remote[0], ()):
-            m = self.by_req.get(key, _NONE).get("send", _NONE).get(remote[1])
-            if m is not None:
-                found.append(m)
-        return found
-
-    def at(self, r: Record) -> str:
-        return f"+{(r.t_wall_ns - self.t0) / 1e9:.3f} s"
-
-    def at_mono(self, mono_ns: int, ref: Record) -> str:
-        """A monotonic stamp of ``ref``'s process, on the run's clock."""
-        return f"+{(mono_ns + ref.t_wall_ns - ref.t_mono_ns - self.t0) / 1e9:.3f} s"
-
-    def streams_of(self, engine: str, role: str | None = None) -> list[StreamKey]:
-        got = self._streams_of.get((engine, role))
-        if got is None:
-            got = self._streams_of[(engine, role)] = [
-                k for k in self.by_engine.get(engine, ()) if role is None or k[1] == role]
-        return got
-
-    def logs(self, engine: str, events: frozenset[str], role: str | None = None) -> bool:
-        """Whether any log of ``engine`` (of ``role``) holds a record of one of ``events``."""
-        got = self._logs.get((engine, events, role))
-        if got is None:
-            got = self._logs[(engine, events, role)] = any(
-                not events.isdisjoint(self.log_events.get(k, ())) for k in self.streams_of(engine, role))
-        return got
-
-    def peer_dead_said(self, engine_id: str, stream: StreamKey, address: str, engine: str,
-                       ) -> tuple[list[tuple[Record, dict[str, Any]]], list[int] | None,
-                                  list[tuple[Record, dict[str, Any]]]]:
-        """The ``worker.peer_dead`` notes of ``engine_id``'s logs about the peer
-        at ``address`` (of ``engine``, when named): those of ``stream``, their
-        monotonic times (None unless in order) and those of its other logs."""
-        key = (engine_id, stream, address, engine)
-        got = self._peer_dead_said.get(key)
-        if got is None:
-            mine: list[tuple[Record, dict[str, Any]]] = []
-            others: list[tuple[Record, dict[str, Any]]] = []
-            for r, f in self.peer_dead_notes(engine_id).get(address, ()):
-                if engine and f.get("engine") not in (engine, None):
-                    continue
-                (mine if _stream(r) == stream else others).append((r, f))
-            mono = [r.t_mono_ns for r, _ in mine]
-            times: list[int] | None = None if any(a > b for a, b in zip(mono, mono[1:])) else mono
-            got = self._peer_dead_said[key] = (mine, times, others)
-        return got
-
-    def peer_dead_notes(self, engine: str) -> dict[Any, list[tuple[Record, dict[str, Any]]]]:
-        """The ``worker.peer_dead`` notes of ``engine``'s logs, with their fields,
-        by the peer address they name, in log order (indexed once per engine:
-        a run with a dead peer fails thousands of requests on it)."""
-        got = self._peer_dead.get(engine)
-        if got is None:
-            got = self._peer_dead[engine] = {}
-            for k in self.streams_of(engine):
-                for r in self.stream_notes.get(k, ()):
-                    if r.event == PEER_DEAD:
-                        f = self.lines.fields(r)
-                        try:
-                            got.setdefault(f.get("peer"), []).append((r, f))
-                        except TypeError:  # an unhashable 'peer': it names no address
-                            pass
-        return got
-
-    def claims(self, stream: StreamKey) -> _Claims:
-        """The claim replies one decode process logged (each worker rank claims for itself)."""
-        got = self._claims.get(stream)
-        if got is not None:
-            return got
-        answers: dict[str, list[int]] = {}
-        failed: dict[str, list[Any]] = {}
-        logged = False
-        for r in self.stream_notes.get(stream, ()):
-            if r.event == CLAIMS_ANSWERED:
-                logged = True
-                f = self.lines.fields(r, keep=False)  # read once, here: there may be many
-                for i, name in enumerate(_ANSWERS):
-                    reqs = f.get(name)
-                    if type(reqs) is list:  # one reply: the requests it answered so
-                        for req in reqs:
-                            if type(req) is str:
-                                answers.setdefault(req, [0, 0, 0])[i] += 1
-                    elif type(reqs) is dict:  # aggregated replies: request -> how many times
-                        for req, n in reqs.items():
-                            if type(n) is int:
-                                answers.setdefault(req, [0, 0, 0])[i] += n
-            elif r.event == CLAIM_FAILED:
-                logged = True
-                f = self.lines.fields(r)
-                reqs = f.get("reqs")
-                for req in reqs if type(reqs) is list else ():
-                    if type(req) is str:
-                        entry = failed.setdefault(req, [0, None])
-                        entry[0] += 1
-                        worker = f.get("worker")  # (one port per engine: which worker it asked)
-                        entry[1] = f.get("error") if not worker else f"{f.get('error')}, asking {worker}"
-        got = self._claims[stream] = _Claims(answers, failed, logged)
-        return got
 
 
 # --- the pieces a line is made of -----------------------------------------------
@@ -285,7 +57,7 @@ class _Context:
 
 def _first_failure(m: Machine) -> Record | None:
     for r in m.records:
-        if r.kind == "transition" and r.event in _FAILURES:
+        if r.kind == "transition" and r.event in FAILURES:
             return r
     return None
 
@@ -301,24 +73,24 @@ def _armed(m: Machine, effect: str, before: Record) -> Record:
     return found
 
 
-def _claims_said(ctx: _Context, m: Machine) -> str:
+def _claims_said(ctx: Context, m: Machine) -> str:
     """What the claim replies logged by a decode machine's process said about it."""
     c = ctx.claims(m.stream)
     req = m.req
     if not c.logged:
         return "claims answered: not logged"
     unknown, ok, expired = c.answers.get(req, (0, 0, 0))
-    said = [f"{name} {_times(n)}" for name, n in (("ok", ok), ("expired", expired)) if n]
+    said = [f"{name} {n_times(n)}" for name, n in (("ok", ok), ("expired", expired)) if n]
     if unknown or not said:
-        said.insert(0, f"unknown {_times(unknown)}")
+        said.insert(0, f"unknown {n_times(unknown)}")
     text = "claims answered " + ", ".join(said) if unknown or ok or expired else "no claim answered"
     fails = c.failed.get(req)
     if fails:
-        text += f", a claim failed {_times(fails[0])} (last: {_clip(fails[1], 160)})"
+        text += f", a claim failed {n_times(fails[0])} (last: {clip(fails[1], 160)})"
     return text
 
 
-def _scheduler_said(ctx: _Context, engine: str, req: str) -> str:
+def _scheduler_said(ctx: Context, engine: str, req: str) -> str:
     """What the prefill scheduler's log says about ``req``: pinned, when, how."""
     if not ctx.streams_of(engine, "scheduler"):
         return f"no scheduler log of {engine} was given"
@@ -341,16 +113,16 @@ def _scheduler_said(ctx: _Context, engine: str, req: str) -> str:
     if failed:
         # ("rank" is a header field: the scheduler's own.)
         ranks = sorted({str(f.get("worker_rank", f.get("tp_rank", "?"))) for f in failed})
-        parts.append(f"handing it to worker rank {', '.join(ranks)} failed {_times(len(failed))} "
-                     f"(last: {_clip(failed[-1].get('error'), 120)})")
+        parts.append(f"handing it to worker rank {', '.join(ranks)} failed {n_times(len(failed))} "
+                     f"(last: {clip(failed[-1].get('error'), 120)})")
     if parts:
         return ", ".join(parts)
-    if ctx.logs(engine, _PIN_LOGGING, "scheduler"):
+    if ctx.logs(engine, PIN_LOGGING, "scheduler"):
         return "the prefill scheduler never pinned it"
     return "the prefill scheduler's pins: not logged"
 
 
-def _send_said(ctx: _Context, m: Machine, who: str) -> str:
+def _send_said(ctx: Context, m: Machine, who: str) -> str:
     """What one prefill send machine shows: received (the pin), and how it ended."""
     got = next((r for r in m.records if r.kind == "transition" and r.event == "finished_ok"), None)
     last = m.records[-1]
@@ -358,10 +130,10 @@ def _send_said(ctx: _Context, m: Machine, who: str) -> str:
     if got is None:
         if state == "prefilling" or state is None:
             return f"{who} had it still prefilling (never received the pin)"
-        reason = _inp(last, "reason", "") or ""
-        why = f": {_clip(reason, 80)}" if reason else ""
+        reason = inp(last, "reason", "") or ""
+        why = f": {clip(reason, 80)}" if reason else ""
         return f"{who} released it unpinned at {ctx.at(last)} ({last.event}{why})"
-    via = _inp(got, "via", "") or ""
+    via = inp(got, "via", "") or ""
     text = f"{who} received it at {ctx.at(got)}" + (f" (via {via})" if via else "")
     if state == "expired":
         return text + f", its lease expired at {ctx.at(last)}"
@@ -370,7 +142,7 @@ def _send_said(ctx: _Context, m: Machine, who: str) -> str:
     return text + f", held it {state} at the end of its log"
 
 
-def _prefill_said(ctx: _Context, remote: tuple[str, str] | None, scheduler: bool = True) -> str:
+def _prefill_said(ctx: Context, remote: tuple[str, str] | None, scheduler: bool = True) -> str:
     """What the prefill engine's logs (scheduler and workers) show for a remote request."""
     if remote is None or not remote[0]:
         return "no remote known (never matched)"
@@ -397,7 +169,7 @@ def _prefill_said(ctx: _Context, remote: tuple[str, str] | None, scheduler: bool
     return ", ".join(parts)
 
 
-def _decode_said(ctx: _Context, m: Machine) -> str:
+def _decode_said(ctx: Context, m: Machine) -> str:
     """Which decode requests read (claimed) a prefill request, and what they were answered."""
     readers = ctx.recv_of.get((m.engine_id, m.req), [])
     if not readers:
@@ -413,32 +185,32 @@ def _decode_said(ctx: _Context, m: Machine) -> str:
 # --- the rules ----------------------------------------------------------------
 
 
-def _handshake_timeout(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _handshake_timeout(ctx: Context, m: Machine, fail: Record | None) -> str:
     assert fail is not None
     start = _armed(m, "arm_handshake_timer", fail)
-    return (f"handshake timed out after {_secs(fail.t_mono_ns - start.t_mono_ns)}: "
+    return (f"handshake timed out after {secs(fail.t_mono_ns - start.t_mono_ns)}: "
             f"{_claims_said(ctx, m)}; {_prefill_said(ctx, m.remote)}")
 
 
-def _transfer_timeout(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _transfer_timeout(ctx: Context, m: Machine, fail: Record | None) -> str:
     assert fail is not None
     start = _armed(m, "arm_transfer_timer", fail)
-    blocks = _inp(start, "num_blocks", 0) if start.event == "reads_posted" else 0
+    blocks = inp(start, "num_blocks", 0) if start.event == "reads_posted" else 0
     posted = f"reads of {blocks:,} block(s) posted at {ctx.at(start)}" if blocks else f"reads posted at {ctx.at(start)}"
-    return (f"transfer timed out after {_secs(fail.t_mono_ns - start.t_mono_ns)}: {posted}; "
+    return (f"transfer timed out after {secs(fail.t_mono_ns - start.t_mono_ns)}: {posted}; "
             f"{_prefill_said(ctx, m.remote, scheduler=False)}")
 
 
-def _other_timeout(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _other_timeout(ctx: Context, m: Machine, fail: Record | None) -> str:
     assert fail is not None
-    what = _inp(fail, "what", "?")
-    return (f"{what} timer fired after {_secs(fail.t_mono_ns - m.records[0].t_mono_ns)} in {fail.src}; "
+    what = inp(fail, "what", "?")
+    return (f"{what} timer fired after {secs(fail.t_mono_ns - m.records[0].t_mono_ns)} in {fail.src}; "
             f"{_prefill_said(ctx, m.remote, scheduler=False)}")
 
 
-def _peer_dead(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _peer_dead(ctx: Context, m: Machine, fail: Record | None) -> str:
     assert fail is not None
-    peer = str(_inp(fail, "peer", "") or "?")
+    peer = str(inp(fail, "peer", "") or "?")
     engine, _, address = peer.partition("@")
     # The note that says why: from the failed request's own log, the last one
     # before the failure (else its first after); from the engine's other logs,
@@ -454,45 +226,45 @@ def _peer_dead(ctx: _Context, m: Machine, fail: Record | None) -> str:
     elif other:
         said = next((f for r, f in reversed(other) if r.t_wall_ns <= fail.t_wall_ns), other[-1][1])
     if said is not None:
-        return f"peer {peer} dead: {_clip(said.get('why', '?'))}"
-    if ctx.logs(m.engine_id, _PEER_DEAD_LOGGING):
+        return f"peer {peer} dead: {clip(said.get('why', '?'))}"
+    if ctx.logs(m.engine_id, PEER_DEAD_LOGGING):
         return f"peer {peer} dead (no worker.peer_dead note names it)"
     return f"peer {peer} dead (why: not logged)"
 
 
-def _error(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _error(ctx: Context, m: Machine, fail: Record | None) -> str:
     assert fail is not None
-    kind = _inp(fail, "kind", "?")
-    detail = _inp(fail, "detail", "")
-    line = f"error {kind}" + (f": {_clip(detail)}" if detail else "")
+    kind = inp(fail, "kind", "?")
+    detail = inp(fail, "detail", "")
+    line = f"error {kind}" + (f": {clip(detail)}" if detail else "")
     if kind == "lease_expired":
         line += f"; {_prefill_said(ctx, m.remote)}"
     return line
 
 
-def _internal_error(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _internal_error(ctx: Context, m: Machine, fail: Record | None) -> str:
     assert fail is not None
-    detail = _inp(fail, "detail", "")
-    return f"internal error in {_inp(fail, 'where', '?')}" + (f": {_clip(detail)}" if detail else "")
+    detail = inp(fail, "detail", "")
+    return f"internal error in {inp(fail, 'where', '?')}" + (f": {clip(detail)}" if detail else "")
 
 
-def _failed_unexplained(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _failed_unexplained(ctx: Context, m: Machine, fail: Record | None) -> str:
     last = m.records[-1]
     return f"failed on {last.event} at {ctx.at(last)} (no failure event in its log)"
 
 
-def _lease_expired(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _lease_expired(ctx: Context, m: Machine, fail: Record | None) -> str:
     last = m.records[-1]
     got = next((r for r in m.records if r.kind == "transition" and r.event == "finished_ok"), None)
     if got is None:
         return f"expired at {ctx.at(last)} without a recorded pin; {_decode_said(ctx, m)}"
-    pinned = _inp(got, "pinned_ns", 0) or 0
+    pinned = inp(got, "pinned_ns", 0) or 0
     start_mono = min(pinned, got.t_mono_ns) if pinned > 0 else got.t_mono_ns
-    return (f"lease expired unread after {_secs(last.t_mono_ns - start_mono)} "
+    return (f"lease expired unread after {secs(last.t_mono_ns - start_mono)} "
             f"(pinned at {ctx.at_mono(start_mono, got)}, expired at {ctx.at(last)}); {_decode_said(ctx, m)}")
 
 
-def _stuck(ctx: _Context, m: Machine, fail: Record | None) -> str:
+def _stuck(ctx: Context, m: Machine, fail: Record | None) -> str:
     state = m.final_state
     last = m.records[-1]
     since = m.records[0]
@@ -523,7 +295,7 @@ def _stuck(ctx: _Context, m: Machine, fail: Record | None) -> str:
     return line
 
 
-_STUCK_DETAIL: dict[tuple[str, str], Callable[[_Context, Machine], str]] = {
+_STUCK_DETAIL: dict[tuple[str, str], Callable[[Context, Machine], str]] = {
     ("send", "prefilling"): lambda ctx, m: _scheduler_said(ctx, m.engine_id, m.req),
     ("send", "awaiting_pull"): _decode_said,
     ("recv", "pending_handshake"): lambda ctx, m: f"{_claims_said(ctx, m)}; "
@@ -536,7 +308,7 @@ _STUCK_DETAIL[("recv", "reading_unclaimed")] = _STUCK_DETAIL[("recv", "read_uncl
 _STUCK_DETAIL[("send", "read_early")] = _STUCK_DETAIL[("send", "prefilling")]
 
 # rule -> explainer(context, machine, the deciding record); _rule_of picks the rule.
-_EXPLAIN: dict[str, Callable[[_Context, Machine, Record | None], str]] = {
+_EXPLAIN: dict[str, Callable[[Context, Machine, Record | None], str]] = {
     "handshake_timeout": _handshake_timeout,
     "transfer_timeout": _transfer_timeout,
     "timeout": _other_timeout,
@@ -562,13 +334,9 @@ def _failure_rule(fail: Record | None) -> str:
     if fail is None:
         return "failed"
     if fail.event == "timeout":
-        what = _inp(fail, "what", "")
+        what = inp(fail, "what", "")
         return f"{what}_timeout" if f"{what}_timeout" in _EXPLAIN else "timeout"
     return fail.event
-
-
-def _stream(r: Record) -> StreamKey:
-    return (r.engine_id, r.role, r.rank, r.pid)
 
 
 def explain(todo: Sequence[Machine], by_req: dict[StreamKey, dict[str, dict[str, Machine]]],
@@ -578,7 +346,7 @@ def explain(todo: Sequence[Machine], by_req: dict[StreamKey, dict[str, dict[str,
     """One ``Cause`` per machine of ``todo`` (failed, expired or stuck), in its order."""
     if not todo:
         return []
-    ctx = _Context(todo, by_req, notes, stream_notes, streams, log_events, shutdowns)
+    ctx = Context(todo, by_req, notes, stream_notes, streams, log_events, shutdowns)
     out: list[Cause] = []
     for m in todo:
         fail = None if m.lifecycle != "recv" else _first_failure(m)
@@ -586,6 +354,6 @@ def explain(todo: Sequence[Machine], by_req: dict[StreamKey, dict[str, dict[str,
         try:
             line = _EXPLAIN[rule](ctx, m, fail)
         except Exception as e:  # noqa: BLE001 - a damaged log must not take the report down
-            line = f"(cannot explain: {type(e).__name__}: {_clip(e, 120)})"
+            line = f"(cannot explain: {type(e).__name__}: {clip(e, 120)})"
         out.append(Cause(*m.stream, m.lifecycle, m.req, m.final_state, rule, line))
     return out

@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvsm.eventlog.reader import Record, input_dict
 from kvsm.lifecycle.data import RequestMachine
 from kvsm.lifecycle.events import Event
 from kvsm.lifecycle.table import LIFECYCLES, LifecycleSpec
-
-if TYPE_CHECKING:
-    from kvsm.replay.causes import Cause
 
 StreamKey = tuple[str, str, int, int]  # engine_id, role, rank, pid
 MachineKey = tuple[str, str, int, int, str, str]  # stream + lifecycle, req
@@ -21,6 +18,24 @@ MachineKey = tuple[str, str, int, int, str, str]  # stream + lifecycle, req
 _MACHINE_KINDS = frozenset({"create", "transition", "violation"})
 # The last record a worker writes before it closes its log at a clean stop.
 SHUTDOWN_EVENT = "worker.shutdown"
+
+
+@dataclass
+class Cause:
+    """One failed or stuck machine and what the logs of both engines show for it."""
+
+    engine_id: str
+    role: str
+    rank: int
+    pid: int
+    lifecycle: str
+    req: str
+    final_state: str | None
+    rule: str  # the RULES entry that explained it
+    line: str
+
+    def __str__(self) -> str:
+        return f"{self.engine_id}/{self.role}#{self.rank} {self.lifecycle}:{self.req} {self.final_state}: {self.line}"
 
 
 @dataclass
