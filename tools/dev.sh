@@ -2,7 +2,7 @@
 # Developer entry point for kvsm.
 #
 #   bash tools/dev.sh setup        create/refresh .venv (idempotent)
-#   bash tools/dev.sh test         setup, then ruff, mypy, the docs site, the fast tests, the slow tests
+#   bash tools/dev.sh test         setup, then ruff, mypy, import contracts, the docs site, the fast tests, the slow tests
 #   bash tools/dev.sh test ARGS    setup, then only pytest ARGS (no lint)
 #   bash tools/dev.sh demo [ARGS]  setup, then the demo (ARGS go to it)
 #
@@ -155,7 +155,8 @@ run_pytest() {
     return "$rc"
 }
 
-# With ARGS: pytest ARGS only. Without: ruff, mypy and the docs site (any failing stops here),
+# With ARGS: pytest ARGS only. Without: ruff, mypy, the import contracts and the docs site
+# (any failing stops here),
 # then the fast tests, then the slow ones (both run; either failing fails).
 # vLLM and NIXL are installed by setup, so a test module that finds one missing
 # fails instead of skipping (tests/conftest.py's require()).
@@ -171,6 +172,8 @@ run_tests() {
     "$PY" -m ruff check kvsm testsupport tools tests || die "ruff check failed"
     say "mypy (pyproject.toml [tool.mypy]: kvsm, testsupport, tools)"
     "$PY" -m mypy || die "mypy failed"
+    say "lint-imports (pyproject.toml [tool.importlinter]: the layering, no circles)"
+    "$VENV/bin/lint-imports" || die "import contracts broken"
     say "mkdocs build --strict (the docs site, mkdocs.yml)"
     "$PY" -m mkdocs build --strict -q -d "$ROOT/site" || die "the docs site does not build"
     local rc=0 t0=$SECONDS
