@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +38,7 @@ from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.handoff.pins import PinTarget
 from kvsm.handshake import CompatInfo
+from kvsm.runtime.stop import stop_on_exit
 from kvsm.scheduler.half import SchedulerHalf
 from kvsm.vllm import stats as vllm_stats
 from kvsm.vllm.config import kvsm_config, unknown_extra_keys
@@ -170,6 +174,9 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self._cancel_stop: Callable[[], None] = lambda: None
         self.kv_groups = kv_groups_of(kv_cache_config)
         cfg = kvsm_config(vllm_config)
         if any(g.kind.startswith("mamba") for g in self.kv_groups):
@@ -195,6 +202,10 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
             # (a pipeline stage's workers hold a run of the layers: see kvsm.worker.recv)
             self._worker = WorkerHalf(self.cfg, rank, pp_rank=stage, stats=self.stats,
                                       event_log=_open_log(self.cfg, "worker", stage * self.cfg.tp_size + rank))
+        # A clean stop on every exit: vLLM calls shutdown() from its engine shutdown,
+        # but not at the end of an offline script nor on SIGTERM in a process of
+        # the default disposition (kvsm.runtime.stop); idempotent either way.
+        self._cancel_stop = stop_on_exit(_stop_later(weakref.ref(self)))
 
     # ================================================================ worker side
 
@@ -316,10 +327,20 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         return vllm_stats.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        if self._scheduler is not None:
-            self._scheduler.shutdown()
+        """Close the halves (their last records say how each request ended). Runs
+        once, whichever of vLLM's engine shutdown, interpreter exit or SIGTERM
+        comes first; the others find it done."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        try:
+            if self._worker is not None:
+                self._worker.shutdown()
+            if self._scheduler is not None:
+                self._scheduler.shutdown()
+        finally:
+            self._cancel_stop()
 
     # ============================================================= scheduler side
 
@@ -380,6 +401,16 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             raise RuntimeError("KVSMConnector: a scheduler-side method was called on the worker-side instance")
         return self._scheduler
+
+
+def _stop_later(ref: weakref.ref[KVSMConnector]) -> Any:
+    """The exit hook: shuts the connector down if it still exists (a weak
+    reference, so the hook does not keep a dropped connector alive)."""
+    def stop() -> None:
+        connector = ref()
+        if connector is not None:
+            connector.shutdown()
+    return stop
 
 
 def _pp_rank() -> int:

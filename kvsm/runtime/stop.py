@@ -1,0 +1,102 @@
+"""A clean stop on every exit of the process: the end of the script, SIGTERM,
+Ctrl-C, as well as vLLM's own engine shutdown.
+
+Why: an offline script (``LLM(...)``, ``generate``, end of file) never calls
+the connector's ``shutdown`` itself, and a process killed by SIGTERM under
+Python's default disposition runs no exit handler at all; either way the event
+log ended without its clean-stop record and replay read a normal exit as a
+crash. So ``stop_on_exit`` registers the stop with the event logs' exit handler
+(``kvsm.eventlog.exit``: it runs before the logs close, whatever order
+``atexit`` picks), and where SIGTERM still has Python's default disposition it
+makes SIGTERM raise ``SystemExit(143)`` in the main thread instead: the
+interpreter unwinds (locks are released, ``finally`` blocks run) and exits
+through the same handler. Where vLLM installed its own SIGTERM handler (its
+engine-core and worker processes, ``vllm serve``), that handler leads to
+vLLM's engine shutdown, which calls the connector's ``shutdown``: it is left
+alone. ``kill -9`` runs nothing, and replay still reads it as a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Final
+
+from kvsm.eventlog import exit as log_exit
+
+__all__ = ["SIGTERM_EXIT_CODE", "stop_on_exit"]
+
+log = logging.getLogger(__name__)
+
+# What a shell reports for a process ended by SIGTERM (128 + 15).
+SIGTERM_EXIT_CODE: Final = 128 + signal.SIGTERM
+
+_lock = threading.Lock()
+_registered = 0
+_installed = False
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Exit through the interpreter's normal path, so the stop hooks run."""
+    if log_exit.exiting():
+        return  # already on the way out: let the stop finish
+    raise SystemExit(SIGTERM_EXIT_CODE)
+
+
+def _install_sigterm() -> None:
+    """Our handler, only where SIGTERM would kill without any exit handler (its
+    default disposition) and only from the main thread (Python's rule)."""
+    global _installed
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # vLLM's (or the application's): it leads to a shutdown of its own
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _installed = True
+    except (ValueError, OSError) as e:  # pragma: no cover - e.g. an embedded interpreter
+        log.debug("kvsm: no SIGTERM handler installed: %s", e)
+
+
+def _uninstall_sigterm() -> None:
+    """Back to the default once nothing is left to stop (if the handler is still ours)."""
+    global _installed
+    if not _installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _installed = False
+    except (ValueError, OSError):  # pragma: no cover
+        pass
+
+
+def stop_on_exit(stop: Callable[[], Any]) -> Callable[[], None]:
+    """Run ``stop`` (once) when the process exits by any path that runs Python's
+    exit handlers, and make SIGTERM one of those paths. Returns the call that
+    cancels it (made by ``stop`` itself when it ran some other way: a shutdown
+    from vLLM). ``stop`` must be idempotent and bound its own waits."""
+    global _registered
+    unregister = log_exit.on_exit(stop)
+    with _lock:
+        _registered += 1
+    _install_sigterm()
+    done = False
+
+    def cancel() -> None:
+        nonlocal done
+        global _registered
+        with _lock:
+            if done:
+                return
+            done = True
+            _registered -= 1
+            last = _registered == 0
+        unregister()
+        if last:
+            _uninstall_sigterm()
+
+    return cancel
