@@ -18,7 +18,9 @@ from kvsm.lifecycle.events import Event
 from kvsm.replay.model import Machine, StreamKey
 
 # Final states whose machines get a cause line (besides every non-terminal one).
-CAUSE_STATES = frozenset({"failed", "expired"})
+# (closed at shutdown: a clean stop let it go; terminal, and its line says so.)
+CLOSED_AT_SHUTDOWN = "closed_at_shutdown"
+CAUSE_STATES = frozenset({"failed", "expired", CLOSED_AT_SHUTDOWN})
 # Diagnostic records with no request that causes read (collected by replay's fold).
 CLAIMS_ANSWERED = "worker.claims_answered"
 CLAIM_FAILED = "worker.claim_failed"
@@ -125,9 +127,9 @@ class Context:
                     matched = m.matched
                     if matched is None:
                         continue
-                    inp = matched.input
+                    given = matched.input
                     try:  # the decoded Matched event, as nearly always
-                        remote = (inp.remote_engine, inp.remote_req)
+                        remote = (given.remote_engine, given.remote_req)
                     except AttributeError:
                         remote = (inp(matched, "remote_engine", ""), inp(matched, "remote_req", ""))
                     if remote in want:
