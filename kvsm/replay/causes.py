@@ -1,8 +1,9 @@
 """Why a request failed or got stuck, from the logs of both engines: one line each.
 
-``kvsm.replay.fold`` hands over the machines that ended ``failed`` (recv) or
-``expired`` (send), and those left mid-lifecycle without a clean shutdown that
-listed them; everything else is never looked at. Each is sorted to one rule of
+``kvsm.replay.fold`` hands over the machines that ended ``failed`` (recv),
+``expired`` (send) or ``closed_at_shutdown`` (a clean stop let them go), and
+those left mid-lifecycle without a clean shutdown that listed them;
+everything else is never looked at. Each is sorted to one rule of
 ``RULES`` by what its own log shows (a failure trigger, an expiry, no end), and
 the rule's explainer reads what the other side's logs say about it:
 
@@ -34,6 +35,7 @@ from typing import Any
 from kvsm.eventlog.reader import Record
 from kvsm.replay.evidence import (
     CAUSE_STATES,
+    CLOSED_AT_SHUTDOWN,
     FAILURES,
     HANDOFF_FAILED,
     NOTE_EVENTS,
@@ -264,6 +266,24 @@ def _lease_expired(ctx: Context, m: Machine, fail: Record | None) -> str:
             f"(pinned at {ctx.at_mono(start_mono, got)}, expired at {ctx.at(last)}); {_decode_said(ctx, m)}")
 
 
+def _closed_at_shutdown(ctx: Context, m: Machine, fail: Record | None) -> str:
+    """A clean stop let it go (terminal, not a violation): what it was doing then,
+    and for a pin still awaiting its reader, whether a decode request had come."""
+    closed = next((r for r in reversed(m.records) if r.kind == "transition" and r.dst == CLOSED_AT_SHUTDOWN
+                   and r.src != CLOSED_AT_SHUTDOWN), m.records[-1])
+    state = closed.src
+    since = next((r for r in reversed(m.records) if r.t_mono_ns <= closed.t_mono_ns and r is not closed
+                  and (r.kind == "create" or r.dst == state)), m.records[0])
+    line = f"closed at shutdown at {ctx.at(closed)}: its process stopped cleanly while it was {state} " \
+           f"(since {ctx.at(since)})"
+    if m.lifecycle == "send":
+        if state == "awaiting_pull":
+            line += f", its pinned blocks freed; {_decode_said(ctx, m)}"
+    elif m.matched is not None:
+        line += "; " + _prefill_said(ctx, m.remote, scheduler=False)
+    return line
+
+
 def _stuck(ctx: Context, m: Machine, fail: Record | None) -> str:
     state = m.final_state
     last = m.records[-1]
@@ -317,6 +337,7 @@ _EXPLAIN: dict[str, Callable[[Context, Machine, Record | None], str]] = {
     "internal_error": _internal_error,
     "failed": _failed_unexplained,
     "lease_expired": _lease_expired,
+    "closed_at_shutdown": _closed_at_shutdown,
     "stuck": _stuck,
 }
 RULES = tuple(_EXPLAIN)
@@ -327,6 +348,8 @@ def _rule_of(m: Machine, fail: Record | None) -> str:
         return "stuck"
     if m.final_state == "expired":
         return "lease_expired"
+    if m.final_state == CLOSED_AT_SHUTDOWN:
+        return "closed_at_shutdown"
     return _failure_rule(fail)
 
 

@@ -148,6 +148,16 @@ def _fmt_row(r: dict[str, Any], t0: int, request: str | None = None) -> str:
         "  " + " ".join(extra) if extra else "")
 
 
+def _closed_at_shutdown(report: Report) -> dict[str, int]:
+    """How many machines a clean stop closed, by lifecycle and the state it found
+    them in (their last transition's source)."""
+    by: dict[str, int] = defaultdict(int)
+    for m in report.machines:
+        if m.final_state == "closed_at_shutdown":
+            by[f"{m.lifecycle} {m.records[-1].src}"] += 1
+    return by
+
+
 def render_text(report: Report, request: str | None = None, limit: int = 50) -> str:
     lines: list[str] = []
     files = {m.records[0].file for m in report.machines}
@@ -162,6 +172,10 @@ def render_text(report: Report, request: str | None = None, limit: int = 50) -> 
         lines.append(f"  open at a clean shutdown (listed by it; not violations): {len(report.open_at_shutdown)}: "
                      + ", ".join(f"{k} {n}" for k, n in sorted(by.items()))
                      + f", holding {sum(o.blocks for o in report.open_at_shutdown)} block(s)")
+    closed = _closed_at_shutdown(report)
+    if closed:
+        lines.append(f"  closed at shutdown (a clean stop let them go; not violations): {sum(closed.values())}: "
+                     + ", ".join(f"{k} {n}" for k, n in sorted(closed.items())))
     if request is not None:
         recs = _timeline_records(report, request)
         lines.append("")
@@ -191,7 +205,8 @@ def render_text(report: Report, request: str | None = None, limit: int = 50) -> 
             lines.append(f"  ... {len(report.machines) - limit} more (use --limit or --json)")
         if report.causes:
             lines.append("")
-            lines.append(f"causes ({len(report.causes):,} failed or stuck; not violations unless stuck):")
+            what = "failed, stuck or closed at shutdown" if closed else "failed or stuck"
+            lines.append(f"causes ({len(report.causes):,} {what}; not violations unless stuck):")
             lines.extend(f"  {c}" for c in report.causes[:limit])
             if len(report.causes) > limit:
                 lines.append(f"  ... {len(report.causes) - limit} more (use --limit or --json)")
@@ -210,6 +225,9 @@ def render_text(report: Report, request: str | None = None, limit: int = 50) -> 
     elif report.open_at_shutdown:
         lines.append(f"no violations: every request terminal or open at a clean shutdown that listed it "
                      f"({len(report.open_at_shutdown)}), replay matches the recorded transitions")
+    elif closed:
+        lines.append(f"no violations: every request terminal ({sum(closed.values())} closed at shutdown), "
+                     "replay matches the recorded transitions")
     else:
         lines.append("no violations: every request terminal, replay matches the recorded transitions")
     return "\n".join(lines)
