@@ -238,3 +238,34 @@ def test_a_small_read_indexes_in_python_as_numpy_does(groups: int) -> None:
         for arg in ([1, 2], np.asarray([1, 2])):
             with pytest.raises(ValueError, match="add up to 1, not 2 blocks"):
                 lay.desc_index_array(arg, (1,) + (0,) * (groups - 1))
+
+
+class _NumpyDevice:
+    type = "cpu"
+    index = None
+
+
+class _NumpyKV:
+    """A KV cache tensor that is not torch's: describe_kv_caches reads only what
+    its KVTensor protocol names (the transport never imports torch)."""
+
+    device = _NumpyDevice()
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+        self.shape = a.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.a.itemsize for s in self.a.strides)
+
+    def element_size(self) -> int:
+        return self.a.itemsize
+
+    def data_ptr(self) -> int:
+        return int(self.a.ctypes.data)
+
+
+def test_any_tensor_with_the_five_answers_is_described_as_torchs() -> None:
+    caches = cpu_caches()
+    as_numpy = {name: _NumpyKV(t.numpy()) for name, t in caches.items()}
+    assert describe_kv_caches(as_numpy, num_blocks=NB) == describe_kv_caches(caches, num_blocks=NB)
