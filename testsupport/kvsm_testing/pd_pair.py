@@ -19,7 +19,12 @@ Commands::
     {"op": "watch_arrivals"}                  from now on, digest each request's blocks when the
                                               worker reports its transfer done (before any step uses them)
     {"op": "arrivals"}                        -> {"arrivals": {req_id: [[sha256, ...], ...]}}
-    {"op": "quit"}
+    {"op": "quit"}                            kvsm's halves shut down explicitly, then os._exit(0)
+    {"op": "end"}                             the script just ends: nothing is shut down by hand, the
+                                              interpreter exits normally (an offline script's end)
+
+SIGTERM while it waits for a command ends it the way it ends an offline
+script that gets one (kvsm's handler: exit status 143 through the exit hooks).
 
 ``PDEngine`` is the parent's handle on one such process.
 """
@@ -176,6 +181,9 @@ def _serve(args: argparse.Namespace) -> int:
             elif op == "quit":
                 reply({"bye": True})
                 break
+            elif op == "end":
+                reply({"bye": True})
+                return 0  # the interpreter exits as at a script's end: vLLM's and kvsm's exit hooks
             else:
                 reply({"error": f"unknown op {op!r}"})
         except Exception as e:  # noqa: BLE001 - report it to the parent, keep serving
@@ -339,6 +347,21 @@ class PDEngine:
         except OSError:
             err = ""
         return "".join(self._other[-40:]) + err
+
+    def end(self, timeout: float = 60.0) -> int:
+        """End the process as an offline script ends (no shutdown by hand); its exit status."""
+        self.request({"op": "end"}, timeout=timeout)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        """Its exit status once it has exited (killed if it has not within ``timeout``)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise TimeoutError(f"{self.name}: still running {timeout} s after it was told to end\n"
+                               f"{self.tail()}") from None
 
     def close(self, timeout: float = 30.0) -> int | None:
         if self.proc.poll() is None:
