@@ -552,3 +552,22 @@ def test_unclosed_log_is_flushed_at_exit(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env, timeout=60)
     assert [r["seq"] for r in load_lines(path)] == [0, 1, 2, 3]
+
+
+def test_a_stop_hook_writes_before_the_logs_close_at_exit_whatever_atexits_order(tmp_path: Path) -> None:
+    """The clean-stop record a shutdown writes at exit is not lost, whether
+    another exit handler (vLLM's finalizers) runs before or after kvsm's."""
+    path = tmp_path / "stop.jsonl"
+    code = ("import atexit, weakref\n"
+            "from kvsm.eventlog import EventLog\n"
+            "from kvsm.eventlog.exit import on_exit\n"
+            f"log = EventLog({str(path)!r}, role='worker', engine_id='e', flush_interval_s=30)\n"
+            # registered after kvsm's handler, so it runs first: the log is still open
+            "atexit.register(lambda: log.emit('log', 'other.first'))\n"
+            "on_exit(lambda: log.emit('log', 'worker.shutdown', clean=True))\n"
+            "cancelled = on_exit(lambda: log.emit('log', 'never'))\n"
+            "cancelled()\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env, timeout=60)
+    assert [r["event"] for r in load_lines(path)] == ["log_start", "other.first", "worker.shutdown"]

@@ -15,9 +15,14 @@ thread; several loops on one clock run from one thread) is at the end.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -903,3 +908,38 @@ def test_two_driven_loops_on_one_clock_run_a_deterministic_exchange() -> None:
     assert trace == [(0, "b got 0"), (0, "a got 1"), (2 * S, "b got 2"), (2 * S, "a got 3"),
                      (6 * S, "b got 4"), (6 * S, "a got 5"), (12 * S, "b got 6")]
     assert run() == trace
+
+
+_STOP_CHILD = """
+import signal, sys, time
+from kvsm.runtime.stop import stop_on_exit
+if sys.argv[2] == "own-handler":  # as vLLM's processes do before making a connector
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
+stop_on_exit(lambda: open(sys.argv[1], "a").write("stopped\\n"))
+stop_on_exit(lambda: open(sys.argv[1], "a").write("stopped-later\\n"))()  # cancelled: never runs
+print("ready", flush=True)
+if sys.argv[2] != "end":
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how, rc", [("end", 0), ("sigterm", 143), ("own-handler", 7)])
+def test_the_stop_runs_at_the_end_and_on_sigterm(tmp_path: Path, how: str, rc: int) -> None:
+    """kvsm.runtime.stop: a script's end runs the stop; SIGTERM under the default
+    disposition exits through it (143); a SIGTERM handler of the process's own
+    (vLLM's) is left alone."""
+    out = tmp_path / "stopped.txt"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-c", _STOP_CHILD, str(out), how], cwd=root, env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        if how != "end":
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == rc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out.read_text() == "stopped\n"
