@@ -230,6 +230,10 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
     # Requests' machines; the decode worker's peer machine (the third lifecycle) is
     # replay's to judge (no findings, above).
     finals.pop("peer", None)
+    # Each scheduler's own machines (kvsm/lifecycle/sched.py): every decode request
+    # read and ran, every prefill pinned its blocks.
+    sched = finals.pop("sched")
+    assert set(sched) <= {"done", "pinned"}, sched
     assert set(finals) == {"recv", "send"}, finals
     assert set(finals["recv"]) == {"done"} and set(finals["send"]) == {"released"}
     # One request's whole story across both engines, from the CLI.

@@ -609,4 +609,7 @@ PEER = LifecycleSpec(
     lives_with_process=True,
 )
 
-LIFECYCLES: Mapping[str, LifecycleSpec] = {RECV.name: RECV, SEND.name: SEND, PEER.name: PEER}
+# The scheduler half's lifecycle, declared in its own module (which builds on this one).
+from kvsm.lifecycle.sched import SCHED  # noqa: E402
+
+LIFECYCLES: Mapping[str, LifecycleSpec] = {RECV.name: RECV, SEND.name: SEND, PEER.name: PEER, SCHED.name: SCHED}

@@ -24,7 +24,7 @@ class LocalBlock(Protocol):
 
 def pair_segments(local_blocks: Sequence[LocalBlock], theirs: tuple[int, ...], local_size: int, remote_size: int,
                    num_external_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...], dict[str, Any], str]:
-    """``kvsm.scheduler._pair_blocks`` for one group whose block sizes differ between the engines:
+    """``pair_blocks`` for one group whose block sizes differ between the engines:
     every new local block is filled in segments of the smaller size, each from the
     prefill block holding the same tokens (local ids, remote ids, the RecvStart
     segment fields, what cannot be read).
@@ -60,3 +60,37 @@ def pair_segments(local_blocks: Sequence[LocalBlock], theirs: tuple[int, ...], l
     fields = {"segment_tokens": unit, "local_segments": tuple(local_segs), "remote_segments": tuple(remote_segs),
               "block_sizes": (local_size, remote_size)}
     return tuple(local), tuple(remote), fields, ""
+
+
+def pair_blocks(local_groups: Any, remote_groups: tuple[tuple[int, ...], ...],
+                 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], str]:
+    """Which local block each remote block is read into, group by group:
+    (local ids, remote ids, how many of each group, what cannot be read).
+
+    ``local_groups``: vLLM's blocks of the decode request per group (its
+    ``KVCacheBlocks.blocks``: local prefix hits, which are hashed, then the new
+    blocks; the null block where the group keeps nothing). Both sides index a
+    group's blocks by position, so block ``j`` is read from the prefill's block
+    ``j``: for every new, non-null local block. One the prefill side does not
+    hold (past its list, or null there: a sliding window that moved on) cannot
+    be filled, which fails the request rather than deliver a block of garbage.
+    """
+    local: list[int] = []
+    remote: list[int] = []
+    sizes: list[int] = []
+    problems: list[str] = []
+    for g, (blocks, theirs) in enumerate(zip(local_groups, remote_groups, strict=True)):
+        n = 0
+        for j, block in enumerate(blocks):
+            if block.is_null or block.block_hash is not None:
+                continue
+            if j >= len(theirs) or theirs[j] == NULL_BLOCK:
+                held = "past the end of its blocks" if j >= len(theirs) else "the null block there"
+                problems.append(f"KV cache group {g}: block {j} is to be loaded, but the prefill side has {held} "
+                                f"({len(theirs)} block ids)")
+                continue
+            local.append(block.block_id)
+            remote.append(theirs[j])
+            n += 1
+        sizes.append(n)
+    return tuple(local), tuple(remote), tuple(sizes), "; ".join(problems[:3])

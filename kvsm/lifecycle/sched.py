@@ -1,0 +1,313 @@
+"""The scheduler half's lifecycle (``sched``): what it knows of each request
+and which decisions it may take.
+
+One machine per request that kvsm's scheduler half has business with, in the
+engine's scheduler process: a decode request whose ``kv_transfer_params`` ask
+for remote KV (``do_remote_prefill``), from ``new``, or a prefill request
+served to a decode engine (``do_remote_decode`` on a producer), created in
+``prefill_queued``. Declared like RECV, SEND and PEER (``table.py``), driven by
+a ``LifecycleTracker`` and logged, so replay folds and re-checks it; the
+scheduler half (``kvsm.scheduler``) only carries out the effects named here.
+
+Its events, ``prepare`` callbacks, conditions and effects live in this file and
+are registered into the core's tables (``EVENT_TYPES``, ``PREPARE``,
+``CONDITIONS``, ``EFFECTS``), which the compiled step and the log reader look
+up by name. ``table.py`` imports this module at its end (``LIFECYCLES``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+from kvsm.lifecycle.data import RequestMachine
+from kvsm.lifecycle.events import EVENT_TYPES, Event
+from kvsm.lifecycle.folds import PREPARE
+from kvsm.lifecycle.table import CONDITIONS, EFFECTS, LifecycleSpec
+
+# --- events: the scheduler hooks' facts --------------------------------------
+
+
+class ParamsIgnored(Event, frozen=True, tag="params_ignored"):
+    """A decode request's ``kv_transfer_params`` cannot be used (malformed, another
+    layout, a role or mode kvsm does not serve): it runs as a local request."""
+
+    reason: str
+
+
+class ParamsRead(Event, frozen=True, tag="params_read"):
+    """A decode request's ``kv_transfer_params`` parsed: the prefill request it
+    reads. ``reader``: the request of this engine that reads that prefill request
+    already ("" : none); ``rejected``: vLLM's stand-in for a request its API server
+    rejected (aborted at once: nothing is read)."""
+
+    remote_engine: str
+    remote_req: str
+    remote_host: str = ""
+    remote_port: int = 0
+    remote_tp_size: int = 1
+    remote_pp_size: int = 1
+    reader: str = ""
+    rejected: bool = False
+
+
+class BlocksAllocated(Event, frozen=True, tag="blocks_allocated"):
+    """vLLM allocated the request's blocks (``update_state_after_alloc``), and with
+    them ``num_external_tokens`` to load (0: none, or a full local prefix hit)."""
+
+    num_external_tokens: int = 0
+
+
+class LoadReported(Event, frozen=True, tag="load_reported"):
+    """A worker reported the request in ``finished_recving``: vLLM stops waiting."""
+
+
+class RequestFinished(Event, frozen=True, tag="request_finished"):
+    """vLLM finished the request (``request_finished``): ``status`` its
+    RequestStatus name; a prefill request's ``blocks`` (distinct, not null), and
+    how far its computed tokens run past the prompt where ``held_back`` tokens
+    were left to the decode side (a Mamba/GDN state)."""
+
+    status: str = ""
+    blocks: int = 0
+    past_prompt: int = 0
+    held_back: int = 0
+
+
+class SchedulerStopped(Event, frozen=True, tag="scheduler_stopped"):
+    """The scheduler half shuts down while the request is live: it ends here."""
+
+
+SCHED_EVENTS: tuple[type[Event], ...] = (ParamsIgnored, ParamsRead, BlocksAllocated, LoadReported,
+                                         RequestFinished, SchedulerStopped)
+
+
+# --- the data ----------------------------------------------------------------
+
+
+class SchedMachine(RequestMachine):
+    """One request in the scheduler half. ``source`` and ``why`` are folded from
+    the events; ``remote`` is the scheduler half's own (its parsed params, opaque
+    here: no condition reads it and replay does not rebuild it), kept until the
+    effect that uses them up starts the transfer or tells the prefill side."""
+
+    __slots__ = ("source", "why", "remote")
+
+    def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
+        super().__init__(req, lifecycle, state, now_ns)
+        # The prefill request read: (engine, host, port, tp, pp, remote request id).
+        self.source: tuple[str, str, int, int, int, str] = ("", "", 0, 0, 0, "")
+        self.why = ""  # why the params were ignored, or why nothing was pinned
+        self.remote: Any = None
+
+    @property
+    def group(self) -> tuple[str, str, int, int, int]:
+        """The prefill worker group its heartbeat claim goes to."""
+        return self.source[:5]
+
+    def snapshot(self) -> dict[str, Any]:
+        out = super().snapshot()
+        out.update({"source": self.source, "why": self.why})
+        return out
+
+
+# --- prepare: fold an event's inputs into the data ---------------------------
+
+
+def _note_params(m: SchedMachine, ev: ParamsRead, now_ns: int) -> None:
+    m.remote_engine = ev.remote_engine
+    m.remote_req = ev.remote_req
+    m.source = (ev.remote_engine, ev.remote_host, ev.remote_port, ev.remote_tp_size, ev.remote_pp_size,
+                ev.remote_req)
+
+
+def _note_ignored(m: SchedMachine, ev: ParamsIgnored, now_ns: int) -> None:
+    m.why = ev.reason
+
+
+def _note_second_reader(m: SchedMachine, ev: ParamsRead, now_ns: int) -> None:
+    # The prefill side frees the blocks once the first read's notification is in:
+    # a second reader could still be reading them then (they may be reused).
+    m.why = (f"request {ev.reader} of this engine already reads prefill request {ev.remote_req!r} (the samples "
+             f"of an n > 1 request, or a retry sent while the first is running): the prefill side frees its "
+             f"blocks after one read")
+
+
+def _note_load(m: SchedMachine, ev: BlocksAllocated, now_ns: int) -> None:
+    m.num_tokens = ev.num_external_tokens
+
+
+def _note_refusal(m: SchedMachine, ev: RequestFinished, now_ns: int) -> None:
+    if ev.status not in NORMAL_FINISH or not ev.blocks:
+        m.why = ev.status
+    else:
+        m.why = (f"{ev.past_prompt} generated token(s) computed after the prompt: a Mamba/GDN state holds "
+                 f"every token computed, not the prompt's (send the prefill leg with max_tokens 1)")
+
+
+SCHED_PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
+    "note_params": _note_params,
+    "note_ignored": _note_ignored,
+    "note_second_reader": _note_second_reader,
+    "note_load": _note_load,
+    "note_refusal": _note_refusal,
+}
+
+# --- conditions --------------------------------------------------------------
+
+# vLLM's RequestStatus names of a normal finish: the prefill KV is complete.
+NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
+
+
+def _rejected_upstream(m: SchedMachine, ev: ParamsRead) -> bool:
+    return ev.rejected
+
+
+def _read_by_another(m: SchedMachine, ev: ParamsRead) -> bool:
+    """One reader per prefill request: another request of this engine reads it."""
+    return ev.reader not in ("", m.req)
+
+
+def _tokens_to_load(m: SchedMachine, ev: BlocksAllocated) -> bool:
+    return ev.num_external_tokens > 0
+
+
+def _kv_complete(m: SchedMachine, ev: RequestFinished) -> bool:
+    return ev.status in NORMAL_FINISH and ev.blocks > 0
+
+
+def _prompt_state_only(m: SchedMachine, ev: RequestFinished) -> bool:
+    """No token computed past the prompt where a Mamba/GDN state is handed over
+    (that state holds every token computed, not the prompt's)."""
+    return not (ev.held_back and ev.past_prompt > 0)
+
+
+SCHED_CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
+    "rejected_upstream": _rejected_upstream,
+    "read_by_another": _read_by_another,
+    "tokens_to_load": _tokens_to_load,
+    "kv_complete": _kv_complete,
+    "prompt_state_only": _prompt_state_only,
+}
+
+# --- effects: what the scheduler half carries out ----------------------------
+
+SCHED_EFFECTS: Mapping[str, str] = {
+    "warn_ignored": "log why the params were ignored (the request runs as a local one)",
+    "note_rejected": "log vLLM's stand-in for a request rejected upstream",
+    "keep_params": "keep the parsed params: vLLM asks what they offer until it allocates",
+    "take_reader": "become the one reader of the prefill request (the index by prefill request)",
+    "drop_reader": "stop being its reader: another request of this engine may read it",
+    "start_heartbeat": "heartbeat the prefill request's claim until vLLM allocates (the index by prefill worker group)",
+    "stop_heartbeat": "stop heartbeating its claim",
+    "start_load": "relay the read (RecvStart, awaited: vLLM waits for finished_recving) to the workers",
+    "start_notify_only": "relay a start with nothing to read (a full local prefix hit): the prefill side unpins",
+    "abandon_remote": "tell the prefill side to unpin: finished before vLLM allocated anything (RecvAbandon)",
+    "abort_load": "relay an abort of a load under way (RecvAbort, awaited): the worker reports it once settled",
+    "start_send": "relay the prefill request's start to the workers (SendStart)",
+    "queue_pin": "pin its blocks: hand the finish to the workers with the step's batch, return the params",
+    "refuse_pin": "tell the workers nothing is pinned (why), at once",
+}
+
+
+def _register() -> None:
+    """Put this lifecycle's names into the core's tables (checked: none taken)."""
+    events = {str(cls.__struct_config__.tag): cls for cls in SCHED_EVENTS}
+    pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]] = [
+        (PREPARE, SCHED_PREPARE), (CONDITIONS, SCHED_CONDITIONS), (EFFECTS, SCHED_EFFECTS), (EVENT_TYPES, events)]
+    for table, mine in pairs:
+        taken = set(table) & set(mine)
+        if taken:
+            raise ValueError(f"lifecycle 'sched': names already declared elsewhere: {sorted(taken)}")
+        cast("dict[str, Any]", table).update(mine)
+
+
+_register()
+
+# --- the declaration ---------------------------------------------------------
+
+SCHED_STATES = [
+    # decode side
+    "new",
+    "ignored",
+    "claiming",
+    "rejected",
+    "loading",
+    "loaded",
+    # prefill side
+    "prefill_queued",
+    "prefilling",
+    # ends
+    "done",
+    "ran_locally",
+    "abandoned",
+    "aborted_loading",
+    "left_to_reader",
+    "pinned",
+    "not_pinned",
+    "closed_at_shutdown",
+]
+SCHED_TERMINAL = frozenset({"done", "ran_locally", "abandoned", "aborted_loading", "left_to_reader", "pinned",
+                            "not_pinned", "closed_at_shutdown"})
+_LIVE = [s for s in SCHED_STATES if s not in SCHED_TERMINAL]
+_PREFILL = ["prefill_queued", "prefilling"]
+
+SCHED_TRANSITIONS: list[dict[str, Any]] = [
+    # -- decode: judging the params (on_new_request)
+    {"trigger": "params_ignored", "source": "new", "dest": "ignored", "prepare": "note_ignored",
+     "after": "warn_ignored"},
+    # vLLM's stand-in for a rejected request is aborted at once: nothing is read. The
+    # prefill side is told at its finish, unless a live request of this engine reads it.
+    {"trigger": "params_read", "source": "new", "dest": "left_to_reader", "prepare": "note_params",
+     "conditions": ["rejected_upstream", "read_by_another"], "after": "note_rejected"},
+    {"trigger": "params_read", "source": "new", "dest": "rejected", "conditions": "rejected_upstream",
+     "after": ["keep_params", "note_rejected"]},
+    # One reader per prefill request: its blocks are freed after one read.
+    {"trigger": "params_read", "source": "new", "dest": "ignored", "prepare": "note_second_reader",
+     "conditions": "read_by_another", "after": "warn_ignored"},
+    {"trigger": "params_read", "source": "new", "dest": "claiming",
+     "after": ["keep_params", "take_reader", "start_heartbeat"]},
+    # -- decode: vLLM allocates (update_state_after_alloc), once a transfer
+    {"trigger": "blocks_allocated", "source": "claiming", "dest": "loading", "prepare": "note_load",
+     "conditions": "tokens_to_load", "after": ["stop_heartbeat", "start_load"]},
+    {"trigger": "blocks_allocated", "source": "claiming", "dest": "loaded",
+     "after": ["stop_heartbeat", "start_notify_only"]},
+    {"trigger": "blocks_allocated", "source": "rejected", "dest": "loading", "prepare": "note_load",
+     "conditions": "tokens_to_load", "after": "start_load"},
+    {"trigger": "blocks_allocated", "source": "rejected", "dest": "loaded", "after": "start_notify_only"},
+    {"trigger": "load_reported", "source": "loading", "dest": "loaded"},
+    # -- decode: vLLM finishes it
+    {"trigger": "request_finished", "source": "ignored", "dest": "ran_locally"},
+    {"trigger": "request_finished", "source": "claiming", "dest": "abandoned",
+     "after": ["stop_heartbeat", "drop_reader", "abandon_remote"]},
+    {"trigger": "request_finished", "source": "rejected", "dest": "abandoned", "after": "abandon_remote"},
+    # vLLM keeps the blocks until a worker reports the request in finished_recving.
+    {"trigger": "request_finished", "source": "loading", "dest": "aborted_loading",
+     "after": ["drop_reader", "abort_load"]},
+    {"trigger": "request_finished", "source": "loaded", "dest": "done", "after": "drop_reader"},
+    # -- prefill
+    {"trigger": "blocks_allocated", "source": "prefill_queued", "dest": "prefilling", "after": "start_send"},
+    {"trigger": "request_finished", "source": _PREFILL, "dest": "pinned",
+     "conditions": ["kv_complete", "prompt_state_only"], "after": "queue_pin"},
+    {"trigger": "request_finished", "source": _PREFILL, "dest": "not_pinned", "prepare": "note_refusal",
+     "after": "refuse_pin"},
+    # -- a clean stop ends every live request
+    {"trigger": "scheduler_stopped", "source": _LIVE, "dest": "closed_at_shutdown"},
+]
+
+SCHED_STALE: list[dict[str, Any]] = [
+    {"trigger": "blocks_allocated", "source": ["loading", "loaded", "prefilling"],
+     "why": "vLLM allocates again after the load or a preemption: one transfer, one start per request"},
+    {"trigger": "blocks_allocated", "source": "ignored", "why": "it runs as a local request"},
+]
+
+SCHED: LifecycleSpec = LifecycleSpec(
+    name="sched",
+    states=tuple(SCHED_STATES),
+    initial="new",
+    terminal=SCHED_TERMINAL,
+    transitions=tuple(SCHED_TRANSITIONS),
+    entry_states=frozenset({"new", "prefill_queued"}),
+    stale_inputs=tuple(SCHED_STALE),
+    machine_cls=SchedMachine,
+)

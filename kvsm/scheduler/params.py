@@ -1,0 +1,135 @@
+"""``kv_transfer_params`` in and out of the scheduler half: a decode request's
+judged into the event its machine takes (``ParamsRead`` or ``ParamsIgnored``),
+and a finished prefill's written for the decode side. Pure functions of the
+params, the request and the config: what the request's machine then does is
+the ``sched`` lifecycle's decision (``kvsm.lifecycle.sched``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvsm.config import KVSMConfig
+from kvsm.handoff.facts import (
+    PRODUCER_KEY,
+    PROMPT_FINGERPRINT_KEY,
+    BadTransferParams,
+    RemoteParams,
+    parse_remote_params,
+    prompt_fingerprint,
+    prompt_mismatch,
+)
+from kvsm.handshake.messages import PROTOCOL_VERSION
+from kvsm.lifecycle.events import Event
+from kvsm.lifecycle.sched import ParamsIgnored, ParamsRead
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.request import Request
+
+HELD_BACK_KEY = "_kvsm_held_back"  # in a prefill request's kv_transfer_params: tokens held back
+
+Source = tuple[str, str, int, int, int, str]  # (engine, host, port, tp, pp, remote request id)
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """A decode request's params judged: the event for its machine, the parsed
+    params (None: not parsed), and whether they lack kvsm's producer key."""
+
+    event: Event
+    remote: RemoteParams | None = None
+    foreign: bool = False
+
+
+def remote_block_sizes(remote: RemoteParams, group_block_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Tokens per prefill block of each group: the params' ``remote_block_size``
+    where one group has it (a kvsm producer says so), else this engine's."""
+    if remote.remote_block_size is None or len(group_block_sizes) != 1:
+        return group_block_sizes
+    return (remote.remote_block_size,)
+
+
+def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMConfig,
+                        group_block_sizes: tuple[int, ...], readers: Mapping[Source, str]) -> Judged:
+    """What a decode request's ``kv_transfer_params`` (``do_remote_prefill``) say,
+    in the order the checks were always made. ``readers``: which request of this
+    engine reads each prefill request (the one-reader rule is the lifecycle's)."""
+    req = request.request_id
+    if not cfg.consumes:
+        return Judged(ParamsIgnored(req=req, reason=f"do_remote_prefill on an engine with kv_role {cfg.kv_role!r}"))
+    mode = params.get("transfer_mode")  # absent: a producer older than the key (upstream's or kvsm's)
+    if mode not in (None, "pull"):
+        return Judged(ParamsIgnored(req=req, reason=(
+            f"transfer_mode {mode!r}: the prefill engine's connector does not serve reads (NixlPushConnector "
+            f"writes into the decode engine), and kvsm only reads: transfer_mode 'pull'")))
+    try:
+        remote = parse_remote_params(params)
+    except BadTransferParams as e:
+        return Judged(ParamsIgnored(req=req, reason=str(e)))
+    if len(remote.remote_block_ids) != len(group_block_sizes):
+        return Judged(ParamsIgnored(req=req, reason=(
+            f"remote_block_ids has {len(remote.remote_block_ids)} KV cache group(s), this engine's KV cache "
+            f"{len(group_block_sizes)} (another model or layout?)")))
+    foreign = PRODUCER_KEY not in params
+    theirs, ours = remote_block_sizes(remote, group_block_sizes)[0], group_block_sizes[0]
+    if max(theirs, ours) % min(theirs, ours):
+        return Judged(ParamsIgnored(req=req, reason=(
+            f"the prefill engine's blocks hold {theirs} tokens, this engine's {ours}: blocks of different sizes "
+            f"are read in segments, so one size must divide the other")), None, foreign)
+    rejected = bool(getattr(request, "abort_immediately", False))
+    if not rejected:  # vLLM's stand-in for a rejected request has prompt [0]: not compared
+        mismatch = prompt_mismatch(params, remote.remote_num_tokens, request.prompt_token_ids,
+                                   request.num_prompt_tokens)
+        if mismatch:
+            return Judged(ParamsIgnored(req=req, reason=mismatch), None, foreign)
+    source = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size,
+              remote.remote_pp_size, remote.remote_req)
+    return Judged(ParamsRead(req=req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
+                             remote_host=remote.remote_host, remote_port=remote.remote_port,
+                             remote_tp_size=remote.remote_tp_size, remote_pp_size=remote.remote_pp_size,
+                             reader=readers.get(source, ""), rejected=rejected), remote, foreign)
+
+
+def hold_back_last_tokens(request: Request, params: dict[str, Any], n: int) -> bool:
+    """Prefill only ``num_prompt_tokens - n`` tokens: the state a Mamba/GDN group
+    leaves is then the one the decode side needs before it computes the last
+    prompt token itself (vLLM always computes at least one). Once per request
+    (a preempted request comes back here). True: held back now."""
+    if params.get(HELD_BACK_KEY) or request.num_prompt_tokens <= n or request.prompt_token_ids is None:
+        return False
+    del request.prompt_token_ids[-n:]
+    del request._all_token_ids[-n:]
+    request.num_prompt_tokens -= n
+    params[HELD_BACK_KEY] = n
+    return True
+
+
+def prefill_offer(cfg: KVSMConfig, request: Request, block_ids: tuple[list[int], ...], num_tokens: int,
+                  group_block_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a finished prefill hands the decode side."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(ids) for ids in block_ids],  # one list per group, by position
+        "remote_engine_id": cfg.engine_id,
+        "remote_request_id": request.request_id,
+        "remote_host": cfg.side_channel_host,
+        "remote_port": cfg.side_channel_port,
+        "tp_size": cfg.tp_size,
+        "dcp_size": cfg.dcp_size,
+        "pp_size": cfg.pp_size,
+        "remote_num_tokens": num_tokens,
+        PRODUCER_KEY: PROTOCOL_VERSION,
+        # One group: its tokens per block, so a decode engine of another block size pairs them
+        # (several groups move block for block, each side's sizes equal: the compatibility check).
+        **({"remote_block_size": group_block_sizes[0]} if len(group_block_sizes) == 1 else {}),
+        **({} if request.prompt_token_ids is None else
+           {PROMPT_FINGERPRINT_KEY: prompt_fingerprint(request.prompt_token_ids, num_tokens)}),
+        # Wall-clock seconds, informational: the decode side's claim is what counts.
+        "remote_blocks_expiry_time": time.time() + cfg.lease_s,
+        # As upstream's pull scheduler: tells a router this is a pull (READ)
+        # producer, not NixlPushConnector's WRITE one (its _TRANSFER_MODE).
+        "transfer_mode": "pull",
+    }
