@@ -571,3 +571,19 @@ def test_a_stop_hook_writes_before_the_logs_close_at_exit_whatever_atexits_order
     env = {**os.environ, "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env, timeout=60)
     assert [r["event"] for r in load_lines(path)] == ["log_start", "other.first", "worker.shutdown"]
+
+
+def test_a_stop_hook_that_hangs_does_not_hang_the_exit(tmp_path: Path) -> None:
+    path = tmp_path / "hang.jsonl"
+    code = ("import time\n"
+            "from kvsm.eventlog import EventLog, exit as log_exit\n"
+            "log_exit.STOP_TIMEOUT_S = 0.5\n"
+            f"log = EventLog({str(path)!r}, role='worker', engine_id='e', flush_interval_s=30)\n"
+            "log_exit.on_exit(lambda: time.sleep(60))\n"
+            "log.emit('log', 'before')\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert [r["event"] for r in load_lines(path)] == ["log_start", "before"]

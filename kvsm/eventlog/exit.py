@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 # How long the logs get to flush at exit (each), after the stop hooks ran.
 CLOSE_TIMEOUT_S = 2.0
+# How long the stop hooks get at exit, all together (a worker's own stop waits
+# 10 s at most for its loop, 10 s for the thread and 5 s for its log).
+STOP_TIMEOUT_S = 30.0
 
 
 # Every live log, so fork and interpreter exit can reach them without keeping
@@ -62,17 +65,32 @@ def exiting() -> bool:
     return _exiting
 
 
-def run_stop_hooks() -> None:
-    """Run (and forget) this process's stop hooks, newest first."""
+def run_stop_hooks(timeout: float | None = None) -> bool:
+    """Run (and forget) this process's stop hooks, newest first, on a helper
+    thread given ``timeout`` seconds in all (``STOP_TIMEOUT_S``): a hook stuck
+    on something unbounded must not hang the exit. False if they overran."""
     pid = os.getpid()
     with _lock:
         todo = [fn for _key, (owner, fn) in sorted(_hooks.items(), reverse=True) if owner == pid]
         _hooks.clear()
-    for fn in todo:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - never fail interpreter exit
-            log.warning("kvsm: a stop hook failed at exit: %s: %s", type(e).__name__, e)
+    if not todo:
+        return True
+
+    def run() -> None:
+        for fn in todo:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - never fail interpreter exit
+                log.warning("kvsm: a stop hook failed at exit: %s: %s", type(e).__name__, e)
+
+    thread = threading.Thread(target=run, name="kvsm-stop", daemon=True)
+    thread.start()
+    thread.join(STOP_TIMEOUT_S if timeout is None else timeout)
+    if thread.is_alive():
+        log.warning("kvsm: the stop hooks did not finish within %.0f s; exiting without them",
+                    STOP_TIMEOUT_S if timeout is None else timeout)
+        return False
+    return True
 
 
 def close_all_at_exit() -> None:
