@@ -45,8 +45,10 @@ def harness(kv_role: str, tmp_path: Path | None = None, **kw: Any) -> SchedulerH
 
 
 def log_records(h: SchedulerHarness, tmp_path: Path) -> list[dict[str, Any]]:
-    """Every record the harness's scheduler half logged (under ``tmp_path``), flushed first."""
-    h.connector.scheduler_half.log.flush()
+    """Every record the harness's scheduler half logged (under ``tmp_path``), flushed
+    first; its ``sched`` machines replay clean (each decision as the table declares it)."""
+    report = h.replay()
+    assert not report.findings, [str(f) for f in report.findings]
     return [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
 
 

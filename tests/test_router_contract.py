@@ -63,6 +63,7 @@ from conftest import require
 
 require("vllm")
 
+from kvsm.replay import analyse
 from kvsm.vllm.connector import KVSMConnector
 from kvsm.vllm.metadata import KVSMConnectorMetadata
 from kvsm_testing.scheduler import SchedulerHarness, make_scheduler
@@ -202,6 +203,13 @@ def log_events(tmp_path: Path, event: str) -> list[dict[str, Any]]:
     return out
 
 
+def replays_clean(tmp_path: Path) -> None:
+    """The closed engines' scheduler logs replay clean: each request's ``sched``
+    machine took the steps the table declares."""
+    report = analyse(sorted((tmp_path / "logs").glob("*.scheduler.*.jsonl")))
+    assert report.machines and not report.findings, [str(f) for f in report.findings]
+
+
 # ------------------------------------------------------------ the contracts
 
 
@@ -330,6 +338,7 @@ def test_push_mode_proxy_params_run_the_decode_locally_and_say_why(tmp_path: Pat
         drained(d)
     (ignored,) = log_events(tmp_path, "sched.params_ignored")
     assert ignored["req"] == "d-push" and "remote_block_ids" in ignored["reason"]
+    replays_clean(tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["push", "WRITE"])
@@ -355,6 +364,7 @@ def test_params_of_a_producer_that_is_not_pull_run_the_decode_locally_and_say_wh
         drained(d)
     (ignored,) = log_events(tmp_path, "sched.params_ignored")
     assert ignored["req"] == "d-mode" and f"transfer_mode {mode!r}" in ignored["reason"]
+    replays_clean(tmp_path)
 
 
 # ------------------------------------------------------------ Dynamo's connector name

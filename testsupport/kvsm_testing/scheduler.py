@@ -17,7 +17,8 @@ API
   connector (the benchmarks' baseline).
 * :class:`SchedulerHarness`: ``add_request``, ``step``, ``abort``,
   ``free_blocks``, ``block_ids``, ``request``, ``has_requests``,
-  ``pending_transfers``, ``run_until_idle``, ``trace_hooks``, ``close``.
+  ``pending_transfers``, ``run_until_idle``, ``trace_hooks``, ``replay``
+  (kvsm's scheduler log, replayed), ``close``.
 * :func:`remote_prefill_params` / :func:`remote_decode_params`: upstream-shaped
   ``kv_transfer_params`` for a decode-side / prefill-side request.
 
@@ -543,6 +544,18 @@ class SchedulerHarness:
                 continue
             setattr(conn, name, _tracer(name, method, calls))
         return calls
+
+    def replay(self) -> Any:
+        """Replay of what kvsm's scheduler half logged so far (its ``sched``
+        machines, re-applied to the declared table: ``kvsm.replay.Report``); the
+        log is flushed first. Needs ``event_log_dir`` in the connector's config."""
+        from kvsm.replay import analyse
+
+        half = getattr(self.connector, "scheduler_half", None)
+        if half is None or half.log is None:
+            raise RuntimeError("replay: no kvsm scheduler half with an event log here")
+        half.log.flush()
+        return analyse([half.log.path])
 
     def close(self) -> None:
         """``scheduler.shutdown()``, which shuts the connector down (and joins
