@@ -16,7 +16,14 @@ import pytest
 from conftest import require
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import IllegalEventPolicy, LifecycleTracker
-from kvsm.lifecycle.sched import SCHED, BlocksAllocated, ParamsIgnored, ParamsRead, RequestFinished
+from kvsm.lifecycle.sched import (
+    SCHED,
+    BlocksAllocated,
+    ParamsIgnored,
+    ParamsRead,
+    PrefillFinished,
+    RequestFinished,
+)
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.replay import analyse
 
@@ -68,7 +75,7 @@ def test_what_a_prefill_finish_pins(status: str, blocks: int, past: int, held_ba
     t.create("p", "prefill_queued")
     assert t.apply(BlocksAllocated(req="p")).effects == ("start_send",)
     m = t.get("p")
-    out = t.apply(RequestFinished(req="p", status=status, blocks=blocks, past_prompt=past, held_back=held_back))
+    out = t.apply(PrefillFinished(req="p", status=status, blocks=blocks, past_prompt=past, held_back=held_back))
     assert out.dst == dest and m is not None and m.why.startswith(why)  # type: ignore[attr-defined]
 
 
@@ -189,7 +196,7 @@ def _tamper(src: Path, dst: Path, req: str, event: str, change: Any) -> None:
     # A load that never started: the table's effects for it were not carried out.
     ("d-ok", "blocks_allocated", lambda r: r.update(effects=["stop_heartbeat"]), "start_load"),
     # A prefill pinned though it was aborted.
-    ("p-aborted", "request_finished", lambda r: r.update(dst="pinned", effects=["queue_pin"]), "'not_pinned'"),
+    ("p-aborted", "prefill_finished", lambda r: r.update(dst="pinned", effects=["queue_pin"]), "'not_pinned'"),
 ])
 def test_replay_catches_a_tampered_scheduler_log(tmp_path: Path, req: str, event: str, change: Any,
                                                  needle: str) -> None:

@@ -63,10 +63,17 @@ class LoadReported(Event, frozen=True, tag="load_reported"):
 
 
 class RequestFinished(Event, frozen=True, tag="request_finished"):
-    """vLLM finished the request (``request_finished``): ``status`` its
-    RequestStatus name; a prefill request's ``blocks`` (distinct, not null), and
-    how far its computed tokens run past the prompt where ``held_back`` tokens
-    were left to the decode side (a Mamba/GDN state)."""
+    """vLLM finished a decode request (``request_finished``): ``status`` its
+    RequestStatus name."""
+
+    status: str = ""
+
+
+class PrefillFinished(Event, frozen=True, tag="prefill_finished"):
+    """vLLM finished a prefill request: ``status`` its RequestStatus name,
+    ``blocks`` how many it holds (distinct, not null), and how far its computed
+    tokens run past the prompt where ``held_back`` tokens were left to the
+    decode side (a Mamba/GDN state)."""
 
     status: str = ""
     blocks: int = 0
@@ -79,7 +86,7 @@ class SchedulerStopped(Event, frozen=True, tag="scheduler_stopped"):
 
 
 SCHED_EVENTS: tuple[type[Event], ...] = (ParamsIgnored, ParamsRead, BlocksAllocated, LoadReported,
-                                         RequestFinished, SchedulerStopped)
+                                         RequestFinished, PrefillFinished, SchedulerStopped)
 
 
 # --- the data ----------------------------------------------------------------
@@ -137,7 +144,7 @@ def _note_load(m: SchedMachine, ev: BlocksAllocated, now_ns: int) -> None:
     m.num_tokens = ev.num_external_tokens
 
 
-def _note_refusal(m: SchedMachine, ev: RequestFinished, now_ns: int) -> None:
+def _note_refusal(m: SchedMachine, ev: PrefillFinished, now_ns: int) -> None:
     if ev.status not in NORMAL_FINISH or not ev.blocks:
         m.why = ev.status
     else:
@@ -172,11 +179,11 @@ def _tokens_to_load(m: SchedMachine, ev: BlocksAllocated) -> bool:
     return ev.num_external_tokens > 0
 
 
-def _kv_complete(m: SchedMachine, ev: RequestFinished) -> bool:
+def _kv_complete(m: SchedMachine, ev: PrefillFinished) -> bool:
     return ev.status in NORMAL_FINISH and ev.blocks > 0
 
 
-def _prompt_state_only(m: SchedMachine, ev: RequestFinished) -> bool:
+def _prompt_state_only(m: SchedMachine, ev: PrefillFinished) -> bool:
     """No token computed past the prompt where a Mamba/GDN state is handed over
     (that state holds every token computed, not the prompt's)."""
     return not (ev.held_back and ev.past_prompt > 0)
@@ -287,9 +294,9 @@ SCHED_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "request_finished", "source": "loaded", "dest": "done", "after": "drop_reader"},
     # -- prefill
     {"trigger": "blocks_allocated", "source": "prefill_queued", "dest": "prefilling", "after": "start_send"},
-    {"trigger": "request_finished", "source": _PREFILL, "dest": "pinned",
+    {"trigger": "prefill_finished", "source": _PREFILL, "dest": "pinned",
      "conditions": ["kv_complete", "prompt_state_only"], "after": "queue_pin"},
-    {"trigger": "request_finished", "source": _PREFILL, "dest": "not_pinned", "prepare": "note_refusal",
+    {"trigger": "prefill_finished", "source": _PREFILL, "dest": "not_pinned", "prepare": "note_refusal",
      "after": "refuse_pin"},
     # -- a clean stop ends every live request
     {"trigger": "scheduler_stopped", "source": _LIVE, "dest": "closed_at_shutdown"},

@@ -49,6 +49,7 @@ from kvsm.lifecycle.sched import (
     SCHED,
     BlocksAllocated,
     LoadReported,
+    PrefillFinished,
     RequestFinished,
     SchedMachine,
     SchedulerStopped,
@@ -245,7 +246,7 @@ class SchedulerHalf:
             return False, None
         # What is pinned: every block of every group, each once, never the null block.
         blocks = tuple(dict.fromkeys(b for ids in block_ids for b in ids if b != NULL_BLOCK))
-        event = RequestFinished(req=req, status=status, blocks=len(blocks),
+        event = PrefillFinished(req=req, status=status, blocks=len(blocks),
                                 past_prompt=request.num_computed_tokens - request.num_prompt_tokens,
                                 held_back=self._hold_back)
         offer = self._apply(m, event, (request, block_ids, blocks))
