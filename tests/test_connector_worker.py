@@ -142,15 +142,16 @@ def test_scheduler_side_calls_on_a_worker_instance_say_so(connector: KVSMConnect
 
 def test_the_worker_carries_out_every_effect_the_table_names(connector: KVSMConnector) -> None:
     """A table change that adds an effect must come with the I/O that does it."""
-    from kvsm.lifecycle.table import RECV, SEND
+    from kvsm.lifecycle.table import PEER, RECV, SEND
 
     def effects(spec: object) -> set[str]:
         return {e for rules in spec.rules.values() for r in rules for e in r.effects}  # type: ignore[attr-defined]
 
     worker = connector.worker_half
     assert worker is not None
-    assert set(worker._recv_effects) == effects(RECV)
-    assert set(worker._send_effects) == effects(SEND)
+    assert set(worker.receiver.effects) == effects(RECV)
+    assert set(worker.sender.effects) == effects(SEND)
+    assert set(worker.peers_and_claims.effects) == effects(PEER)
 
 
 def test_side_channel_refusals_are_counted_in_the_stats(connector: KVSMConnector) -> None:

@@ -64,7 +64,7 @@ def test_a_raising_claim_flush_fails_its_victim_at_that_instant(tmp_path: Path) 
 def test_a_raising_handshake_deadline_timer_still_fails_its_victim_at_the_timeout(tmp_path: Path) -> None:
     vp = make(tmp_path, decode_cfg=FAST)
     vp.finish("A", {"p-other": (1, 2)})
-    fault = inject_fault(vp.decode, "_expire_client", times=1)
+    fault = inject_fault(vp.decode, "peers_and_claims._expire_client", times=1)
     t0 = vp.now_ns
     vp.start("victim", "silent", "p-victim", (5, 6))
     vp.start("other", "A", "p-other", (1, 2))
@@ -82,7 +82,7 @@ def test_a_lost_heartbeat_does_not_end_a_lease_the_next_ones_keep(tmp_path: Path
     vp = make(tmp_path, {"F": 1.0, "H": 30.0}, decode_cfg=FAST)
     vp.finish("F", {"p-pinned": (1, 2)})
     t0 = vp.now_ns
-    fault = inject_fault(vp.decode, "_send_heartbeat", times=1)
+    fault = inject_fault(vp.decode, "peers_and_claims._send_heartbeat", times=1)
     vp.heartbeat("F", ("p-pinned",))  # lost
     assert fault.fired == 1
     assert [(e["req"], e["label"]) for e in loop_errors(vp)] == [(None, "_send_heartbeat")]
@@ -100,7 +100,7 @@ def test_a_raising_read_poll_timer_comes_back_at_its_next_interval(tmp_path: Pat
     vp = make(tmp_path, decode_cfg=FAST)
     vp.finish("A", {"p-first": (1, 2), "p-second": (3,)})
     vp.delay_of["first"] = 3 * POLL_NS + POLL_NS // 2  # in flight across a few polls
-    fault = inject_fault(vp.decode, "_poll_reads", times=1)
+    fault = inject_fault(vp.decode, "receiver.reads._poll_reads", times=1)
     t0 = vp.now_ns
     vp.start("first", "A", "p-first", (1, 2))
     served(vp, "first")
@@ -137,13 +137,13 @@ def test_a_raising_prefill_notification_poll_still_releases_by_the_read(tmp_path
 def test_a_raising_claim_result_fails_its_victim_at_the_answer(tmp_path: Path) -> None:
     vp = make(tmp_path, decode_cfg=FAST)
     vp.finish("A", {"p-victim": (1, 2), "p-other": (3,), "p-after": (4,)})
-    fault = inject_fault(vp.decode, "_on_claim_result", victim="victim", times=1)
+    fault = inject_fault(vp.decode, "peers_and_claims._on_claim_result", victim="victim", times=1)
     t0 = vp.now_ns
     vp.start("victim", "A", "p-victim", (1, 2))
     vp.start("other", "A", "p-other", (3,))
     served(vp, "other")
     assert fault.fired == 1 and vp.failed["victim"] == t0
-    detail = "InjectedFault: injected into _on_claim_result for victim"
+    detail = "InjectedFault: injected into peers_and_claims._on_claim_result for victim"
     assert internal_errors(vp, "victim") == [{"where": "claim result", "detail": detail}]
     vp.start("after", "A", "p-after", (4,))
     served(vp, "after")

@@ -27,7 +27,7 @@ def test_early_abandons_are_bounded_in_number_and_time() -> None:
     half = _prefill_worker(clock)
     try:
         flood = [f"never-{i}" for i in range(MAX_EARLY_ABANDONS + 500)]
-        answers = half._on_claims("abandon", "decode/tp0", flood)
+        answers = half.sender._on_claims("abandon", "decode/tp0", flood)
         assert set(answers.values()) == {"ok"}
         counts = half.send.count_by_state()
         assert counts["abandoned_early"] == MAX_EARLY_ABANDONS
@@ -39,8 +39,8 @@ def test_early_abandons_are_bounded_in_number_and_time() -> None:
         assert half.resources()["send_io"] == 0 and half.resources()["loop_timers"] == 0
         # A finish after the abandon was forgotten is a new request and pins as usual.
         from kvsm.handoff.facts import SendFinish
-        half._on_send_finish((SendFinish(req=flood[0], ok=True, block_ids=(1, 2), pinned_ns=clock.monotonic_ns()),
-                              "test"))
+        finish = SendFinish(req=flood[0], ok=True, block_ids=(1, 2), pinned_ns=clock.monotonic_ns())
+        half.sender._on_send_finish((finish, "test"))
         assert half.send.get(flood[0]) is not None and half.send.get(flood[0]).state == "awaiting_pull"
     finally:
         half.loop.stop()
@@ -52,8 +52,8 @@ def test_an_early_abandon_frees_the_blocks_the_moment_the_finish_comes() -> None
     clock = VirtualClock()
     half = _prefill_worker(clock)
     try:
-        half._on_claims("abandon", "decode/tp0", ["early"])
-        half._on_send_finish((SendFinish(req="early", ok=True, block_ids=(7,), pinned_ns=0), "test"))
+        half.sender._on_claims("abandon", "decode/tp0", ["early"])
+        half.sender._on_send_finish((SendFinish(req="early", ok=True, block_ids=(7,), pinned_ns=0), "test"))
         assert half.send.final_state("early") == "released"
         sent, _, _ = half.take_results()
         assert sent == {"early"}

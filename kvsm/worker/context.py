@@ -1,17 +1,14 @@
 """What every part of the worker shares: its state, its results box, and the
 one way it applies events.
 
-``WorkerHalf`` is assembled from one mixin per concern (``recv``, ``send``,
-``peers``, ``recovery``) over ``WorkerContext``, which declares the state they
-share and the few methods one side calls on another. Only the loop thread
-touches any of it, except ``Results`` (locked; vLLM's thread takes from it).
+``WorkerHalf`` is a composition of parts, one per concern (``recv``, ``send``,
+``peers``, ``recovery``), each handed the ``WorkerContext`` and the other parts
+it calls. Only the loop thread touches any of it, except ``Results`` (locked;
+vLLM's thread takes from it).
 
 The worker decides nothing about a request or a peer itself: it turns I/O into
 events, applies them to the trackers, and carries out the effects the table
-returns. An event raised while another transition's effects run (a follow-up:
-a read posted inside ``handshake_ok``'s effects, a peer's death failing its
-requests) is queued and applied right after, in order, on the same loop turn:
-nothing is handed to the loop again, so nothing can be dropped on the way.
+returns (``runner``).
 """
 
 from __future__ import annotations
@@ -19,8 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +27,12 @@ from kvsm.handoff.pins import PinChannelServer
 from kvsm.handshake import CompatInfo, HandshakeClient, HandshakeServer
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
+from kvsm.lifecycle.table import PEER, RECV, SEND
 from kvsm.runtime.loop import EventLoop, LoopError, TimerHandle
 from kvsm.transport.base import Transport, XferHandle
+from kvsm.worker.runner import EffectRunner
 from kvsm.worker.stats import StatsRecorder
-from kvsm.worker.tp_map import ReadPlan, Source
+from kvsm.worker.tp_map import Source
 
 log = logging.getLogger("kvsm.worker")
 
@@ -198,185 +196,88 @@ class Claim:
     fetch: bool
 
 
-RecvEffect = Callable[[str, "RecvIO | None", Outcome], None]
-SendEffect = Callable[[str, Outcome], None]
-PeerEffect = Callable[[PeerIO, Outcome], None]
-
-
 class WorkerContext:
-    """The state every part of the worker shares (loop thread only)."""
+    """What every part of the worker shares (loop thread only): the configuration,
+    the trackers, the results box, the I/O objects opened at start, the tables of
+    per-request I/O that more than one part reads, and the one way events are
+    applied (``runner``). The parts are handed this object; none of them inherits
+    from another."""
 
-    cfg: KVSMConfig
-    tp_rank: int
-    pp_rank: int
-    log: EventLog | None
-    stats: StatsRecorder
-    state_counts: dict[str, dict[str, int]]
-    results: Results
-    loop: EventLoop
-    warn: RateLimitedLog
-    recv: LifecycleTracker
-    send: LifecycleTracker
-    peers: LifecycleTracker
-    transport: Transport | None
-    server: HandshakeServer | None
-    client: HandshakeClient | None
-    pins: PinChannelServer | None
-    compat: CompatInfo | None
-    agent_name: str
-    _recv_io: dict[str, RecvIO]
-    _send_io: dict[str, SendIO]
-    _peer_io: dict[str, PeerIO]
-    _claims: dict[int, Claim]
-    _claim_queue: dict[str, list[str]]
-    _early_posts: list[str]  # requests whose reads go out right after this turn's claims
-    _retry_flush: TimerHandle | None
-    _oneway: dict[int, tuple[PeerIO, int]]
-    _polling: dict[str, None]  # insertion-ordered: the same run polls in the same order
-    _poll_timer: TimerHandle | None
-    _read_poll_ns: int  # the read poll's interval: the configured one, or ramping up to it after a grant
-    _stall_timer: TimerHandle | None
-    _notif_timer: TimerHandle | None
-    _expiry_timer: TimerHandle | None
-    _has_readers: bool
-    _notif_min_ns: int
-    _notif_interval_ns: int
-    _notif_fast_until_ns: int
-    _recv_effects: Mapping[str, RecvEffect]
-    _send_effects: Mapping[str, SendEffect]
-    _peer_effects: Mapping[str, PeerEffect]
-    _followups: deque[tuple[LifecycleTracker, ev.Event]]
-    _applying: bool
+    def __init__(self, cfg: KVSMConfig, tp_rank: int, pp_rank: int, event_log: EventLog | None,
+                 stats: StatsRecorder, loop: EventLoop) -> None:
+        self.cfg = cfg
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.log = event_log
+        self.stats = stats
+        self.loop = loop
+        self.results = Results()
+        self.warn = RateLimitedLog(loop.name)
+        self.recv = LifecycleTracker(RECV, loop.clock, listener=self.on_outcome)
+        self.send = LifecycleTracker(SEND, loop.clock, listener=self.on_outcome)
+        self.peers = LifecycleTracker(PEER, loop.clock, listener=self.on_outcome)
+        # Machines per state (recv, send), kept by the outcome listener: the metrics' gauges.
+        self.state_counts: dict[str, dict[str, int]] = {
+            spec.name: dict.fromkeys(spec.states, 0) for spec in (RECV, SEND)}
+        # Opened by ``WorkerHalf.start`` (on the loop): None until then, or when this
+        # engine has no such role.
+        self.transport: Transport | None = None
+        self.server: HandshakeServer | None = None
+        self.client: HandshakeClient | None = None
+        self.pins: PinChannelServer | None = None
+        self.compat: CompatInfo | None = None
+        self.agent_name = ""
+        # Decode requests' I/O (the receiving part's, read by the peers part when a
+        # claim is answered or a peer dies), and those with reads in flight
+        # (insertion-ordered: the same run polls in the same order).
+        self.recv_io: dict[str, RecvIO] = {}
+        self.polling: dict[str, None] = {}
+        # Requests whose claims go out with this turn's flush, by peer key.
+        self.claim_queue: dict[str, list[str]] = {}
+        self.runner = EffectRunner(self._on_error)
+        self.on_error: Callable[[LoopError], None] = _no_recovery
 
-    def _init_context(self) -> None:
-        self._recv_io = {}
-        self._send_io = {}
-        self._peer_io = {}
-        self._claims = {}
-        self._claim_queue = {}
-        self._early_posts = []
-        self._retry_flush = None
-        self._oneway = {}
-        self._polling = {}
-        self._poll_timer = None
-        self._stall_timer = None
-        self._notif_timer = None
-        self._expiry_timer = None
-        self._has_readers = False
-        self._followups = deque()
-        self._applying = False
+    def _on_error(self, err: LoopError) -> None:
+        self.on_error(err)
 
-    # -- applying events ---------------------------------------------------------
+    # -- applying events (one runner, see ``runner``) -----------------------------------
 
-    def _apply(self, tracker: LifecycleTracker, event: ev.Event) -> Outcome | None:
-        """Apply ``event`` and carry out its effects; an event applied while another
-        transition's effects run is queued and applied right after it (None)."""
-        if self._applying:
-            self._followups.append((tracker, event))
-            return None
-        self._applying = True
-        try:
-            return self._step(tracker, event)
-        finally:
-            try:
-                self._drain()
-            finally:
-                self._applying = False
+    def apply_recv(self, event: ev.Event) -> Outcome | None:
+        return self.runner.apply(self.recv, event)
 
-    def _drain(self) -> None:
-        """Apply the queued follow-ups; one that raises fails its own request only."""
-        queue = self._followups
-        while queue:
-            tracker, event = queue.popleft()
-            try:
-                self._step(tracker, event)
-            except Exception as e:  # noqa: BLE001 - fail that request, go on with the rest
-                self._on_loop_error(LoopError(e, event.req, f"follow-up {event.trigger}", "post"))
+    def apply_send(self, event: ev.Event) -> Outcome | None:
+        return self.runner.apply(self.send, event)
 
-    def _step(self, tracker: LifecycleTracker, event: ev.Event) -> Outcome:
-        if tracker is self.recv:
-            return self._step_recv(event)
-        if tracker is self.send:
-            return self._step_send(event)
-        return self._step_peer(event)
+    def apply_peer(self, event: ev.Event) -> Outcome | None:
+        return self.runner.apply(self.peers, event)
 
-    def _apply_recv(self, event: ev.Event) -> Outcome | None:
-        return self._apply(self.recv, event)
-
-    def _apply_send(self, event: ev.Event) -> Outcome | None:
-        return self._apply(self.send, event)
-
-    def _apply_peer(self, event: ev.Event) -> Outcome | None:
-        return self._apply(self.peers, event)
-
-    def _guard(self, req: str | None, fn: Callable[[Any], object], arg: Any) -> Exception | None:
+    def guard(self, req: str | None, fn: Callable[[Any], object], arg: Any) -> Exception | None:
         """Run one request's handler; an exception fails that request only (and is returned)."""
         try:
             fn(arg)
         except Exception as e:  # noqa: BLE001
-            self._on_loop_error(LoopError(e, req, getattr(fn, "__name__", "handler"), "post"))
+            self.on_error(LoopError(e, req, getattr(fn, "__name__", "handler"), "post"))
             return e
         return None
 
-    def _note(self, event: str, req: str | None, **fields: Any) -> None:
+    def note(self, event: str, req: str | None, **fields: Any) -> None:
         if self.log is not None:
             self.log.emit("log", event, req, **fields)
 
-    # -- what one part calls on another (implemented by the mixins) ---------------
+    def on_outcome(self, o: Outcome) -> None:
+        """Every tracker's listener: the event log's record, a warning for a
+        violation, and the per-state counts."""
+        if self.log is not None:
+            self.log.record_outcome(o)
+        if o.violation is not None:
+            self.warn.warning("violation", "%s", o.describe())
+        elif not o.stale:
+            counts = self.state_counts.get(o.lifecycle)
+            if counts is not None:
+                if o.src is not None:
+                    counts[o.src] -= 1
+                counts[o.dst] += 1  # type: ignore[index]
 
-    def _step_recv(self, event: ev.Event) -> Outcome:
-        raise NotImplementedError
 
-    def _step_send(self, event: ev.Event) -> Outcome:
-        raise NotImplementedError
-
-    def _step_peer(self, event: ev.Event) -> Outcome:
-        raise NotImplementedError
-
-    def _on_loop_error(self, err: LoopError) -> None:
-        raise NotImplementedError
-
-    def _peer(self, engine: str, host: str, port: int, rank: int | None = None, pp_rank: int = 0) -> PeerIO:
-        raise NotImplementedError
-
-    def _peer_state(self, peer: PeerIO) -> str:
-        raise NotImplementedError
-
-    def _read_plan(self, remote_tp: int) -> ReadPlan | None:
-        raise NotImplementedError
-
-    def _peer_agent(self, peer: PeerIO) -> str:
-        raise NotImplementedError
-
-    def _tell_abandon(self, peer: PeerIO, remote_reqs: list[str], readers: int = 1) -> None:
-        raise NotImplementedError
-
-    def _workers_of(self, plan: ReadPlan | None, remote_pp: int) -> list[tuple[int, int, int, Source | None]]:
-        raise NotImplementedError
-
-    def _mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:
-        raise NotImplementedError
-
-    def _post_claimed_early(self, req: str) -> None:
-        raise NotImplementedError
-
-    def _settle(self, req: str) -> None:
-        raise NotImplementedError
-
-    def _arm_poll(self, *, soon: bool = False) -> None:
-        raise NotImplementedError
-
-    def _arm_notif_poll(self, *, soon: bool = False) -> None:
-        raise NotImplementedError
-
-    def _arm_stall_watch(self) -> None:
-        raise NotImplementedError
-
-    def _arm_client_expiry(self) -> None:
-        raise NotImplementedError
-
-    def _lease_expired(self, req: str) -> None:
-        raise NotImplementedError
-
-    def _compact_recv(self) -> None:
-        raise NotImplementedError
+def _no_recovery(err: LoopError) -> None:
+    raise err.exc

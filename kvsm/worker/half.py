@@ -26,20 +26,21 @@ from kvsm.handshake import CompatInfo, HandshakeClient, HandshakeServer
 from kvsm.handshake.relay import internal_endpoint
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
-from kvsm.lifecycle.machine import LifecycleTracker, Outcome
-from kvsm.lifecycle.table import PEER, RECV, SEND
-from kvsm.runtime.loop import EventLoop, TimerHandle
+from kvsm.runtime.loop import EventLoop, LoopError, TimerHandle
 from kvsm.transport.base import Transport
-from kvsm.worker.context import RateLimitedLog, Results, S, log
-from kvsm.worker.peers import PeerSide
+from kvsm.worker.context import WorkerContext, log
+from kvsm.worker.peers import PeersAndClaims
 from kvsm.worker.recovery import Recovery
-from kvsm.worker.recv import RecvSide
-from kvsm.worker.send import SendSide
+from kvsm.worker.recv import Receiver
+from kvsm.worker.recv_plan import ReadPlanner
+from kvsm.worker.send import Sender
 from kvsm.worker.stats import StatsRecorder
 
 
-class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
-    """Worker-side state of one engine's connector (one tensor-parallel rank)."""
+class WorkerHalf:
+    """Worker-side state of one engine's connector (one tensor-parallel rank): the
+    composition of its parts (``receiver``, ``sender``, ``peers_and_claims``,
+    ``recovery``) over one ``WorkerContext``."""
 
     def __init__(self, cfg: KVSMConfig, tp_rank: int, *, pp_rank: int = 0, event_log: EventLog | None = None,
                  stats: StatsRecorder | None = None, clock: Clock = SYSTEM_CLOCK,
@@ -51,47 +52,67 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
         self.pp_rank = pp_rank
         self.log = event_log
         self.stats = stats or StatsRecorder()
-        self.results = Results()
         # ``clock``/``loop_options`` let the simulation run the real worker on virtual time.
         name = f"{cfg.engine_id}-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_rank else "")
-        self.loop = EventLoop(name, on_error=self._on_loop_error, clock=clock,
-                              **(loop_options or {}))
-        self.warn = RateLimitedLog(self.loop.name)
-        listener = self._on_outcome
-        self.recv = LifecycleTracker(RECV, self.loop.clock, listener=listener)
-        self.send = LifecycleTracker(SEND, self.loop.clock, listener=listener)
-        self.peers = LifecycleTracker(PEER, self.loop.clock, listener=listener)
-        self.state_counts: dict[str, dict[str, int]] = {
-            spec.name: dict.fromkeys(spec.states, 0) for spec in (RECV, SEND)}
-        self.transport = None
-        self.server = None
-        self.client = None
-        self.pins = None
-        self.compat = None
-        self.agent_name = ""
-        self._init_context()
+        self.loop = EventLoop(name, on_error=self._on_loop_error, clock=clock, **(loop_options or {}))
+        ctx = self.ctx = WorkerContext(cfg, tp_rank, pp_rank, event_log, self.stats, self.loop)
+        self.results = ctx.results
+        self.warn = ctx.warn
+        self.recv = ctx.recv
+        self.send = ctx.send
+        self.peers = ctx.peers
+        self.state_counts = ctx.state_counts
+        planner = ReadPlanner(ctx)
+        self.peers_and_claims = PeersAndClaims(ctx, planner)
+        self.receiver = Receiver(ctx, planner, self.peers_and_claims)
+        self.peers_and_claims.reads = self.receiver.reads
+        self.sender = Sender(ctx)
+        self.recovery = Recovery(ctx, self.sender, {
+            **self.receiver.reads.periodic(), **self.sender.periodic(), **self.peers_and_claims.periodic()})
+        ctx.on_error = self.recovery.on_loop_error
         self._side_channel_seen: dict[str, int] = {}
         self._relay_timer: TimerHandle | None = None
-        self._notif_min_ns = max(1, int(cfg.notif_poll_interval_s * S))
-        self._notif_interval_ns = self._notif_min_ns
-        self._notif_fast_until_ns = 0
-        self._read_poll_ns = self._notif_min_ns
-        self._recv_effects = self._recv_effect_table()
-        self._send_effects = self._send_effect_table()
-        self._peer_effects = self._peer_effect_table()
         self._started = False
+
+    def _on_loop_error(self, err: LoopError) -> None:
+        self.ctx.on_error(err)
+
+    # The I/O objects opened at start live in the context every part reads.
+    @property
+    def transport(self) -> Transport | None:
+        return self.ctx.transport
+
+    @property
+    def server(self) -> HandshakeServer | None:
+        return self.ctx.server
+
+    @property
+    def client(self) -> HandshakeClient | None:
+        return self.ctx.client
+
+    @property
+    def pins(self) -> PinChannelServer | None:
+        return self.ctx.pins
+
+    @property
+    def compat(self) -> CompatInfo | None:
+        return self.ctx.compat
+
+    @property
+    def agent_name(self) -> str:
+        return self.ctx.agent_name
 
     # ================================================================ any thread
 
     def start(self, transport: Transport, compat: CompatInfo) -> None:
         """Take over the registered transport and start the loop and side channel."""
-        self.transport = transport
-        self.compat = compat
-        self.agent_name = transport.name
+        self.ctx.transport = transport
+        self.ctx.compat = compat
+        self.ctx.agent_name = transport.name
         self.loop.start()
         self._started = True
         self.loop.call(self._open_side_channel, timeout=30.0, label="open side channel")
-        self._note("worker.started", None, agent=self.agent_name, kv_role=self.cfg.kv_role,
+        self.ctx.note("worker.started", None, agent=self.agent_name, kv_role=self.cfg.kv_role,
                    side_channel=self.server.address if self.server else None,
                    pin_channel=self.pins.endpoint if self.pins else None)
 
@@ -121,7 +142,7 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
         for finish in meta.send_finish:
             self.results.sent(finish.req)
         self.stats.failure("internal")
-        self._note("worker.step_refused", None, step=meta.step, recv_start=[s.req for s in meta.recv_start],
+        self.ctx.note("worker.step_refused", None, step=meta.step, recv_start=[s.req for s in meta.recv_start],
                    recv_abort=[a.req for a in meta.recv_abort], send_finish=[f.req for f in meta.send_finish])
 
     def pin_target(self) -> PinTarget | None:
@@ -149,23 +170,25 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
     # ================================================================ loop thread
 
     def _on_metadata(self, meta: StepFacts) -> None:
+        guard, receiver, sender, peers = self.ctx.guard, self.receiver, self.sender, self.peers_and_claims
         for start in meta.recv_start:
-            exc = self._guard(start.req, self._on_recv_start, start)
+            exc = guard(start.req, receiver._on_recv_start, start)
             if exc is not None and start.req not in self.recv and self.recv.final_state(start.req) is None:
-                self._guard(start.req, self._fail_untracked, (start, exc))
+                guard(start.req, receiver._fail_untracked, (start, exc))
         for abandon in meta.recv_abandon:
-            self._guard(abandon.req, self._on_recv_abandon, abandon)
+            guard(abandon.req, receiver._on_recv_abandon, abandon)
         for abort in meta.recv_abort:
-            self._guard(abort.req, self._on_recv_abort, abort)
+            guard(abort.req, receiver._on_recv_abort, abort)
         for s in meta.send_start:
             if s.req in self.send or self.send.final_state(s.req) is not None:
                 continue  # its finish came first, straight from the scheduler
             self.send.create(s.req)
         for finish in meta.send_finish:
-            self._guard(finish.req, self._on_send_finish, (finish, "next_step"))
+            guard(finish.req, sender._on_send_finish, (finish, "next_step"))
         for target in meta.heartbeats:
-            self._guard(None, self._send_heartbeat, target)
-        self._flush_claims()
+            guard(None, peers._send_heartbeat, target)
+        peers.flush_claims()
+        receiver.post_claimed_early()  # (right behind their claims)
 
     def _open_side_channel(self) -> None:
         assert self.compat is not None
@@ -176,25 +199,26 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
             endpoint = partial(internal_endpoint, cfg.side_channel_host, cfg.side_channel_port, cfg.engine_id)
             me = (self.tp_rank, self.pp_rank)
             others = [(k, s) for s in range(max(1, cfg.pp_size)) for k in range(cfg.tp_size) if (k, s) != (0, 0)]
-            self.server = HandshakeServer(
-                cfg.engine_id, self.compat, self._provide, self._on_claims,
+            server = self.ctx.server = HandshakeServer(
+                cfg.engine_id, self.compat, self.sender._provide, self.sender._on_claims,
                 host=self._bind_host(), port=cfg.side_channel_port, context=self.loop.context,
                 lease_ms=int(cfg.lease_s * 1000), rank=self.tp_rank, pp_rank=self.pp_rank, now_ns=self.loop.now_ns,
                 relay_to={w: endpoint(*w) for w in others} if me == (0, 0) else None,
                 internal=endpoint(*me) if me != (0, 0) else "")
-            for sock in self.server.sockets():
+            for sock in server.sockets():
                 self.loop.add_reader(sock, partial(self._on_side_channel, sock), label="handshake server")
-            self.pins = PinChannelServer(self.loop.context, self._on_pins,
-                                         lambda fn, label: self.loop.post(fn, label=label))
-            for sock in self.pins.sockets():
-                self.loop.add_reader(sock, self.pins.on_readable, label="pin channel")
+            pins = self.ctx.pins = PinChannelServer(self.loop.context, self.sender._on_pins,
+                                                    lambda fn, label: self.loop.post(fn, label=label))
+            for sock in pins.sockets():
+                self.loop.add_reader(sock, pins.on_readable, label="pin channel")
         if self.cfg.consumes:
-            self.client = HandshakeClient(
+            self.ctx.client = HandshakeClient(
                 # Named as our NIXL agent: the prefill side counts each decode rank once,
                 # by this name in its abandons and by the agent in its reads' notifications.
                 self.compat, requester=self.agent_name or f"{self.cfg.engine_id}/tp{self.tp_rank}",
                 context=self.loop.context,
-                on_socket_added=self._watch_client_socket, on_socket_removed=self.loop.remove_reader)
+                on_socket_added=self.peers_and_claims._watch_client_socket,
+                on_socket_removed=self.loop.remove_reader)
 
     def _on_side_channel(self, sock: Any = None) -> None:
         """Serve what arrived, then count it by outcome for the stats (a few dict
@@ -233,15 +257,16 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
         # The log's last record says what was still live and what was still held, so
         # replay can tell a clean stop from a crash and a leak check has its figures.
         # Peers are closed first: a peer is no request, and its machine ends here.
+        ctx = self.ctx
         for m in self.peers.live():
-            self._apply_peer(ev.Closed(req=m.req))
+            ctx.apply_peer(ev.Closed(req=m.req))
         # Every request still live ends closed at shutdown: pinned blocks are freed,
         # blocks taken for reads go back, so the log's last records balance the ledger.
         for m in self.send.live():
-            self._guard(m.req, self._apply_send, ev.Shutdown(req=m.req))
+            ctx.guard(m.req, ctx.apply_send, ev.Shutdown(req=m.req))
         for m in self.recv.live():
-            self._guard(m.req, self._apply_recv, ev.Shutdown(req=m.req))
-        self._note("worker.shutdown", None, clean=True,
+            ctx.guard(m.req, ctx.apply_recv, ev.Shutdown(req=m.req))
+        ctx.note("worker.shutdown", None, clean=True,
                    live={"recv": {m.req: m.state for m in self.recv.live()},
                          "send": {m.req: m.state for m in self.send.live()}},
                    resources=self.resources(),
@@ -274,13 +299,13 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
         out = {
             "recv_machines": len(self.recv),
             "send_machines": len(self.send),
-            "recv_io": len(self._recv_io),
-            "send_io": len(self._send_io),
-            "claims": len(self._claims),
-            "claim_queue": sum(len(q) for q in self._claim_queue.values()),
-            "oneway": len(self._oneway),
-            "polling": len(self._polling),
-            "peers": len(self._peer_io),
+            "recv_io": len(self.ctx.recv_io),
+            "send_io": len(self.sender.send_io),
+            "claims": len(self.peers_and_claims.claims),
+            "claim_queue": sum(len(q) for q in self.ctx.claim_queue.values()),
+            "oneway": len(self.peers_and_claims.oneway),
+            "polling": len(self.ctx.polling),
+            "peers": len(self.peers_and_claims.peer_io),
         }
         if self.transport is not None:
             out.update({f"transport_{k}": v for k, v in self.transport.resources().items()})
@@ -293,26 +318,7 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
         return out
 
     def _timers(self) -> list[TimerHandle | None]:
-        out: list[TimerHandle | None] = [self._poll_timer, self._notif_timer, self._expiry_timer,
-                                         self._retry_flush, self._relay_timer, self._stall_timer]
-        for io in self._recv_io.values():
-            out += io.timers()
-        for s in self._send_io.values():
-            out += [s.lease_timer, s.abandon_timer]
-        out += [p.backoff_timer for p in self._peer_io.values()]
-        return out
-
-    def _on_outcome(self, o: Outcome) -> None:
-        if self.log is not None:
-            self.log.record_outcome(o)
-        if o.violation is not None:
-            self.warn.warning("violation", "%s", o.describe())
-        elif not o.stale:
-            counts = self.state_counts.get(o.lifecycle)
-            if counts is not None:
-                if o.src is not None:
-                    counts[o.src] -= 1
-                counts[o.dst] += 1  # type: ignore[index]
+        return [self._relay_timer, *self.receiver.timers(), *self.sender.timers(), *self.peers_and_claims.timers()]
 
     # ================================================================ introspection
 
@@ -322,10 +328,10 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
 
         def snap() -> dict[str, Any]:
             peers: dict[str, Any] = {}
-            for p in self._peer_io.values():
+            for p in self.peers_and_claims.peer_io.values():
                 m = self.peers.get(p.key)
                 if m is not None:
-                    peers[p.key] = {"state": m.state, "agent": self._peer_agent(p) or None,
+                    peers[p.key] = {"state": m.state, "agent": self.peers_and_claims.agent_of(p) or None,
                                     "dead_until_ns": getattr(m, "dead_until_ns", 0),
                                     "failures": getattr(m, "failures", 0),
                                     "last_error": getattr(m, "last_error", "")}
@@ -333,8 +339,9 @@ class WorkerHalf(RecvSide, SendSide, PeerSide, Recovery):
                 "recv": {m.req: m.state for m in self.recv.live()},
                 "send": {m.req: m.state for m in self.send.live()},
                 "peers": peers,
-                "io": {"recv": len(self._recv_io), "send": len(self._send_io), "claims": len(self._claims),
-                       "oneway": len(self._oneway), "polling": len(self._polling)},
+                "io": {"recv": len(self.ctx.recv_io), "send": len(self.sender.send_io),
+                       "claims": len(self.peers_and_claims.claims), "oneway": len(self.peers_and_claims.oneway),
+                       "polling": len(self.ctx.polling)},
                 "server": self.server.stats() if self.server else None,
                 "pin_channel": self.pins.stats() if self.pins else None,
                 "client": self.client.stats() if self.client else None,

@@ -17,8 +17,9 @@ when the read completes, that it completed within one lease of the claim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from kvsm.handoff.facts import HeartbeatTarget
 from kvsm.handshake import (
@@ -37,43 +38,88 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.data import PeerMachine
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import (
-    PEER,
     PEER_FETCH_STATES,
     PEER_READABLE_STATES,
     PEER_UNREACHABLE_STATES,
     RECV_CLAIMING_STATES,
     RECV_ENDING_STATES,
 )
-from kvsm.runtime.loop import LoopError
-from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerEffect, PeerIO, S, WorkerContext
+from kvsm.runtime.loop import LoopError, TimerHandle
+from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerIO, S, WorkerContext
+from kvsm.worker.recv_plan import ReadPlanner
+from kvsm.worker.runner import Effect, EffectTable
 
 # A claim answer (the prefill side's word), not a state of ours.
 ANSWER_EXPIRED = "expired"
 
 
-class PeerSide(WorkerContext):
-    """Peer machines, claims, heartbeats and abandons sent, handshake results."""
+class ReadChecker(Protocol):
+    """What the peers part asks of the receiving part: a claim's answer may find
+    the reads posted behind it done already."""
 
-    def _peer_effect_table(self) -> dict[str, PeerEffect]:
-        return {
+    def check_reads_after_answer(self, reqs: list[str]) -> None: ...
+
+
+class PeersAndClaims:
+    """Peer machines, claims, heartbeats and abandons sent, handshake results (the
+    peers part). ``reads`` is the receiving part, bound once both exist (each calls
+    the other)."""
+
+    reads: ReadChecker
+
+    def __init__(self, ctx: WorkerContext, planner: ReadPlanner) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.loop = ctx.loop
+        self.peers = ctx.peers
+        self.stats = ctx.stats
+        self.warn = ctx.warn
+        self.planner = planner
+        self._apply_recv = ctx.apply_recv
+        self._apply_peer = ctx.apply_peer
+        self._guard = ctx.guard
+        self._note = ctx.note
+        self._recv_io = ctx.recv_io
+        self.peer_io: dict[str, PeerIO] = {}
+        self.claims: dict[int, Claim] = {}
+        self.oneway: dict[int, tuple[PeerIO, int]] = {}
+        self._retry_flush: TimerHandle | None = None
+        self._expiry_timer: TimerHandle | None = None
+        self.effects: dict[str, Effect] = {
             "drop_agent": self._drop_agent,
             "fail_waiting": self._fail_waiting,
             "arm_backoff_timer": self._arm_backoff_timer,
             "cancel_backoff_timer": self._cancel_backoff_timer,
         }
+        ctx.runner.register(self.peers, EffectTable(self.effects, self.peer_io.get, self._ended, self._effects_failed))
+
+    def periodic(self) -> dict[str, Callable[[], None]]:
+        """How each periodic timer of this part is armed again, by label (``Recovery``)."""
+        return {"handshake deadlines": self._rearm_client_expiry, "claim retry flush": self._forget_retry_flush}
+
+    def _rearm_client_expiry(self) -> None:
+        if self.ctx.client is not None:
+            self._expiry_timer = None
+            self._arm_client_expiry()
+
+    def _forget_retry_flush(self) -> None:
+        self._retry_flush = None
+
+    def timers(self) -> list[TimerHandle | None]:
+        return [self._retry_flush, self._expiry_timer, *(p.backoff_timer for p in self.peer_io.values())]
 
     # -- the peer machines -------------------------------------------------------------
 
-    def _peer(self, engine: str, host: str, port: int, rank: int | None = None, pp_rank: int = 0) -> PeerIO:
+    def peer(self, engine: str, host: str, port: int, rank: int | None = None, pp_rank: int = 0) -> PeerIO:
         """Prefill worker (``rank``, default: ours; ``pp_rank``: its pipeline stage) of
         the engine whose side channel is ``host:port`` (one port per engine: every
         request names the worker it is for)."""
         address = peer_address(host, port)
-        rank = self.tp_rank if rank is None else rank
+        rank = self.ctx.tp_rank if rank is None else rank
         key = f"{engine}@{address}" + (f"/tp{rank}" if rank else "") + (f"/pp{pp_rank}" if pp_rank else "")
-        peer = self._peer_io.get(key)
+        peer = self.peer_io.get(key)
         if peer is None:
-            peer = self._peer_io[key] = PeerIO(key, engine, address, rank, pp_rank)
+            peer = self.peer_io[key] = PeerIO(key, engine, address, rank, pp_rank)
             self.peers.create(key)
         return peer
 
@@ -85,25 +131,23 @@ class PeerSide(WorkerContext):
         m = self.peers.get(peer.key)
         return m.state if m is not None else "closed"
 
-    def _peer_agent(self, peer: PeerIO) -> str:
+    def agent_of(self, peer: PeerIO) -> str:
         m = self._peer_machine(peer)
         return m.agent if m is not None and m.state in PEER_READABLE_STATES else ""
 
-    def _step_peer(self, event: ev.Event) -> Outcome:
-        o = self.peers.apply(event)
-        if not o.ok or o.stale:  # a violation (warned by _on_outcome) or a stale input: nothing to do
-            return o
-        peer = self._peer_io.get(o.req)
-        if peer is None:
-            return o
-        effects = self._peer_effects
-        for name in o.effects:
-            effects[name](peer, o)
-        if o.dst in PEER.terminal:
-            self._peer_io.pop(o.req, None)
-        return o
+    def _ended(self, key: str, peer: PeerIO | None) -> None:
+        self.peer_io.pop(key, None)
 
-    def _mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:
+    def _effects_failed(self, key: str, peer: PeerIO | None, o: Outcome, failed: list[tuple[str, Exception]]) -> None:
+        name, exc = failed[0]
+        self.ctx.on_error(LoopError(exc, None, f"effect {name} of peer {key}", "post"))
+
+    def reachable(self, peer: PeerIO) -> bool:
+        """Whether messages go to ``peer`` (the one place that asks; a peer found dead
+        gets none within its back-off, and new requests on it fail at once)."""
+        return self._peer_state(peer) not in PEER_UNREACHABLE_STATES
+
+    def mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:
         """Tell ``peer``'s machine it was found dead (``reason``: refused, silent,
         disconnected, unsettled); the table decides whether that is news."""
         self._apply_peer(ev.Died(req=peer.key, reason=reason, why=why[:300], sent_ns=sent_ns,
@@ -117,12 +161,12 @@ class PeerSide(WorkerContext):
         (an inproc peer that restarted is never reconnected to otherwise, and over
         TCP what was queued for the dead process would reach its successor)."""
         m = self._peer_machine(peer)
-        if m is not None and m.agent and self.transport is not None:
-            self.transport.remove_peer(m.agent)
-        others = [p for p in self._peer_io.values() if p is not peer and p.address == peer.address
-                  and self._peer_state(p) not in PEER_UNREACHABLE_STATES]
-        if self.client is not None and not others:  # (other ranks of that engine still answer there)
-            self.client.disconnect(peer.address)
+        if m is not None and m.agent and self.ctx.transport is not None:
+            self.ctx.transport.remove_peer(m.agent)
+        others = [p for p in self.peer_io.values() if p is not peer and p.address == peer.address
+                  and self.reachable(p)]
+        if self.ctx.client is not None and not others:  # (other ranks of that engine still answer there)
+            self.ctx.client.disconnect(peer.address)
 
     def _fail_waiting(self, peer: PeerIO, o: Outcome) -> None:
         m = self._peer_machine(peer)
@@ -135,7 +179,7 @@ class PeerSide(WorkerContext):
                           peer.address, peer.engine, m.last_error, (m.dead_until_ns - self.loop.now_ns()) / S)
         kind = f"peer_{reason}" if reason else "peer_dead"
         for req, io in list(self._recv_io.items()):
-            r = self.recv.get(req)
+            r = self.ctx.recv.get(req)
             if r is not None and io.deals_with(peer):
                 if r.state not in RECV_ENDING_STATES:  # (one whose own failure is under way counted it)
                     self.stats.failure(kind)
@@ -159,12 +203,12 @@ class PeerSide(WorkerContext):
 
     # -- claims ------------------------------------------------------------------------
 
-    def _flush_claims(self) -> None:
-        """One claim message per peer for every request queued this turn; then the
-        reads of the requests that post theirs right behind their claims."""
-        queue, self._claim_queue = self._claim_queue, {}
+    def flush_claims(self) -> None:
+        """One claim message per peer for every request queued this turn."""
+        queue = self.ctx.claim_queue
         if queue:
-            assert self.client is not None
+            self.ctx.claim_queue = {}
+            assert self.ctx.client is not None
             now = self.loop.now_ns()
             deadline = now + int(self.cfg.handshake_timeout_s * S)
             for key, reqs in queue.items():
@@ -172,17 +216,14 @@ class PeerSide(WorkerContext):
                     self._send_claim(key, reqs, now, deadline)
                 except Exception as e:  # noqa: BLE001 - one peer's claim must not drop the others'
                     for req in reqs:
-                        self._on_loop_error(LoopError(e, req, "claim flush", "post"))
+                        self.ctx.on_error(LoopError(e, req, "claim flush", "post"))
             self._after_send()
-        posts, self._early_posts = self._early_posts, []
-        for req in posts:
-            self._guard(req, self._post_claimed_early, req)
 
     def _send_claim(self, key: str, reqs: list[str], now: int, deadline: int) -> None:
         """Claim messages to one peer for ``reqs``: one per MAX_CLAIMS of them (the
         server refuses longer ones; a step may start more requests than that)."""
-        assert self.client is not None
-        peer = self._peer_io[key]
+        assert self.ctx.client is not None
+        peer = self.peer_io[key]
         pairs = []
         readers = 1
         for req in reqs:
@@ -196,44 +237,44 @@ class PeerSide(WorkerContext):
             chunk = pairs[at:at + MAX_CLAIMS]
             claims = [remote for _, remote in chunk]
             if fetch:  # every chunk asks: whichever reply comes first adds the agent
-                rid = self.client.fetch_metadata(peer.address, peer.rank, peer.pp_rank, claims,
+                rid = self.ctx.client.fetch_metadata(peer.address, peer.rank, peer.pp_rank, claims,
                                                  deadline_ns=deadline, expected_engine_id=peer.engine,
                                                  readers=readers)
             else:
-                rid = self.client.heartbeat(peer.address, claims, deadline_ns=deadline, readers=readers,
+                rid = self.ctx.client.heartbeat(peer.address, claims, deadline_ns=deadline, readers=readers,
                                             tp_rank=peer.rank, pp_rank=peer.pp_rank)
-            self._claims[rid] = Claim(peer, now, chunk, fetch)
+            self.claims[rid] = Claim(peer, now, chunk, fetch)
 
     def _retry_claim(self, req: str) -> None:
         io = self._recv_io.get(req)
         if io is None:
             return
         io.retry_timer = None
-        m = self.recv.get(req)
+        m = self.ctx.recv.get(req)
         if m is None or m.state not in RECV_CLAIMING_STATES:
             return  # its claims are over (it failed or was aborted meanwhile)
         granted = m.claims_granted
         for i, link in enumerate(io.reads):
             if not granted & (1 << i):  # the ranks that granted it already are not asked again
-                self._claim_queue.setdefault(link.peer.key, []).append(req)
+                self.ctx.claim_queue.setdefault(link.peer.key, []).append(req)
         if self._retry_flush is None:  # one flush for every retry due now (a timer: it cannot be dropped)
             self._retry_flush = self.loop.call_later(0, self._flush_retries, label="claim retry flush")
 
     def _flush_retries(self) -> None:
         self._retry_flush = None
-        self._flush_claims()
+        self.flush_claims()
 
     def _on_client_results(self, results: list[HandshakeResult]) -> None:
         for result in results:
-            claim = self._claims.pop(result.request_id, None)
+            claim = self.claims.pop(result.request_id, None)
             if claim is not None:
                 try:
                     self._on_claim_result(claim, result)
                 except Exception as e:  # noqa: BLE001 - one bad reply must not drop the others
                     for req, _ in claim.reqs:
-                        self._on_loop_error(LoopError(e, req, "claim result", "reader"))
+                        self.ctx.on_error(LoopError(e, req, "claim result", "reader"))
                 continue
-            entry = self._oneway.pop(result.request_id, None)
+            entry = self.oneway.pop(result.request_id, None)
             if entry is None:
                 continue
             peer, sent_ns = entry
@@ -241,11 +282,11 @@ class PeerSide(WorkerContext):
             if probe:
                 peer.probe_rid = None
             if isinstance(result.outcome, HandshakeRefused):
-                self._mark_dead(peer, str(result.outcome), "refused", sent_ns)
+                self.mark_dead(peer, str(result.outcome), "refused", sent_ns)
             elif isinstance(result.outcome, HandshakeTimeout):
                 what = (f"reads in flight stalled: no answer to a liveness probe within {self.cfg.stall_timeout_s:g} s"
                         if probe else "no answer to a heartbeat/abandon")
-                self._mark_dead(peer, f"{what}: {result.outcome}", "silent", sent_ns)
+                self.mark_dead(peer, f"{what}: {result.outcome}", "silent", sent_ns)
 
     def _on_claim_result(self, claim: Claim, result: HandshakeResult) -> None:
         peer = claim.peer
@@ -257,10 +298,10 @@ class PeerSide(WorkerContext):
             if isinstance(outcome, HandshakeRefused):
                 # Nobody listens there any more (the process is gone): known at once,
                 # no need to wait for a timeout. A silent peer still times out.
-                self._mark_dead(peer, str(outcome), "refused", claim.sent_ns)
+                self.mark_dead(peer, str(outcome), "refused", claim.sent_ns)
                 return
             if isinstance(outcome, HandshakeTimeout):
-                self._mark_dead(peer, str(outcome), "silent", claim.sent_ns)
+                self.mark_dead(peer, str(outcome), "silent", claim.sent_ns)
                 return  # a death fails every request waiting on this peer
             kind = "incompatible" if isinstance(outcome, HandshakeIncompatible) else "handshake"
             if outcome.code == "engine_mismatch":
@@ -272,9 +313,9 @@ class PeerSide(WorkerContext):
             return
         assert isinstance(outcome, (MetadataReply, ClaimsReply))
         if isinstance(outcome, MetadataReply) and self._peer_state(peer) in PEER_FETCH_STATES:
-            assert self.transport is not None
+            assert self.ctx.transport is not None
             try:
-                agent = self.transport.add_peer(outcome.agent_metadata)
+                agent = self.ctx.transport.add_peer(outcome.agent_metadata)
             except ValueError as e:
                 for req, _ in claim.reqs:
                     if self._claiming(req):
@@ -282,7 +323,7 @@ class PeerSide(WorkerContext):
                         self._apply_recv(ev.Error(req=req, kind="incompatible", detail=f"{peer.address}: {e}"))
                 return
             except ConnectionError as e:  # its side channel answered, its NIXL agent cannot be reached
-                self._mark_dead(peer, f"its NIXL agent: {e}", "disconnected", claim.sent_ns)
+                self.mark_dead(peer, f"its NIXL agent: {e}", "disconnected", claim.sent_ns)
                 return
             self._apply_peer(ev.AgentAdded(req=peer.key, agent=agent, engine=peer.engine, address=peer.address))
             self.stats.handshake_done((self.loop.now_ns() - claim.sent_ns) / S)
@@ -320,115 +361,91 @@ class PeerSide(WorkerContext):
         # Reads posted behind these claims: the prefill worker made its NIXL agent progress
         # as it answered (a small read completes only then), so they may be done already;
         # see now rather than at the next poll.
-        for req, _ in claim.reqs:
-            if req in self._polling:
-                self._guard(req, self._settle, req)
-        if any(req in self._polling for req, _ in claim.reqs):
-            self._arm_poll(soon=True)  # still in flight: served a moment after the answer, most likely
+        self.reads.check_reads_after_answer([req for req, _ in claim.reqs])
 
     def _claiming(self, req: str) -> bool:
         """The request still waits for its claims' answers (``RECV_CLAIMING_STATES``)."""
-        m = self.recv.get(req)
+        m = self.ctx.recv.get(req)
         return m is not None and m.state in RECV_CLAIMING_STATES
 
     # -- one-way messages: abandons and heartbeats ------------------------------------------
 
-    def _tell_abandon(self, peer: PeerIO, remote_reqs: list[str], readers: int = 1) -> None:
+    def tell_abandon(self, peer: PeerIO, remote_reqs: list[str], readers: int = 1) -> None:
         """Tell the prefill side we will never read these (so it can unpin now);
         nobody to tell when the peer is unreachable: its lease frees the blocks."""
-        if self.client is None or self._peer_state(peer) in PEER_UNREACHABLE_STATES:
+        if self.ctx.client is None or not self.reachable(peer):
             return
         now = self.loop.now_ns()
-        rid = self.client.abandon(peer.address, remote_reqs, deadline_ns=now + int(self.cfg.handshake_timeout_s * S),
-                                  readers=readers, tp_rank=peer.rank, pp_rank=peer.pp_rank)
-        self._oneway[rid] = (peer, now)
+        rid = self.ctx.client.abandon(peer.address, remote_reqs,
+                                      deadline_ns=now + int(self.cfg.handshake_timeout_s * S),
+                                      readers=readers, tp_rank=peer.rank, pp_rank=peer.pp_rank)
+        self.oneway[rid] = (peer, now)
         self._after_send()
 
     def _send_heartbeat(self, target: HeartbeatTarget) -> None:
-        if self.client is None or not target.claims:
+        if self.ctx.client is None or not target.claims:
             return
         try:
-            plan = self._read_plan(target.remote_tp_size)
+            plan = self.planner.read_plan(target.remote_tp_size)
         except ValueError:
             return  # its requests fail (tp_mismatch): nothing of theirs to keep pinned
         now = self.loop.now_ns()
         deadline = now + int(self.cfg.handshake_timeout_s * S)
         claims = list(target.claims)
-        for rank, stage, readers, source in self._workers_of(plan, target.remote_pp_size):
+        for rank, stage, readers, source in self.planner.workers_of(plan, target.remote_pp_size):
             if source is None:
                 continue  # nobody reads that worker: it was told so, nothing to keep pinned there
-            peer = self._peer(target.remote_engine, target.remote_host, target.remote_port, rank, stage)
-            if self._peer_state(peer) in PEER_UNREACHABLE_STATES:
+            peer = self.peer(target.remote_engine, target.remote_host, target.remote_port, rank, stage)
+            if not self.reachable(peer):
                 continue
             for at in range(0, len(claims), MAX_CLAIMS):  # the server refuses longer messages
-                rid = self.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline,
+                rid = self.ctx.client.heartbeat(peer.address, claims[at:at + MAX_CLAIMS], deadline_ns=deadline,
                                             readers=readers, tp_rank=peer.rank, pp_rank=peer.pp_rank)
-                self._oneway[rid] = (peer, now)
+                self.oneway[rid] = (peer, now)
         self._after_send()
 
     # -- reads in flight: is their peer still there? ----------------------------------------
 
-    def _arm_stall_watch(self) -> None:
-        if self._stall_timer is None and self._polling:
-            self._stall_timer = self.loop.call_later(int(self.cfg.stall_timeout_s * S) // 4,
-                                                     self._probe_stalled_reads, label="stalled-read probe")
-
-    def _probe_stalled_reads(self) -> None:
-        """Probe every peer that reads have been in flight from for over a quarter of
-        ``stall_timeout``, one probe per peer at a time: an empty heartbeat, which the
-        peer answers and which extends no lease (the claim alone grants one). A NIXL
-        read over a partitioned network neither completes nor fails for as long as
-        TCP retries; the probe's timeout marks the peer dead instead
-        (``_on_client_results``), which settles the reads and fails their requests.
-        An answered probe shows the reads are only slow (a busy link): they go on.
-        Reads posted ahead of their claims are probed once their claims are granted."""
-        self._stall_timer = None
-        if self.client is None:
+    def probe_liveness(self, due: list[PeerIO]) -> None:
+        """One empty heartbeat to each of ``due`` (reads from it stalled), unless one
+        is out already: the peer answers it (the reads are only slow) or its timeout
+        marks the peer dead (``_on_client_results``), which settles the reads. It
+        extends no lease (the claim alone grants one)."""
+        client = self.ctx.client
+        if client is None:
             return
         now = self.loop.now_ns()
-        min_age = int(self.cfg.stall_timeout_s * S) // 4
-        due: dict[str, PeerIO] = {}
-        for req in self._polling:
-            io = self._recv_io.get(req)
-            if io is None or now - io.posted_ns < min_age:
-                continue
-            for link in io.reads:
-                # (a read whose claim is still out needs no probe: the claim's answer, or
-                # its deadline, says whether the peer is there, and a busy peer answers
-                # its claims first)
-                if (not link.done and link.granted and link.handle is not None
-                        and link.peer.probe_rid not in self._oneway):
-                    due[link.peer.key] = link.peer
         deadline = now + int(self.cfg.stall_timeout_s * S)
-        for peer in due.values():
-            if self._peer_state(peer) not in PEER_UNREACHABLE_STATES:
-                peer.probe_rid = self.client.heartbeat(peer.address, (), deadline_ns=deadline, tp_rank=peer.rank,
-                                                       pp_rank=peer.pp_rank)
-                self._oneway[peer.probe_rid] = (peer, now)
-        if due:
+        sent = False
+        for peer in due:
+            if peer.probe_rid not in self.oneway and self.reachable(peer):
+                peer.probe_rid = client.heartbeat(peer.address, (), deadline_ns=deadline, tp_rank=peer.rank,
+                                                  pp_rank=peer.pp_rank)
+                self.oneway[peer.probe_rid] = (peer, now)
+                sent = True
+        if sent:
             self._after_send()
-        self._arm_stall_watch()
 
     # -- the client's sockets and deadlines -----------------------------------------------
 
     def _after_send(self) -> None:
         """After messages went out: handle what they settled at once (a refused
         connection is known without waiting), and arm the client's next deadline."""
-        assert self.client is not None
-        self._on_client_results(self.client.poll_results())
+        assert self.ctx.client is not None
+        self._on_client_results(self.ctx.client.poll_results())
         self._arm_client_expiry()
 
     def _watch_client_socket(self, sock: Any) -> None:
         def readable() -> None:
-            assert self.client is not None
-            self._on_client_results(self.client.on_readable(sock))
+            assert self.ctx.client is not None
+            self._on_client_results(self.ctx.client.on_readable(sock))
             self._arm_client_expiry()
 
         self.loop.add_reader(sock, readable, label="handshake client")
 
     def _arm_client_expiry(self) -> None:
-        assert self.client is not None
-        deadline = self.client.next_deadline_ns()
+        assert self.ctx.client is not None
+        deadline = self.ctx.client.next_deadline_ns()
         timer = self._expiry_timer
         if timer is not None and not timer.cancelled and deadline is not None and timer.deadline_ns <= deadline:
             return
@@ -438,7 +455,7 @@ class PeerSide(WorkerContext):
             self._expiry_timer = self.loop.call_at(deadline, self._expire_client, label="handshake deadlines")
 
     def _expire_client(self) -> None:
-        assert self.client is not None
+        assert self.ctx.client is not None
         self._expiry_timer = None
-        self._on_client_results(self.client.expire(self.loop.now_ns()))
+        self._on_client_results(self.ctx.client.expire(self.loop.now_ns()))
         self._arm_client_expiry()

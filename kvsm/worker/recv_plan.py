@@ -13,18 +13,30 @@ layer of ours must come from some stage, for every run of heads.
 from __future__ import annotations
 
 from kvsm.handoff.facts import RecvStart
+from kvsm.transport.base import Transport
 from kvsm.transport.layout import Segments
-from kvsm.worker.context import Link, RecvIO, WorkerContext
+from kvsm.worker.context import Link, WorkerContext
 from kvsm.worker.tp_map import HeadRun, ReadPlan, Source, read_plan
 
 # Equal tensor parallel sizes: the same rank's whole blocks.
 FULL_SOURCE = Source(0, HeadRun(0, 1, 1), HeadRun(0, 1, 1))
 
 
-class RecvPlanning(WorkerContext):
-    """Decode requests' read plans (no I/O, no transition)."""
+class ReadPlanner:
+    """Decode requests' read plans (no I/O, no transition): used by the receiving
+    part for its requests and by the peers part for their heartbeats."""
 
-    def _describe_plan(self, plan: ReadPlan | None, remote_pp: int) -> str:
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.tp_rank = ctx.tp_rank
+        self.pp_rank = ctx.pp_rank
+
+    @property
+    def transport(self) -> Transport | None:
+        return self.ctx.transport
+
+    def describe_plan(self, plan: ReadPlan | None, remote_pp: int) -> str:
         """The plan for the event log: tensor ranks and heads, and pipeline stages where
         either engine has several ("" when it is the same rank's whole blocks)."""
         text = plan.describe() if plan is not None else ""
@@ -34,7 +46,7 @@ class RecvPlanning(WorkerContext):
             text = f"{text}; {stages}" if text else stages
         return text
 
-    def _read_plan(self, remote_tp: int) -> ReadPlan | None:
+    def read_plan(self, remote_tp: int) -> ReadPlan | None:
         """Which prefill ranks this rank reads, and which of their heads (None: the
         same rank, whole blocks: tensor parallel sizes are equal). ``ValueError``
         saying why when the sizes differ and the KV cache cannot be read across them."""
@@ -52,7 +64,7 @@ class RecvPlanning(WorkerContext):
             raise ValueError(f"the prefill engine runs tensor parallel {remote_tp}, this engine "
                              f"{self.cfg.tp_size}: {e}") from None
 
-    def _workers_of(self, plan: ReadPlan | None, remote_pp: int) -> list[tuple[int, int, int, Source | None]]:
+    def workers_of(self, plan: ReadPlan | None, remote_pp: int) -> list[tuple[int, int, int, Source | None]]:
         """(tensor rank, pipeline stage, readers, source) of every prefill worker a
         request deals with, reads first: each source's rank in every stage (each
         holds a run of the layers), then the ranks only told nobody reads them.
@@ -67,14 +79,7 @@ class RecvPlanning(WorkerContext):
         out += [(k, s, plan.completions[k] * ours, None) for k in plan.notify_only for s in stages]
         return out
 
-    def _recv_io_of(self, start: RecvStart, plan: ReadPlan | None) -> RecvIO:
-        """The request's links: one per prefill worker it deals with."""
-        engine, host, port = start.remote_engine, start.remote_host, start.remote_port
-        links = [Link(self._peer(engine, host, port, rank, stage), rank, readers, source)
-                 for rank, stage, readers, source in self._workers_of(plan, start.remote_pp_size)]
-        return RecvIO(start, links[0].peer, links)
-
-    def _unreadable(self, start: RecvStart) -> tuple[str, str] | None:
+    def unreadable(self, start: RecvStart) -> tuple[str, str] | None:
         why = self._unreadable_params(start)
         if why is None and start.segment_tokens and self.transport is not None:
             try:
@@ -104,13 +109,13 @@ class RecvPlanning(WorkerContext):
             return ("bad_params", f"block ids without their KV cache groups for a KV cache of {groups} groups")
         return None
 
-    def _plan_or_none(self, remote_tp: int) -> ReadPlan | None:
+    def plan_or_none(self, remote_tp: int) -> ReadPlan | None:
         try:
-            return self._read_plan(remote_tp)
+            return self.read_plan(remote_tp)
         except ValueError:
             return None
 
-    def _layers_uncovered(self, reads: list[Link], held: list[tuple[str, ...] | None]) -> str:
+    def layers_uncovered(self, reads: list[Link], held: list[tuple[str, ...] | None]) -> str:
         """Why some of our layers would not be filled ("" if every one is): for each
         run of heads, the stages read must hold every layer of ours between them
         (a prefill engine split over pipeline stages differently, or another model).
@@ -133,7 +138,7 @@ class RecvPlanning(WorkerContext):
                         f"{links[0].rank}): {missing[:4]}{'...' if len(missing) > 4 else ''}")
         return ""
 
-    def _descs_of(self, start: RecvStart, link: Link, agent: str) -> int:
+    def descs_of(self, start: RecvStart, link: Link, agent: str) -> int:
         """How many descriptors one link's read takes (for the event log)."""
         pairs = len(start.local_block_ids)
         reader = getattr(self.transport, "read_layout", None)

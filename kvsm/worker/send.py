@@ -14,19 +14,22 @@ the finish too waits in ``read_early``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvsm.handoff.facts import SendFinish
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import CLAIM_ANSWERS, SEND, SEND_NEW_AFTER_END
-from kvsm.runtime.loop import LoopError
+from kvsm.lifecycle.table import CLAIM_ANSWERS, SEND_NEW_AFTER_END
+from kvsm.runtime.loop import LoopError, TimerHandle
 from kvsm.worker.context import (
     NOTIF_FAST_WINDOW_NS,
     NOTIF_FOLLOW_UP_NS,
     NOTIF_POLL_MAX_NS,
-    SendEffect,
+    S,
     SendIO,
     WorkerContext,
 )
+from kvsm.worker.runner import Effect, EffectTable
 
 # A read's notification: the prefill request id, and when several decode ranks
 # read this rank, how many (``<req>\x1f<readers>``; a bare id: one); a read
@@ -63,12 +66,28 @@ def parse_notif(msg: bytes) -> tuple[str, int, bool]:
 MAX_EARLY_ABANDONS = 4096
 
 
-class SendSide(WorkerContext):
-    """Prefill requests: pins, leases, claims answered, notifications."""
+class Sender:
+    """Prefill requests: pins, leases, claims answered, notifications (the sending part)."""
 
-    def _send_effect_table(self) -> dict[str, SendEffect]:
-        return {
-            "pin_blocks": self._nothing_send,
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.loop = ctx.loop
+        self.send = ctx.send
+        self.stats = ctx.stats
+        self.results = ctx.results
+        self.warn = ctx.warn
+        self._apply_send = ctx.apply_send
+        self._guard = ctx.guard
+        self._note = ctx.note
+        self.send_io: dict[str, SendIO] = {}
+        self._notif_timer: TimerHandle | None = None
+        self._has_readers = False  # a decode worker fetched our agent: poll notifications for good
+        self._notif_min_ns = max(1, int(self.cfg.notif_poll_interval_s * S))
+        self._notif_interval_ns = self._notif_min_ns
+        self._notif_fast_until_ns = 0
+        self.effects: dict[str, Effect] = {
+            "pin_blocks": _nothing,
             "arm_lease": self._arm_lease,
             "extend_lease": self._arm_lease,
             "cancel_lease": self._cancel_lease,
@@ -77,15 +96,30 @@ class SendSide(WorkerContext):
             "arm_abandon_timer": self._arm_abandon_timer,
             "cancel_abandon_timer": self._cancel_abandon_timer,
         }
+        ctx.runner.register(self.send, EffectTable(self.effects, _same, self._ended, self._effects_failed))
+
+    def periodic(self) -> dict[str, Callable[[], None]]:
+        """How each periodic timer of this part is armed again, by label (``Recovery``)."""
+        return {"poll notifications": self._rearm_notif_poll}
+
+    def _rearm_notif_poll(self) -> None:
+        self._notif_timer = None
+        self._arm_notif_poll()
+
+    def timers(self) -> list[TimerHandle | None]:
+        out: list[TimerHandle | None] = [self._notif_timer]
+        for io in self.send_io.values():
+            out += [io.lease_timer, io.abandon_timer]
+        return out
 
     # -- the side channel's questions -----------------------------------------------------
 
     def _provide(self, tp_rank: int, pp_rank: int) -> tuple[str, bytes, bytes, int] | None:
-        if (tp_rank, pp_rank) != (self.tp_rank, self.pp_rank) or self.transport is None:
+        if (tp_rank, pp_rank) != (self.ctx.tp_rank, self.ctx.pp_rank) or self.ctx.transport is None:
             return None
         self._has_readers = True
         self._arm_notif_poll(soon=True)  # a new reader connects: its first read needs us
-        return self.agent_name, self.transport.metadata(), b"", 1
+        return self.ctx.agent_name, self.ctx.transport.metadata(), b"", 1
 
     def _on_claims(self, kind: str, requester: str, claims: list[str], readers: int = 1) -> dict[str, str]:
         """Answer a decode worker's claims, heartbeats and abandons (``readers``: the
@@ -123,7 +157,7 @@ class SendSide(WorkerContext):
     def _progress_now(self) -> None:
         """Poll NIXL notifications now instead of at the poll timer (re-armed after).
         A failure there is the poll's (a logged loop error), not the claim's."""
-        if self.transport is None:
+        if self.ctx.transport is None:
             return
         if self._notif_timer is not None:
             self.loop.cancel(self._notif_timer)
@@ -145,7 +179,7 @@ class SendSide(WorkerContext):
         self._apply_send(notif)
 
     def _early_inputs(self) -> int:
-        counts = self.state_counts["send"]
+        counts = self.ctx.state_counts["send"]
         return counts["abandoned_early"] + counts["read_early"]
 
     def _send_state(self, req: str) -> str | None:
@@ -176,54 +210,30 @@ class SendSide(WorkerContext):
         else:
             self._apply_send(ev.FinishedAbnormally(req=req, reason=finish.reason))
 
-    # -- one transition and its effects -------------------------------------------------
+    # -- the end of a request ----------------------------------------------------------
 
-    def _step_send(self, event: ev.Event) -> Outcome:
-        o = self.send.apply(event)
-        if not o.ok or o.stale:  # a violation (warned by _on_outcome) or a stale input: nothing to do
-            return o
-        req = o.req
-        effects = self._send_effects
-        if o.dst not in SEND.terminal:
-            for name in o.effects:
-                try:
-                    effects[name](req, o)
-                except Exception as e:  # noqa: BLE001 - fails this request only
-                    self._on_loop_error(LoopError(e, req, f"effect {name}", "post"))
-                    break
-            return o
-        # The request ends: every effect runs even if one raises, and its blocks go
-        # back to vLLM whatever happens (free_blocks, always the last one, may be
-        # the one that raised).
-        failed: list[tuple[str, Exception]] = []
-        for name in o.effects:
-            try:
-                effects[name](req, o)
-            except Exception as e:  # noqa: BLE001 - reported below, the rest still runs
-                failed.append((name, e))
-        io = self._send_io.pop(req, None)
-        if not self._send_io:
-            self._send_io = {}  # as _compact_recv
+    def _ended(self, req: str, _: str) -> None:
+        io = self.send_io.pop(req, None)
+        if io is not None and (io.lease_timer is not None or io.abandon_timer is not None):
+            self.loop.cancel(io.lease_timer)  # (only left armed when an effect raised)
+            self.loop.cancel(io.abandon_timer)
+        if not self.send_io:
+            self.send_io = {}  # a dict keeps the capacity of its peak: rebuilt once empty
             self.send.compact()
-        if failed:
-            if io is not None:
-                self.loop.cancel(io.lease_timer)
-                self.loop.cancel(io.abandon_timer)
-            names = [name for name, _ in failed]
-            if "free_blocks" in names:
-                self.results.sent(req)
-            self._note("worker.effects_cut_short", req, final=o.dst, effects=names,
-                       reported="sent" if "free_blocks" in names else None)
-            name, exc = failed[0]
-            self._on_loop_error(LoopError(exc, req, f"effect {name}", "post"))
-        return o
 
-    @staticmethod
-    def _nothing_send(req: str, o: Outcome) -> None:
-        return None
+    def _effects_failed(self, req: str, _: str, o: Outcome, failed: list[tuple[str, Exception]]) -> None:
+        """Effects of a request's last transition raised: its blocks go back to vLLM
+        whatever happened (free_blocks, always the last one, may be the one that raised)."""
+        names = [name for name, _ in failed]
+        if "free_blocks" in names:
+            self.results.sent(req)
+        self._note("worker.effects_cut_short", req, final=o.dst, effects=names,
+                   reported="sent" if "free_blocks" in names else None)
+        name, exc = failed[0]
+        self.ctx.on_error(LoopError(exc, req, f"effect {name}", "post"))
 
     def _arm_lease(self, req: str, o: Outcome) -> None:
-        io = self._send_io.setdefault(req, SendIO())
+        io = self.send_io.setdefault(req, SendIO())
         m = self.send.get(req)
         assert m is not None
         self.loop.cancel(io.lease_timer)
@@ -236,13 +246,13 @@ class SendSide(WorkerContext):
             self._apply_send(ev.LeaseExpired(req=req))
 
     def _cancel_lease(self, req: str, o: Outcome) -> None:
-        io = self._send_io.get(req)
+        io = self.send_io.get(req)
         if io is not None:
             self.loop.cancel(io.lease_timer)
             io.lease_timer = None
 
     def _arm_abandon_timer(self, req: str, o: Outcome) -> None:
-        io = self._send_io.setdefault(req, SendIO())
+        io = self.send_io.setdefault(req, SendIO())
         io.abandon_timer = self.loop.call_later(self.cfg.lease_ns, lambda: self._abandon_expired(req), req=req,
                                                 label="early abandon expiry")
 
@@ -251,7 +261,7 @@ class SendSide(WorkerContext):
             self._apply_send(ev.AbandonExpired(req=req))
 
     def _cancel_abandon_timer(self, req: str, o: Outcome) -> None:
-        io = self._send_io.get(req)
+        io = self.send_io.get(req)
         if io is not None:
             self.loop.cancel(io.abandon_timer)
             io.abandon_timer = None
@@ -284,7 +294,7 @@ class SendSide(WorkerContext):
             if self._notif_timer is not None and self._notif_timer.deadline_ns > now + self._notif_interval_ns:
                 self.loop.cancel(self._notif_timer)
                 self._notif_timer = None
-        if self._notif_timer is None and (self._send_io or self._has_readers):
+        if self._notif_timer is None and (self.send_io or self._has_readers):
             self._notif_timer = self.loop.call_later(self._notif_interval_ns, self._poll_notifs,
                                                      label="poll notifications")
 
@@ -292,8 +302,8 @@ class SendSide(WorkerContext):
         """Take NIXL's notifications, which also drives our side of every NIXL connection
         (``_``: ``_guard``'s argument, when called off the timer)."""
         self._notif_timer = None
-        assert self.transport is not None
-        notifs = self.transport.get_notifs()
+        assert self.ctx.transport is not None
+        notifs = self.ctx.transport.get_notifs()
         for peer, msg in notifs:
             try:
                 req, readers, early = parse_notif(msg)
@@ -310,3 +320,12 @@ class SendSide(WorkerContext):
         else:
             self._notif_interval_ns = min(self._notif_interval_ns * 2, NOTIF_POLL_MAX_NS)
         self._arm_notif_poll()
+
+
+def _nothing(req: str, o: Outcome) -> None:
+    return None
+
+
+def _same(req: str) -> str:
+    """A prefill request's effects act on its id (its timers are looked up in ``send_io``)."""
+    return req
