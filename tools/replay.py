@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# The checkout only as a fallback: an installed kvsm (a wheel) is the one replayed with.
+sys.path.append(str(ROOT))
 
 try:
     from kvsm.replay import main
