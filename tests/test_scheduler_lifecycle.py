@@ -17,14 +17,16 @@ from conftest import require
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import IllegalEventPolicy, LifecycleTracker
 from kvsm.lifecycle.sched import (
-    SCHED,
+    SCHED_CONDITIONS,
+    SCHED_EFFECTS,
+    SCHED_PREPARE,
     BlocksAllocated,
     ParamsIgnored,
     ParamsRead,
     PrefillFinished,
     RequestFinished,
 )
-from kvsm.lifecycle.table import LIFECYCLES
+from kvsm.lifecycle.table import LIFECYCLES, PEER, RECV, SCHED, SEND
 from kvsm.replay import analyse
 
 SCHEDULER = Path(__file__).resolve().parent.parent / "kvsm" / "scheduler"
@@ -39,6 +41,15 @@ def test_the_scheduler_lifecycle_is_declared_beside_the_others() -> None:
     for state in SCHED.states:  # every live state ends at a clean stop
         if state not in SCHED.terminal:
             assert SCHED.rules[(state, "scheduler_stopped")][0].dest == "closed_at_shutdown"
+
+
+def test_its_callbacks_and_effects_are_its_own() -> None:
+    """The tables are shared by name: no name of the scheduler's means something else."""
+    others = [r for spec in (RECV, SEND, PEER) for rules in spec.rules.values() for r in rules]
+    assert not {n for r in others for n in r.prepare} & set(SCHED_PREPARE)
+    assert not {n for r in others for n in r.conditions} & set(SCHED_CONDITIONS)
+    assert not {n for r in others for n in r.effects} & set(SCHED_EFFECTS)
+    assert not {t for spec in (RECV, SEND, PEER) for t in spec.triggers} & SCHED.triggers
 
 
 def test_one_reader_per_prefill_request_is_the_tables_decision() -> None:

@@ -9,21 +9,20 @@ served to a decode engine (``do_remote_decode`` on a producer), created in
 a ``LifecycleTracker`` and logged, so replay folds and re-checks it; the
 scheduler half (``kvsm.scheduler``) only carries out the effects named here.
 
-Its events, ``prepare`` callbacks, conditions and effects live in this file and
-are registered into the core's tables (``EVENT_TYPES``, ``PREPARE``,
-``CONDITIONS``, ``EFFECTS``), which the compiled step and the log reader look
-up by name. ``table.py`` imports this module at its end (``LIFECYCLES``).
+Its events, ``prepare`` callbacks, conditions and effects live in this file.
+Its events join ``EVENT_TYPES`` here; ``table.py`` merges the rest into its
+tables (which the compiled step and the log reader look up by name) and
+compiles ``SCHED_DECLARATION`` into ``SCHED`` with the other lifecycles. This
+module imports nothing of ``table.py``, so the core has no import circle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 from kvsm.lifecycle.data import RequestMachine
 from kvsm.lifecycle.events import EVENT_TYPES, Event
-from kvsm.lifecycle.folds import PREPARE
-from kvsm.lifecycle.table import CONDITIONS, EFFECTS, LifecycleSpec
 
 # --- events: the scheduler hooks' facts --------------------------------------
 
@@ -217,19 +216,16 @@ SCHED_EFFECTS: Mapping[str, str] = {
 }
 
 
-def _register() -> None:
-    """Put this lifecycle's names into the core's tables (checked: none taken)."""
-    events = {str(cls.__struct_config__.tag): cls for cls in SCHED_EVENTS}
-    pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]] = [
-        (PREPARE, SCHED_PREPARE), (CONDITIONS, SCHED_CONDITIONS), (EFFECTS, SCHED_EFFECTS), (EVENT_TYPES, events)]
-    for table, mine in pairs:
-        taken = set(table) & set(mine)
-        if taken:
-            raise ValueError(f"lifecycle 'sched': names already declared elsewhere: {sorted(taken)}")
-        cast("dict[str, Any]", table).update(mine)
+def _register_events() -> None:
+    """Put this lifecycle's events into ``EVENT_TYPES`` (checked: no trigger taken)."""
+    mine = {str(cls.__struct_config__.tag): cls for cls in SCHED_EVENTS}
+    taken = set(EVENT_TYPES) & set(mine)
+    if taken:
+        raise ValueError(f"lifecycle 'sched': triggers already declared elsewhere: {sorted(taken)}")
+    EVENT_TYPES.update(mine)
 
 
-_register()
+_register_events()
 
 # --- the declaration ---------------------------------------------------------
 
@@ -308,13 +304,14 @@ SCHED_STALE: list[dict[str, Any]] = [
     {"trigger": "blocks_allocated", "source": "ignored", "why": "it runs as a local request"},
 ]
 
-SCHED: LifecycleSpec = LifecycleSpec(
-    name="sched",
-    states=tuple(SCHED_STATES),
-    initial="new",
-    terminal=SCHED_TERMINAL,
-    transitions=tuple(SCHED_TRANSITIONS),
-    entry_states=frozenset({"new", "prefill_queued"}),
-    stale_inputs=tuple(SCHED_STALE),
-    machine_cls=SchedMachine,
-)
+# ``LifecycleSpec``'s arguments: ``table.py`` compiles them into ``SCHED``.
+SCHED_DECLARATION: Mapping[str, Any] = {
+    "name": "sched",
+    "states": tuple(SCHED_STATES),
+    "initial": "new",
+    "terminal": SCHED_TERMINAL,
+    "transitions": tuple(SCHED_TRANSITIONS),
+    "entry_states": frozenset({"new", "prefill_queued"}),
+    "stale_inputs": tuple(SCHED_STALE),
+    "machine_cls": SchedMachine,
+}

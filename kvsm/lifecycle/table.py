@@ -609,7 +609,13 @@ PEER = LifecycleSpec(
     lives_with_process=True,
 )
 
-# The scheduler half's lifecycle, declared in its own module (which builds on this one).
-from kvsm.lifecycle.sched import SCHED  # noqa: E402
+# The scheduler half's lifecycle: declared in kvsm/lifecycle/sched.py with its own
+# callbacks and effects, which join the tables here; compiled like the others.
+from kvsm.lifecycle import sched as _sched  # noqa: E402
+
+PREPARE = {**PREPARE, **_sched.SCHED_PREPARE}
+CONDITIONS = {**CONDITIONS, **_sched.SCHED_CONDITIONS}
+EFFECTS = {**EFFECTS, **_sched.SCHED_EFFECTS}
+SCHED = LifecycleSpec(**_sched.SCHED_DECLARATION)
 
 LIFECYCLES: Mapping[str, LifecycleSpec] = {RECV.name: RECV, SEND.name: SEND, PEER.name: PEER, SCHED.name: SCHED}

@@ -46,7 +46,6 @@ from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.events import Event
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
 from kvsm.lifecycle.sched import (
-    SCHED,
     BlocksAllocated,
     LoadReported,
     PrefillFinished,
@@ -54,6 +53,7 @@ from kvsm.lifecycle.sched import (
     SchedMachine,
     SchedulerStopped,
 )
+from kvsm.lifecycle.table import SCHED
 from kvsm.scheduler.block_pairing import NULL_BLOCK, pair_blocks
 from kvsm.scheduler.block_pairing import pair_segments as _pair_segments
 from kvsm.scheduler.params import (
