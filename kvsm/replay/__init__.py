@@ -13,13 +13,17 @@ logs of several processes of several engines and:
   lifecycle, with the runtime's own step, and reports the first divergence
   from the recorded outcomes (for every lifecycle of ``LIFECYCLES``, or those
   passed to ``analyse(..., lifecycles=...)``),
-* honours a clean shutdown: a process whose log ends with a ``worker.shutdown``
+* counts a request a clean stop closed (``closed_at_shutdown``: an offline
+  script's end, SIGTERM, vLLM's engine shutdown) as terminal, and says so
+  ("closed at shutdown": its summary line, a cause line); ``kill -9`` leaves
+  no such record and still reads as a crash,
+* honours an older clean shutdown: a process whose log ends with a ``worker.shutdown``
   record (``clean: true``) listing what was still live may leave exactly those
   requests, in exactly those states, mid-lifecycle: they are reported as *open
   at a clean shutdown* (information, not a violation). A request the record
   does not list, or lists in another state, and any record after it, are
   violations; a log without the record (a crash) keeps ``not_terminal_at_end``,
-* names the cause of every failed, expired or stuck request in one line, from
+* names the cause of every failed, expired, closed or stuck request in one line, from
   the logs of both engines (``kvsm.replay.causes``: claim answers, the prefill
   scheduler's pin, its workers' receipt, a dead peer's reason...): information,
   not violations (a failed request is a legal outcome),
@@ -29,7 +33,8 @@ logs of several processes of several engines and:
 The package, by concern: ``model`` (``Finding``, ``Machine``, ``Report``),
 ``fold`` (``analyse``: the one pass over each log, the block ledger, the
 re-apply), ``checks`` (well-formed records, ``seq``, shutdowns, each machine's
-end), ``causes``, ``render`` (text, timeline, trace) and ``cli`` (``main``).
+end), ``causes`` (the rules) over ``evidence`` (what the logs hold for them,
+indexed once), ``render`` (text, timeline, trace) and ``cli`` (``main``).
 
 Speed (1M records in a few seconds; ``tools/bench.py --only replay``): lines
 are decoded straight into typed ``Record`` structs (``kvsm.eventlog.reader``);
