@@ -15,8 +15,12 @@ from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import IllegalEventPolicy, IllegalTransition, LifecycleTracker
 from kvsm.lifecycle.reference import TransitionsModel
 from kvsm.lifecycle.table import (
+    CLAIM_ANSWERS,
     EFFECTS,
     LIFECYCLES,
+    PEER_FETCH_STATES,
+    PEER_READABLE_STATES,
+    PEER_UNREACHABLE_STATES,
     RECV,
     SEND,
     LifecycleDeclarationError,
@@ -54,6 +58,7 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "backoff_over": ev.BackoffOver(req="p"),
     "closed": ev.Closed(req="p"),
     "shutdown": ev.Shutdown(req="r"),
+    "claims_sent": ev.ClaimsSent(req="r"),
 }
 
 
@@ -93,6 +98,7 @@ def test_reads_posted_with_their_claims() -> None:
     out = t.apply(ev.Allocated(req="r", block_ids=(1, 2), num_external_tokens=40, early=True))
     assert (out.dst, out.effects) == ("reading_unclaimed", ("take_blocks", "arm_handshake_timer",
                                                             "start_handshake", "post_early_reads"))
+    assert t.apply(SAMPLE_EVENTS["claims_sent"]).effects == ("post_reads",)  # the claims left first
     assert t.apply(SAMPLE_EVENTS["reads_posted"]).effects == ("arm_transfer_timer",)
     clock.advance(1_000)
     assert t.apply(SAMPLE_EVENTS["all_reads_done"]).dst == "read_unclaimed"
@@ -200,6 +206,44 @@ def test_a_clean_stop_ends_every_live_request_and_hands_back_what_it_holds() -> 
         r.apply(SAMPLE_EVENTS[name])
     o = r.apply(ev.Shutdown(req="r"))
     assert (o.src, o.dst) == ("transferring", "closed_at_shutdown") and "release_blocks" in o.effects
+
+
+PEER_TRIGGERS = sorted(LIFECYCLES["peer"].triggers - {"closed"})
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(st.sampled_from(PEER_TRIGGERS), max_size=12))
+def test_what_a_peer_allows_is_folded_by_its_transitions(triggers: list[str]) -> None:
+    """The worker reads what a peer allows from the machine's data, never its state:
+    the transitions' folds must agree with the table's sets in every state reached."""
+    t = LifecycleTracker(LIFECYCLES["peer"], VirtualClock())
+    t.create("p")
+    for trigger in ["", *triggers]:
+        if trigger:
+            t.apply(SAMPLE_EVENTS[trigger])
+        m = t.get("p")
+        assert m is not None
+        state = t.states()["p"]
+        assert m.needs_metadata == (state in PEER_FETCH_STATES), (triggers, state)
+        assert m.agent_readable == (state in PEER_READABLE_STATES), (triggers, state)
+        assert m.unreachable == (state in PEER_UNREACHABLE_STATES), (triggers, state)
+
+
+def test_a_tracker_answers_from_what_the_table_declares() -> None:
+    """Existence, a new beginning after a forgotten early abandon, and the claim's
+    answer come from the tracker (the worker reads no state)."""
+    t = LifecycleTracker(SEND, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    assert not t.known("p") and t.may_begin("p") and t.verdict("p", CLAIM_ANSWERS) == "unknown"
+    t.create("p")
+    assert t.known("p") and not t.may_begin("p") and t.verdict("p", CLAIM_ANSWERS) == "unknown"
+    t.apply(ev.FinishedOk(req="p", block_ids=(1,)))
+    assert t.verdict("p", CLAIM_ANSWERS) == "ok" and t.states() == {"p": "awaiting_pull"}
+    t.apply(ev.ReadNotif(req="p", reader="d0"))
+    assert t.known("p") and not t.may_begin("p") and t.verdict("p", CLAIM_ANSWERS) == "expired"
+    t.create("f")
+    t.apply(ev.RemoteAbandoned(req="f", reader="d0"))
+    t.apply(ev.AbandonExpired(req="f"))
+    assert t.known("f") and t.may_begin("f")  # forgotten: a finish begins anew
 
 
 def test_declaration_errors_name_the_problem() -> None:

@@ -88,11 +88,18 @@ class PeerMachine(RequestMachine):
     """One remote worker this worker reads from (lifecycle ``peer``): its NIXL
     agent and its outage record. ``req`` is the peer's key, ``engine@address``."""
 
-    __slots__ = ("agent", "failures", "backoff_ns", "dead_until_ns", "news_ns", "last_error")
+    __slots__ = ("agent", "failures", "backoff_ns", "dead_until_ns", "news_ns", "last_error", "agent_readable",
+                 "needs_metadata", "unreachable")
 
     def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
         super().__init__(req, lifecycle, state, now_ns)
         self.agent = ""  # the NIXL agent name once its metadata is loaded ("" : none)
+        # What the peer allows, folded by the table's transitions (the worker reads
+        # these, never the state): reads may be posted to ``agent``; a claim must
+        # fetch its metadata (again); no message goes to it (dead, within its back-off).
+        self.agent_readable = False
+        self.needs_metadata = True
+        self.unreachable = False
         self.failures = 0  # outages in a row
         self.backoff_ns = 0  # the next outage's back-off (0: the configured base)
         self.dead_until_ns = 0

@@ -101,6 +101,9 @@ class Error(Event, frozen=True, tag="error"):
     # The failure itself shows the peer is gone (a read ended in a disconnect):
     # nobody is left to tell that we will not read.
     peer_gone: bool = False
+    # The answer to one of the request's claims (refused, or its blocks gone): it
+    # fails the request only while its claims are out (the table's ``answers_a_claim``).
+    claim: bool = False
 
 
 class Timeout(Event, frozen=True, tag="timeout"):
@@ -116,6 +119,11 @@ class PeerDead(Event, frozen=True, tag="peer_dead"):
 
     peer: str
     reason: str = ""
+
+
+class ClaimsSent(Event, frozen=True, tag="claims_sent"):
+    """The claims of a request whose reads go out right behind them have left
+    (later in the loop turn that allocated its blocks): its reads are posted now."""
 
 
 class InternalError(Event, frozen=True, tag="internal_error"):
@@ -254,6 +262,7 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     Timeout,
     PeerDead,
     InternalError,
+    ClaimsSent,
     Abort,
     ReadsQuiesced,
     FinishedOk,

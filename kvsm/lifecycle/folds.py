@@ -121,17 +121,36 @@ def _note_failure(m: RequestMachine, ev: Any, now_ns: int) -> None:
 
 def _take_agent(m: PeerMachine, ev: Any, now_ns: int) -> None:
     m.agent = ev.agent
+    m.agent_readable = True
+    m.needs_metadata = False
     _note_answer(m, ev, now_ns)
 
 
 def _note_answer(m: PeerMachine, ev: Any, now_ns: int) -> None:
+    m.unreachable = False
     m.failures = 0
     m.backoff_ns = 0
     m.dead_until_ns = 0
     m.news_ns = max(m.news_ns, getattr(ev, "sent_ns", 0))
 
 
+def _note_read_failed(m: PeerMachine, ev: Any, now_ns: int) -> None:
+    """Its memory may have been re-registered: the next claim fetches its metadata
+    again (reads still go to the agent meanwhile)."""
+    m.needs_metadata = True
+
+
+def _end_backoff(m: PeerMachine, ev: Any, now_ns: int) -> None:
+    """The back-off ran out: the next claim probes it (fetching its metadata)."""
+    m.unreachable = False
+
+
 def _note_death(m: PeerMachine, ev: Any, now_ns: int) -> None:
+    # Its agent is dropped (``drop_agent`` reads ``agent`` for that): no read goes to
+    # it, and no message until its back-off ends or it answers.
+    m.agent_readable = False
+    m.needs_metadata = True
+    m.unreachable = True
     backoff = m.backoff_ns or ev.backoff_ns
     m.failures += 1
     m.last_error = f"{ev.reason}: {ev.why}" if ev.why else ev.reason
@@ -156,4 +175,6 @@ PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
     "take_agent": _take_agent,
     "note_answer": _note_answer,
     "note_death": _note_death,
+    "note_read_failed": _note_read_failed,
+    "end_backoff": _end_backoff,
 }

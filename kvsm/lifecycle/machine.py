@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.data import RequestMachine
@@ -223,6 +223,30 @@ class LifecycleTracker:
     def final_state(self, req: str) -> str | None:
         """The terminal state of a recently finished request, if remembered."""
         return self._finished.get(req)
+
+    def known(self, req: str) -> bool:
+        """Live, or finished recently enough to be remembered: an input for it is
+        judged by the table (a creation would make a second life of it)."""
+        return req in self._live or req in self._finished
+
+    def may_begin(self, req: str) -> bool:
+        """Whether an input for ``req`` starts a new machine: none is live, and it
+        was never known or ended in a state after which it may begin again
+        (``spec.new_after_end``)."""
+        if req in self._live:
+            return False
+        final = self._finished.get(req)
+        return final is None or final in self.spec.new_after_end
+
+    def verdict(self, req: str, answers: Mapping[str | None, str]) -> str:
+        """A per-state answer the table declares (``CLAIM_ANSWERS``), for ``req``'s
+        current or final state (None: not known here)."""
+        m = self._live.get(req)
+        return answers[m.state if m is not None else self._finished.get(req)]
+
+    def states(self) -> dict[str, str]:
+        """Each live machine's state (introspection: the clean-stop record, debug snapshots)."""
+        return {req: m.state for req, m in self._live.items()}
 
     def count_by_state(self) -> dict[str, int]:
         counts = dict.fromkeys(self.spec.states, 0)

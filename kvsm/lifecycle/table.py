@@ -46,16 +46,19 @@ EFFECTS: Mapping[str, str] = {
     # receiving side
     "take_blocks": "the allocated local blocks are ours to write until reported back",
     "post_reads": "post NIXL READs of the remote blocks into the local blocks",
-    "post_early_reads": ("post the reads right after the request's claims leave, without waiting for their "
-                         "answers (each read's notification is held by the prefill side until its claim)"),
+    "post_early_reads": ("have the reads posted right after the request's claims leave (claims_sent), without "
+                         "waiting for their answers (each read's notification is held by the prefill side until "
+                         "its claim)"),
     "send_notif": "tell the prefill side over the side channel that its blocks are not needed (nothing to read)",
     "deliver_blocks": "report finished_recving: the local blocks hold the remote KV",
     "report_invalid": "report the local blocks through get_block_ids_with_load_errors",
     "count_late_reads": "count reads that completed too late in their claim's lease (metrics, log)",
+    "count_failure": "count a claim's refusal as the request's failure, by its kind (metrics)",
     "release_blocks": "report finished_recving for an aborted request: blocks go back",
     "notify_abandon": "tell the prefill side we will never read, so it can unpin",
     "release_reads": "release the request's settled NIXL transfer handles",
-    "cancel_reads": "release what can be released of the reads in flight, and watch the rest until they settle",
+    "cancel_reads": ("release what can be released of the reads in flight, and watch the rest until they settle "
+                     "(the request's claims are over too: no retry)"),
     # sending side
     "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
     "free_blocks": "report finished_sending: the blocks may be reused",
@@ -67,7 +70,7 @@ EFFECTS: Mapping[str, str] = {
     "cancel_abandon_timer": "stop the early abandon's timer",
     "start_handshake": "ask the prefill side for its agent (if not known yet) and claim the request's blocks",
     "arm_handshake_timer": "start the handshake timeout",
-    "cancel_handshake_timer": "stop the handshake timeout (the handshake is over)",
+    "cancel_handshake_timer": "stop the handshake timeout and the claims' retries (the handshake is over)",
     "arm_transfer_timer": "start the transfer timeout",
     "cancel_timers": "stop the request's timers",
     # peers
@@ -115,6 +118,10 @@ def _peer_gone(m: RequestMachine, ev: Any) -> bool:
     return bool(ev.peer_gone)
 
 
+def _answers_a_claim(m: RequestMachine, ev: Any) -> bool:
+    return bool(ev.claim)
+
+
 def _outdated(m: PeerMachine, ev: Any) -> bool:
     """Sent before the last news about the peer: part of an outage already
     handled, or older than an answer."""
@@ -128,6 +135,7 @@ CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "reads_early": _reads_early,
     "within_lease": _within_lease,
     "peer_gone": _peer_gone,
+    "answers_a_claim": _answers_a_claim,
     "outdated": _outdated,
 }
 
@@ -160,6 +168,7 @@ _FAILURES = ["error", "timeout", "peer_dead", "internal_error"]
 # Failures that say nothing about posted reads (they may still write).
 _INTERRUPTS = ["timeout", "peer_dead", "internal_error"]
 
+
 RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "matched", "source": "new", "dest": "awaiting_blocks", "prepare": "take_remote"},
     # Every prefill worker it reads from is known and readable: the reads go out
@@ -178,6 +187,8 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     # Reads posted before the claims' answers. Once every claim is granted they are
     # an ordinary transfer; reads that completed first wait for the grants, and are
     # served only if they completed inside the lease the claims granted.
+    # (posted once the claims have left, later in the turn that allocated the blocks)
+    {"trigger": "claims_sent", "source": "reading_unclaimed", "dest": "=", "after": "post_reads"},
     {"trigger": "reads_posted", "source": "reading_unclaimed", "dest": "=", "after": "arm_transfer_timer"},
     {"trigger": "handshake_ok", "source": "reading_unclaimed", "dest": "transferring", "prepare": "note_grant",
      "conditions": "all_claims_granted", "after": "cancel_handshake_timer"},
@@ -201,6 +212,19 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
      "conditions": "within_lease", "after": ["release_reads", "deliver_blocks", "cancel_timers"]},
     {"trigger": "all_reads_done", "source": "transferring", "dest": "failed", "prepare": "note_late_reads",
      "after": ["count_late_reads", "release_reads", "report_invalid", "cancel_timers"]},
+    # Before any read is posted a failure ends the request at once.
+    # A claim refused (or its blocks gone) fails the request while its claims are
+    # out, counted by its kind; after them it changes nothing (every claim was
+    # granted, or the request's own failure is under way, its reads settling).
+    {"trigger": "error", "source": "pending_handshake", "dest": "failed", "prepare": "note_failure",
+     "conditions": "answers_a_claim", "after": ["count_failure", "notify_abandon", "report_invalid", "cancel_timers"]},
+    {"trigger": "error", "source": "reading_unclaimed", "dest": "failing", "prepare": "note_failure",
+     "conditions": "answers_a_claim", "after": ["count_failure", "cancel_reads"]},
+    {"trigger": "error", "source": "read_unclaimed", "dest": "failed", "prepare": "note_failure",
+     "conditions": "answers_a_claim",
+     "after": ["count_failure", "notify_abandon", "release_reads", "report_invalid", "cancel_timers"]},
+    {"trigger": "error", "source": ["remote_known", "transferring", "failing", "aborting"], "dest": "=",
+     "conditions": "answers_a_claim"},
     # Before any read is posted a failure ends the request at once.
     *_each(_FAILURES, source=["new", "awaiting_blocks", "pending_handshake", "remote_known"],
            dest="failed", prepare="note_failure", after=["notify_abandon", "report_invalid", "cancel_timers"]),
@@ -249,7 +273,7 @@ RECV_STALE: list[dict[str, Any]] = [
      "why": "an answer to a second claim: the first one moved the request on"},
     {"trigger": "abort", "source": "aborting", "why": "aborted twice"},
     {"trigger": ["abort", "handshake_ok", "timeout", "peer_dead", "error", "internal_error", "reads_quiesced",
-                 "all_reads_done"],
+                 "all_reads_done", "claims_sent"],
      "source": _RECV_ENDS, "why": "the request ended (and vLLM was told) before this input arrived"},
 ]
 
@@ -357,8 +381,8 @@ PEER_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "died", "source": _PEER_LIVE, "dest": "=", "conditions": "outdated"},
     {"trigger": "died", "source": _PEER_LIVE, "dest": "dead", "prepare": "note_death",
      "after": ["drop_agent", "fail_waiting", "arm_backoff_timer"]},
-    {"trigger": "read_failed", "source": ["alive", "stale"], "dest": "stale"},
-    {"trigger": "backoff_over", "source": "dead", "dest": "probing"},
+    {"trigger": "read_failed", "source": ["alive", "stale"], "dest": "stale", "prepare": "note_read_failed"},
+    {"trigger": "backoff_over", "source": "dead", "dest": "probing", "prepare": "end_backoff"},
     {"trigger": "closed", "source": [*_PEER_LIVE, "dead"], "dest": "closed", "after": "cancel_backoff_timer"},
 ]
 
@@ -368,9 +392,11 @@ PEER_STALE: list[dict[str, Any]] = [
      "why": "its agent is gone already: the next claim fetches it anyway"},
 ]
 
-# What each peer state lets a decode worker do (declared here, not decided by
-# the I/O layer): claims to a peer in FETCH_STATES ask for its metadata too;
-# a peer in UNREACHABLE_STATES gets no messages and fails new requests at once.
+# What each peer state lets a decode worker do: claims to a peer in FETCH_STATES
+# ask for its metadata too; a peer in UNREACHABLE_STATES gets no messages and
+# fails new requests at once. The transitions fold this into the machine's data
+# (``needs_metadata``, ``agent_readable``, ``unreachable``), which is what the
+# worker reads; tests/test_lifecycle.py checks the folds agree with these sets.
 PEER_FETCH_STATES = frozenset({"unconnected", "stale", "probing", "dead"})
 # Reads may be posted to the machine's agent only in these (after a death it
 # was removed from the transport).
@@ -444,6 +470,9 @@ class LifecycleSpec:
     # Machines that last as long as their process (peers): one still live where a
     # log ends (a running or crashed process) is not stuck; a clean stop ends it.
     lives_with_process: bool = False
+    # Terminal states after which an input for the same request begins a new
+    # machine (``LifecycleTracker.may_begin``): a finish whose early abandon was forgotten.
+    new_after_end: frozenset[str] = frozenset()
     rules: Mapping[tuple[str, str], tuple[Rule, ...]] = field(init=False, repr=False)
     stale_after_end: Mapping[tuple[str, str], str] = field(init=False, repr=False)
     triggers: frozenset[str] = field(init=False)
@@ -595,6 +624,7 @@ SEND = LifecycleSpec(
         ("expired", "heartbeat"): "heartbeat_after_lease_expiry",
     },
     stale_inputs=tuple(SEND_STALE),
+    new_after_end=SEND_NEW_AFTER_END,
 )
 
 PEER = LifecycleSpec(

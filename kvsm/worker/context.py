@@ -13,6 +13,7 @@ returns (``runner``).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -56,6 +57,20 @@ NOTIF_FOLLOW_UP_NS = 1 * MS
 # this many per kind and window go to Python logging; the event log has all.
 WARN_BURST = 20
 WARN_WINDOW_S = 10.0
+
+
+class Periodic(enum.Enum):
+    """The worker's periodic timers, by kind. Each re-arms itself as it runs; one
+    whose callback raised did not, and ``Recovery`` re-arms it by its kind (or
+    polling of reads, of NIXL notifications or of handshake deadlines would stop
+    for good). The value is the timer's label in the loop, what a ``LoopError``
+    names it by."""
+
+    POLL_READS = "poll reads"
+    STALL_PROBE = "stalled-read probe"
+    POLL_NOTIFS = "poll notifications"
+    CLIENT_DEADLINES = "handshake deadlines"
+    CLAIM_RETRY_FLUSH = "claim retry flush"
 
 
 class Results:
@@ -165,6 +180,7 @@ class RecvIO:
     retry_timer: TimerHandle | None = None
     settle_timer: TimerHandle | None = None
     posted_ns: int = 0
+    claims_over: bool = False  # its claims need no retry any more (the table stopped them: cancel_handshake_timer)
     done_ns: int = 0  # when every read had completed
     answers: dict[str, int] = field(default_factory=dict)  # claim answers so far, by status
 

@@ -173,14 +173,14 @@ class WorkerHalf:
         guard, receiver, sender, peers = self.ctx.guard, self.receiver, self.sender, self.peers_and_claims
         for start in meta.recv_start:
             exc = guard(start.req, receiver._on_recv_start, start)
-            if exc is not None and start.req not in self.recv and self.recv.final_state(start.req) is None:
+            if exc is not None and not self.recv.known(start.req):
                 guard(start.req, receiver._fail_untracked, (start, exc))
         for abandon in meta.recv_abandon:
             guard(abandon.req, receiver._on_recv_abandon, abandon)
         for abort in meta.recv_abort:
             guard(abort.req, receiver._on_recv_abort, abort)
         for s in meta.send_start:
-            if s.req in self.send or self.send.final_state(s.req) is not None:
+            if self.send.known(s.req):
                 continue  # its finish came first, straight from the scheduler
             self.send.create(s.req)
         for finish in meta.send_finish:
@@ -267,8 +267,7 @@ class WorkerHalf:
         for m in self.recv.live():
             ctx.guard(m.req, ctx.apply_recv, ev.Shutdown(req=m.req))
         ctx.note("worker.shutdown", None, clean=True,
-                   live={"recv": {m.req: m.state for m in self.recv.live()},
-                         "send": {m.req: m.state for m in self.send.live()}},
+                   live={"recv": self.recv.states(), "send": self.send.states()},
                    resources=self.resources(),
                    side_channel=self.server.stats() if self.server else None,
                    pin_channel=self.pins.stats() if self.pins else None,
@@ -328,16 +327,17 @@ class WorkerHalf:
 
         def snap() -> dict[str, Any]:
             peers: dict[str, Any] = {}
+            peer_states = self.peers.states()
             for p in self.peers_and_claims.peer_io.values():
                 m = self.peers.get(p.key)
                 if m is not None:
-                    peers[p.key] = {"state": m.state, "agent": self.peers_and_claims.agent_of(p) or None,
+                    peers[p.key] = {"state": peer_states[p.key], "agent": self.peers_and_claims.agent_of(p) or None,
                                     "dead_until_ns": getattr(m, "dead_until_ns", 0),
                                     "failures": getattr(m, "failures", 0),
                                     "last_error": getattr(m, "last_error", "")}
             return {
-                "recv": {m.req: m.state for m in self.recv.live()},
-                "send": {m.req: m.state for m in self.send.live()},
+                "recv": self.recv.states(),
+                "send": self.send.states(),
                 "peers": peers,
                 "io": {"recv": len(self.ctx.recv_io), "send": len(self.sender.send_io),
                        "claims": len(self.peers_and_claims.claims), "oneway": len(self.peers_and_claims.oneway),

@@ -5,9 +5,9 @@ Each peer is a machine of the ``peer`` lifecycle (``kvsm.lifecycle.table``:
 unconnected, alive, stale, dead with back-off, probing, closed): its NIXL
 agent, its outages and its back-off are that machine's data, set by the
 table's ``prepare`` callbacks, so replay re-applies them like any request's.
-The table also says what a peer's state allows (``PEER_FETCH_STATES``: claims
-fetch its metadata too; ``PEER_UNREACHABLE_STATES``: no messages, new requests
-fail at once).
+The table's transitions also fold what a peer's state allows into its data
+(``needs_metadata``: claims fetch its metadata too; ``unreachable``: no
+messages, new requests fail at once; ``agent_readable``: reads may go to it).
 
 Why a claim before every read: the prefill side may have freed (and reused)
 the blocks when its lease ran out. The claim extends the lease and says
@@ -37,15 +37,8 @@ from kvsm.handshake.relay import worker_name
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.data import PeerMachine
 from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import (
-    PEER_FETCH_STATES,
-    PEER_READABLE_STATES,
-    PEER_UNREACHABLE_STATES,
-    RECV_CLAIMING_STATES,
-    RECV_ENDING_STATES,
-)
 from kvsm.runtime.loop import LoopError, TimerHandle
-from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerIO, S, WorkerContext
+from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerIO, Periodic, S, WorkerContext
 from kvsm.worker.recv_plan import ReadPlanner
 from kvsm.worker.runner import Effect, EffectTable
 
@@ -93,9 +86,10 @@ class PeersAndClaims:
         }
         ctx.runner.register(self.peers, EffectTable(self.effects, self.peer_io.get, self._ended, self._effects_failed))
 
-    def periodic(self) -> dict[str, Callable[[], None]]:
-        """How each periodic timer of this part is armed again, by label (``Recovery``)."""
-        return {"handshake deadlines": self._rearm_client_expiry, "claim retry flush": self._forget_retry_flush}
+    def periodic(self) -> dict[Periodic, Callable[[], None]]:
+        """How each periodic timer of this part is armed again (``Recovery``)."""
+        return {Periodic.CLIENT_DEADLINES: self._rearm_client_expiry,
+                Periodic.CLAIM_RETRY_FLUSH: self._forget_retry_flush}
 
     def _rearm_client_expiry(self) -> None:
         if self.ctx.client is not None:
@@ -127,13 +121,9 @@ class PeersAndClaims:
         m = self.peers.get(peer.key)
         return m if isinstance(m, PeerMachine) else None
 
-    def _peer_state(self, peer: PeerIO) -> str:
-        m = self.peers.get(peer.key)
-        return m.state if m is not None else "closed"
-
     def agent_of(self, peer: PeerIO) -> str:
         m = self._peer_machine(peer)
-        return m.agent if m is not None and m.state in PEER_READABLE_STATES else ""
+        return m.agent if m is not None and m.agent_readable else ""
 
     def _ended(self, key: str, peer: PeerIO | None) -> None:
         self.peer_io.pop(key, None)
@@ -142,10 +132,15 @@ class PeersAndClaims:
         name, exc = failed[0]
         self.ctx.on_error(LoopError(exc, None, f"effect {name} of peer {key}", "post"))
 
+    def _needs_metadata(self, peer: PeerIO) -> bool:
+        m = self._peer_machine(peer)
+        return m is not None and m.needs_metadata
+
     def reachable(self, peer: PeerIO) -> bool:
         """Whether messages go to ``peer`` (the one place that asks; a peer found dead
         gets none within its back-off, and new requests on it fail at once)."""
-        return self._peer_state(peer) not in PEER_UNREACHABLE_STATES
+        m = self._peer_machine(peer)
+        return m is None or not m.unreachable
 
     def mark_dead(self, peer: PeerIO, why: str, reason: str, sent_ns: int = 0) -> None:
         """Tell ``peer``'s machine it was found dead (``reason``: refused, silent,
@@ -156,7 +151,7 @@ class PeersAndClaims:
 
     def _drop_agent(self, peer: PeerIO, o: Outcome) -> None:
         """Remove the dead peer's NIXL agent: that settles its reads, none can write
-        afterwards (and no read is posted to it: see PEER_READABLE_STATES). Its
+        afterwards (and no read is posted to it: its machine's ``agent_readable``). Its
         side-channel socket goes too: the probe after the back-off connects afresh
         (an inproc peer that restarted is never reconnected to otherwise, and over
         TCP what was queued for the dead process would reach its successor)."""
@@ -177,12 +172,9 @@ class PeersAndClaims:
                    retry_in_s=(m.dead_until_ns - self.loop.now_ns()) / S, failures=m.failures)
         self.warn.warning("peer_dead", "peer %s (%s) is dead: %s; failing its requests fast for %.1f s",
                           peer.address, peer.engine, m.last_error, (m.dead_until_ns - self.loop.now_ns()) / S)
-        kind = f"peer_{reason}" if reason else "peer_dead"
+        recv = self.ctx.recv  # (counted as a failure where it moves the request: Receiver._moved)
         for req, io in list(self._recv_io.items()):
-            r = self.ctx.recv.get(req)
-            if r is not None and io.deals_with(peer):
-                if r.state not in RECV_ENDING_STATES:  # (one whose own failure is under way counted it)
-                    self.stats.failure(kind)
+            if req in recv and io.deals_with(peer):
                 self._apply_recv(ev.PeerDead(req=req, peer=peer.key, reason=reason))
 
     def _arm_backoff_timer(self, peer: PeerIO, o: Outcome) -> None:
@@ -232,7 +224,7 @@ class PeersAndClaims:
                 continue
             pairs.append((req, io.start.remote_req))
             readers = next((link.readers for link in io.links if link.peer is peer), readers)
-        fetch = self._peer_state(peer) in PEER_FETCH_STATES
+        fetch = self._needs_metadata(peer)
         for at in range(0, len(pairs), MAX_CLAIMS):
             chunk = pairs[at:at + MAX_CLAIMS]
             claims = [remote for _, remote in chunk]
@@ -251,14 +243,14 @@ class PeersAndClaims:
             return
         io.retry_timer = None
         m = self.ctx.recv.get(req)
-        if m is None or m.state not in RECV_CLAIMING_STATES:
-            return  # its claims are over (it failed or was aborted meanwhile)
+        if m is None or io.claims_over:
+            return  # its claims are over (the table stopped them: it failed or was aborted meanwhile)
         granted = m.claims_granted
         for i, link in enumerate(io.reads):
             if not granted & (1 << i):  # the ranks that granted it already are not asked again
                 self.ctx.claim_queue.setdefault(link.peer.key, []).append(req)
         if self._retry_flush is None:  # one flush for every retry due now (a timer: it cannot be dropped)
-            self._retry_flush = self.loop.call_later(0, self._flush_retries, label="claim retry flush")
+            self._retry_flush = self.loop.call_later(0, self._flush_retries, label=Periodic.CLAIM_RETRY_FLUSH.value)
 
     def _flush_retries(self) -> None:
         self._retry_flush = None
@@ -306,21 +298,15 @@ class PeersAndClaims:
             kind = "incompatible" if isinstance(outcome, HandshakeIncompatible) else "handshake"
             if outcome.code == "engine_mismatch":
                 kind = "engine_mismatch"
-            for req, _ in claim.reqs:
-                if self._claiming(req):
-                    self.stats.failure(kind)
-                    self._apply_recv(ev.Error(req=req, kind=kind, detail=f"{peer.address}: {outcome}"))
+            self._refuse(claim, kind, f"{peer.address}: {outcome}")
             return
         assert isinstance(outcome, (MetadataReply, ClaimsReply))
-        if isinstance(outcome, MetadataReply) and self._peer_state(peer) in PEER_FETCH_STATES:
+        if isinstance(outcome, MetadataReply) and self._needs_metadata(peer):
             assert self.ctx.transport is not None
             try:
                 agent = self.ctx.transport.add_peer(outcome.agent_metadata)
             except ValueError as e:
-                for req, _ in claim.reqs:
-                    if self._claiming(req):
-                        self.stats.failure("incompatible")
-                        self._apply_recv(ev.Error(req=req, kind="incompatible", detail=f"{peer.address}: {e}"))
+                self._refuse(claim, "incompatible", f"{peer.address}: {e}")
                 return
             except ConnectionError as e:  # its side channel answered, its NIXL agent cannot be reached
                 self.mark_dead(peer, f"its NIXL agent: {e}", "disconnected", claim.sent_ns)
@@ -345,17 +331,14 @@ class PeersAndClaims:
                     io.reads[source].granted = True
                 self._apply_recv(ev.HandshakeOk(req=req, remote_engine=peer.engine, claim_sent_ns=claim.sent_ns,
                                                 lease_window_ns=window, source=source))
-            elif not self._claiming(req):
-                continue  # a refusal after its claims were over: its own failure is under way
-            elif status == ANSWER_EXPIRED:
-                self.stats.failure("lease_expired")
-                self._apply_recv(ev.Error(req=req, kind="lease_expired", detail=(
+            elif status == ANSWER_EXPIRED:  # (fails it while its claims are out: the table's answers_a_claim)
+                self._apply_recv(ev.Error(req=req, kind="lease_expired", claim=True, detail=(
                     f"prefill request {remote_req} on {peer.engine} is no longer pinned "
                     f"(its lease expired or it was released); its blocks may have been reused")))
-            elif io.retry_timer is None:
+            elif io.retry_timer is None and not io.claims_over:
                 # Not known there (yet): the prefill worker may hear of the finish a
-                # little later. Asking again is this effect's own business (the
-                # handshake timeout in the table bounds it), not a transition.
+                # little later. It is asked again until the table ends the claims
+                # (cancel_handshake_timer: granted, failed, or the handshake timeout).
                 io.retry_timer = self.loop.call_later(CLAIM_RETRY_NS, partial(self._retry_claim, req),
                                                       req=req, label="claim retry")
         # Reads posted behind these claims: the prefill worker made its NIXL agent progress
@@ -363,10 +346,13 @@ class PeersAndClaims:
         # see now rather than at the next poll.
         self.reads.check_reads_after_answer([req for req, _ in claim.reqs])
 
-    def _claiming(self, req: str) -> bool:
-        """The request still waits for its claims' answers (``RECV_CLAIMING_STATES``)."""
-        m = self.ctx.recv.get(req)
-        return m is not None and m.state in RECV_CLAIMING_STATES
+    def _refuse(self, claim: Claim, kind: str, detail: str) -> None:
+        """The claim was refused: each request it was for hears of it (the table
+        fails those whose claims are still out, and counts it)."""
+        recv = self.ctx.recv
+        for req, _ in claim.reqs:
+            if req in recv:
+                self._apply_recv(ev.Error(req=req, kind=kind, detail=detail, claim=True))
 
     # -- one-way messages: abandons and heartbeats ------------------------------------------
 
@@ -452,7 +438,7 @@ class PeersAndClaims:
         self.loop.cancel(timer)
         self._expiry_timer = None
         if deadline is not None:
-            self._expiry_timer = self.loop.call_at(deadline, self._expire_client, label="handshake deadlines")
+            self._expiry_timer = self.loop.call_at(deadline, self._expire_client, label=Periodic.CLIENT_DEADLINES.value)
 
     def _expire_client(self) -> None:
         assert self.ctx.client is not None

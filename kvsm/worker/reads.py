@@ -16,7 +16,7 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
 from kvsm.runtime.loop import TimerHandle
 from kvsm.transport.base import TransferState, XferHandle
-from kvsm.worker.context import NOTIF_FOLLOW_UP_NS, PeerIO, RecvIO, S, WorkerContext
+from kvsm.worker.context import NOTIF_FOLLOW_UP_NS, PeerIO, Periodic, RecvIO, S, WorkerContext
 from kvsm.worker.peers import PeersAndClaims
 
 
@@ -39,9 +39,9 @@ class ReadsInFlight:
         self._notif_min_ns = max(1, int(self.cfg.notif_poll_interval_s * S))
         self._read_poll_ns = self._notif_min_ns  # the configured interval, or ramping up to it after a grant
 
-    def periodic(self) -> dict[str, Callable[[], None]]:
-        """How each periodic timer of this part is armed again, by label (``Recovery``)."""
-        return {"poll reads": self._rearm_read_poll, "stalled-read probe": self._rearm_stall_watch}
+    def periodic(self) -> dict[Periodic, Callable[[], None]]:
+        """How each periodic timer of this part is armed again (``Recovery``)."""
+        return {Periodic.POLL_READS: self._rearm_read_poll, Periodic.STALL_PROBE: self._rearm_stall_watch}
 
     def _rearm_read_poll(self) -> None:
         self._poll_timer = None
@@ -117,7 +117,7 @@ class ReadsInFlight:
     def _arm_stall_watch(self) -> None:
         if self._stall_timer is None and self._polling:
             self._stall_timer = self.loop.call_later(int(self.cfg.stall_timeout_s * S) // 4,
-                                                     self._probe_stalled_reads, label="stalled-read probe")
+                                                     self._probe_stalled_reads, label=Periodic.STALL_PROBE.value)
 
     def _probe_stalled_reads(self) -> None:
         """Probe every peer that reads have been in flight from for over a quarter of
@@ -148,6 +148,7 @@ class ReadsInFlight:
         req = o.req
         if io is None:
             return
+        io.claims_over = True  # (its claims need no retry: the request gives up)
         assert self.ctx.transport is not None
         keep = []
         for h in io.handles:
@@ -201,7 +202,8 @@ class ReadsInFlight:
                 self.loop.cancel(self._poll_timer)
                 self._poll_timer = None
         if self._poll_timer is None and self._polling:
-            self._poll_timer = self.loop.call_later(self._read_poll_ns, self._poll_reads, label="poll reads")
+            self._poll_timer = self.loop.call_later(self._read_poll_ns, self._poll_reads,
+                                                    label=Periodic.POLL_READS.value)
 
     def _poll_reads(self) -> None:
         self._poll_timer = None

@@ -7,17 +7,18 @@ from collections.abc import Callable, Mapping
 
 from kvsm.lifecycle import events as ev
 from kvsm.runtime.loop import LoopError
-from kvsm.worker.context import SendIO, WorkerContext, log
+from kvsm.worker.context import Periodic, SendIO, WorkerContext, log
 from kvsm.worker.send import Sender
+
+# A loop error names its timer by label; the worker's periodic timers by kind.
+PERIODIC_BY_LABEL: Mapping[str, Periodic] = {kind.value: kind for kind in Periodic}
 
 
 class Recovery:
     """What the loop's ``on_error`` does (the recovery part). ``rearm``: how each
-    periodic timer, by its label, is armed again when its callback raised (it did
-    not re-arm itself: polling of reads, of NIXL notifications or of handshake
-    deadlines would stop for good)."""
+    periodic timer is armed again when its callback raised (``Periodic``)."""
 
-    def __init__(self, ctx: WorkerContext, sender: Sender, rearm: Mapping[str, Callable[[], None]]) -> None:
+    def __init__(self, ctx: WorkerContext, sender: Sender, rearm: Mapping[Periodic, Callable[[], None]]) -> None:
         self.ctx = ctx
         self.sender = sender
         self.rearm = rearm
@@ -36,9 +37,9 @@ class Recovery:
             if err.req is not None and err.req in ctx.send:
                 self._recover_send(err.req)
             if err.where == "timer":
-                rearm = self.rearm.get(err.label)
-                if rearm is not None:
-                    rearm()
+                kind = PERIODIC_BY_LABEL.get(err.label)
+                if kind is not None:
+                    self.rearm[kind]()
         except Exception:  # noqa: BLE001 - logged; the loop goes on
             log.exception("kvsm worker %s: recovering from an error of request %s also failed",
                           ctx.loop.name, err.req)

@@ -21,7 +21,6 @@ from typing import Any
 from kvsm.handoff.facts import RecvAbandon, RecvAbort, RecvStart
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import RECV_EARLY_POST_STATES
 from kvsm.runtime.loop import LoopError, TimerHandle
 from kvsm.transport.base import Heads
 from kvsm.worker.context import Link, RecvIO, S, WorkerContext
@@ -31,6 +30,11 @@ from kvsm.worker.recv_plan import ReadPlanner, describe_segments, segments_of
 from kvsm.worker.runner import Effect, EffectTable
 from kvsm.worker.send import notif_of
 from kvsm.worker.tp_map import ReadPlan
+
+# How a peer's death that fails a request is counted, by how it was found dead
+# (the ``reason`` of ``Died``; a request that found it dead already, or its agent
+# gone, counts as ``peer_dead``).
+PEER_DEATH_FAILURES = {reason: f"peer_{reason}" for reason in ("refused", "silent", "disconnected", "unsettled")}
 
 # Reads go out ahead of their claims only this long before the lease the prefill
 # side announced ends (clocks of two hosts differ a little).
@@ -71,12 +75,13 @@ class Receiver:
             "deliver_blocks": self._deliver_blocks,
             "report_invalid": self._report_invalid,
             "count_late_reads": self._count_late_reads,
+            "count_failure": self._count_failure,
             "release_blocks": self._release_blocks,
             "notify_abandon": self._notify_abandon,
             "cancel_timers": self._cancel_recv_timers,
         }
         ctx.runner.register(self.recv, EffectTable(self.effects, self._recv_io.get, self._ended,
-                                                   self._effects_failed, self._claims_over))
+                                                   self._effects_failed, self._moved))
 
     def timers(self) -> list[TimerHandle | None]:
         out = self.reads.timers()
@@ -175,10 +180,13 @@ class Receiver:
 
     # -- what the runner calls beside the effects ---------------------------------------
 
-    def _claims_over(self, io: RecvIO | None, o: Outcome) -> None:
-        """The request moved: if its claims were answered, one record of how (not
-        one per reply: thousands of requests retried every few ms starved the loop
-        under load)."""
+    def _moved(self, io: RecvIO | None, o: Outcome) -> None:
+        """The request moved. A peer's death that moves it fails it (one whose own
+        failure or abort is under way stays where it is): counted, by how the death
+        was found. If its claims were answered, one record of how (not one per
+        reply: thousands of requests retried every few ms starved the loop under load)."""
+        if type(o.event) is ev.PeerDead:
+            self.stats.failure(PEER_DEATH_FAILURES.get(o.event.reason, "peer_dead"))
         if io is not None and io.answers:
             if self.ctx.log is not None:
                 by_status: dict[str, Any] = {status: {o.req: n} for status, n in io.answers.items()}
@@ -232,6 +240,7 @@ class Receiver:
 
     def _cancel_handshake_timer(self, io: RecvIO | None, o: Outcome) -> None:
         if io is not None:
+            io.claims_over = True
             self.loop.cancel(io.handshake_timer)
             self.loop.cancel(io.retry_timer)
             io.handshake_timer = io.retry_timer = None
@@ -264,7 +273,6 @@ class Receiver:
         for link in io.reads:
             if not self.peers.reachable(link.peer):
                 # Known dead: fail now rather than wait out another timeout.
-                self.stats.failure("peer_dead")
                 self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="known_dead"))
                 return
         for link in io.links:
@@ -285,19 +293,12 @@ class Receiver:
         self._early_posts.append(req)
 
     def post_claimed_early(self) -> None:
-        """The reads of the requests whose claims just left (after ``flush_claims``)."""
+        """The claims queued this turn have left (``flush_claims``): the requests
+        whose reads go right behind them hear of it (``claims_sent``), and the
+        table posts their reads, unless they failed meanwhile (a claim refused at once)."""
         posts, self._early_posts = self._early_posts, []
         for req in posts:
-            self._guard(req, self._post_claimed_early, req)
-
-    def _post_claimed_early(self, req: str) -> None:
-        """``_flush_claims``'s second half: the reads of a request whose claims just
-        left, unless it failed meanwhile (a claim refused at once)."""
-        io = self._recv_io.get(req)
-        m = self.recv.get(req)
-        if io is None or m is None or m.state not in RECV_EARLY_POST_STATES or io.posted_ns:
-            return
-        self._post_reads(io, None)
+            self._guard(req, self._apply_recv, ev.ClaimsSent(req=req))
 
     def _post_reads(self, io: RecvIO | None, o: Outcome | None) -> None:
         """Post the request's reads now; the machine hears of it right after this
@@ -313,7 +314,6 @@ class Receiver:
         agents = [self.peers.agent_of(link.peer) for link in reads]
         for link, agent in zip(reads, agents):
             if not agent:  # dropped meanwhile (found dead)
-                self.stats.failure("peer_dead")
                 self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="no_agent"))
                 return
         held = [self.ctx.transport.layers_read(agent) for agent in agents]
@@ -398,6 +398,9 @@ class Receiver:
                           io.peer.engine, o.trigger, inputs)
         if io.start.awaited:
             self.results.failed(req, io.start.local_block_ids)
+
+    def _count_failure(self, io: RecvIO | None, o: Outcome) -> None:
+        self.stats.failure(getattr(o.event, "kind", o.trigger))
 
     def _count_late_reads(self, io: RecvIO | None, o: Outcome) -> None:
         req = o.req

@@ -19,12 +19,13 @@ from collections.abc import Callable
 from kvsm.handoff.facts import SendFinish
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import CLAIM_ANSWERS, SEND_NEW_AFTER_END
+from kvsm.lifecycle.table import CLAIM_ANSWERS
 from kvsm.runtime.loop import LoopError, TimerHandle
 from kvsm.worker.context import (
     NOTIF_FAST_WINDOW_NS,
     NOTIF_FOLLOW_UP_NS,
     NOTIF_POLL_MAX_NS,
+    Periodic,
     S,
     SendIO,
     WorkerContext,
@@ -98,9 +99,9 @@ class Sender:
         }
         ctx.runner.register(self.send, EffectTable(self.effects, _same, self._ended, self._effects_failed))
 
-    def periodic(self) -> dict[str, Callable[[], None]]:
-        """How each periodic timer of this part is armed again, by label (``Recovery``)."""
-        return {"poll notifications": self._rearm_notif_poll}
+    def periodic(self) -> dict[Periodic, Callable[[], None]]:
+        """How each periodic timer of this part is armed again (``Recovery``)."""
+        return {Periodic.POLL_NOTIFS: self._rearm_notif_poll}
 
     def _rearm_notif_poll(self) -> None:
         self._notif_timer = None
@@ -127,7 +128,7 @@ class Sender:
         answers: dict[str, str] = {}
         for req in claims:
             if kind == "abandon":
-                if req not in self.send and self.send.final_state(req) is None:
+                if not self.send.known(req):
                     if self._early_inputs() >= MAX_EARLY_ABANDONS:
                         # A bound on what peers can make us hold: beyond it the
                         # abandon is dropped, visibly, and its blocks wait for the lease.
@@ -141,7 +142,7 @@ class Sender:
                                                     readers=readers))
                 answers[req] = "ok"
                 continue
-            answer = CLAIM_ANSWERS.get(self._send_state(req), "unknown")
+            answer = self.send.verdict(req, CLAIM_ANSWERS)
             if answer == "ok":  # pinned: the claim extends the lease (and counts a read held for it)
                 self._apply_send(ev.Heartbeat(req=req, lease_ns=self.cfg.lease_ns, reader=requester))
             answers[req] = answer
@@ -169,7 +170,7 @@ class Sender:
         once, before the scheduler's finish reached us) the machine is made to
         hold it, as for an early abandon, within the same bound."""
         req = notif.req
-        if req not in self.send and self.send.final_state(req) is None:
+        if not self.send.known(req):
             if self._early_inputs() >= MAX_EARLY_ABANDONS:
                 self.stats.failure("early_read_dropped")
                 self.warn.warning("early_read_dropped", "%d early inputs wait already; the read notification "
@@ -182,10 +183,6 @@ class Sender:
         counts = self.ctx.state_counts["send"]
         return counts["abandoned_early"] + counts["read_early"]
 
-    def _send_state(self, req: str) -> str | None:
-        m = self.send.get(req)
-        return m.state if m is not None else self.send.final_state(req)
-
     # -- finishes from the scheduler ---------------------------------------------------
 
     def _on_pins(self, pins: list[SendFinish], via: str) -> None:
@@ -196,10 +193,8 @@ class Sender:
     def _on_send_finish(self, item: tuple[SendFinish, str]) -> None:
         finish, via = item
         req = finish.req
-        if req not in self.send:
-            final = self.send.final_state(req)
-            if final is None or final in SEND_NEW_AFTER_END:
-                self.send.create(req)
+        if self.send.may_begin(req):  # (a finish after a forgotten early abandon begins anew)
+            self.send.create(req)
         # A finish told twice (a direct hand-off that partly failed also goes with a
         # step) is a declared stale input.
         if finish.ok:
@@ -296,7 +291,7 @@ class Sender:
                 self._notif_timer = None
         if self._notif_timer is None and (self.send_io or self._has_readers):
             self._notif_timer = self.loop.call_later(self._notif_interval_ns, self._poll_notifs,
-                                                     label="poll notifications")
+                                                     label=Periodic.POLL_NOTIFS.value)
 
     def _poll_notifs(self, _: None = None) -> None:
         """Take NIXL's notifications, which also drives our side of every NIXL connection
