@@ -27,6 +27,7 @@ from kvsm.handoff.facts import RecvStart
 from kvsm.handoff.pins import PinChannelServer
 from kvsm.handshake import CompatInfo, HandshakeClient, HandshakeServer
 from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.data import RequestMachine
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
 from kvsm.lifecycle.table import PEER, RECV, SEND
 from kvsm.runtime.loop import EventLoop, LoopError, TimerHandle
@@ -161,7 +162,9 @@ class Link:
     source: Source | None = None
     handle: XferHandle | None = None
     done: bool = False  # its read completed (its notification went with it), or (no layer to read) it was told
-    granted: bool = False  # its claim was granted (a notification that came first was held there until then)
+    # Its place among the request's reads (a claim's ``source``; -1: not read): whether
+    # its claim was granted is the machine's (``claims_granted``), not kept here.
+    index: int = -1
     told: bool = False  # it was told over the side channel that we read nothing (more) there
 
 
@@ -173,6 +176,9 @@ class RecvIO:
     start: RecvStart
     peer: PeerIO
     links: list[Link] = field(default_factory=list)
+    # Its recv machine (set once created; still readable after it ended): what the
+    # table knows of its claims.
+    machine: RequestMachine | None = None
     handles: list[XferHandle] = field(default_factory=list)
     completed: int = 0  # reads that completed before they were released
     handshake_timer: TimerHandle | None = None
@@ -191,6 +197,12 @@ class RecvIO:
     def reads(self) -> list[Link]:
         """The links it reads through, in plan order (a claim's ``source`` index)."""
         return [link for link in self.links if link.source is not None]
+
+    def granted(self, link: Link) -> bool:
+        """Whether ``link``'s claim was granted (its machine's ``claims_granted``; a
+        read notification that came before it is held there until then)."""
+        m = self.machine
+        return m is not None and link.index >= 0 and bool(m.claims_granted >> link.index & 1)
 
     def deals_with(self, peer: PeerIO) -> bool:
         return any(link.peer is peer for link in self.links)

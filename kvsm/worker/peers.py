@@ -327,8 +327,6 @@ class PeersAndClaims:
             io.answers[status] = io.answers.get(status, 0) + 1  # logged when the claim phase ends
             if status == "ok":
                 source = next((i for i, link in enumerate(io.reads) if link.peer is peer), 0)
-                if source < len(io.reads):
-                    io.reads[source].granted = True
                 self._apply_recv(ev.HandshakeOk(req=req, remote_engine=peer.engine, claim_sent_ns=claim.sent_ns,
                                                 lease_window_ns=window, source=source))
             elif status == ANSWER_EXPIRED:  # (fails it while its claims are out: the table's answers_a_claim)

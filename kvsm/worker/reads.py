@@ -135,7 +135,7 @@ class ReadsInFlight:
             if io is None or now - io.posted_ns < min_age:
                 continue
             for link in io.reads:
-                if not link.done and link.granted and link.handle is not None:
+                if not link.done and link.handle is not None and io.granted(link):
                     due[link.peer.key] = link.peer
         if due:
             self.peers.probe_liveness(list(due.values()))

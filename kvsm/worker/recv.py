@@ -104,6 +104,7 @@ class Receiver:
             plan_problem = str(e)
         io = self._recv_io[req] = self._recv_io_of(start, plan)
         self.recv.create(req)
+        io.machine = self.recv.get(req)
         self._apply_recv(ev.Matched(req=req, num_tokens=start.num_tokens, remote_engine=start.remote_engine,
                                     remote_req=start.remote_req, remote_host=start.remote_host,
                                     remote_port=start.remote_port,
@@ -128,6 +129,8 @@ class Receiver:
         engine, host, port = start.remote_engine, start.remote_host, start.remote_port
         links = [Link(self.peers.peer(engine, host, port, rank, stage), rank, readers, source)
                  for rank, stage, readers, source in self.planner.workers_of(plan, start.remote_pp_size)]
+        for index, link in enumerate(link for link in links if link.source is not None):
+            link.index = index
         return RecvIO(start, links[0].peer, links)
 
     def _readable_now(self, io: RecvIO) -> bool:
@@ -155,6 +158,7 @@ class Receiver:
         if req not in self._recv_io:
             self._recv_io[req] = self._recv_io_of(start, self.planner.plan_or_none(start.remote_tp_size))
         self.recv.create(req)
+        self._recv_io[req].machine = self.recv.get(req)
         self._apply_recv(ev.InternalError(req=req, where="_on_recv_start", detail=f"{type(exc).__name__}: {exc}"))
 
     def _on_recv_abandon(self, abandon: RecvAbandon) -> None:
@@ -168,6 +172,7 @@ class Receiver:
                               num_tokens=0, awaited=False, remote_pp_size=abandon.remote_pp_size)
             self._recv_io[req] = self._recv_io_of(start, self.planner.plan_or_none(abandon.remote_tp_size))
             self.recv.create(req)
+            self._recv_io[req].machine = self.recv.get(req)
             self._apply_recv(ev.Matched(req=req, num_tokens=0, remote_engine=abandon.remote_engine,
                                         remote_req=abandon.remote_req, remote_host=abandon.remote_host,
                                         remote_port=abandon.remote_port))
@@ -341,7 +346,7 @@ class Receiver:
                 heads["remote_heads"] = (src.remote.start, src.remote.count, src.remote.of)
             # (a read posted before its claim was granted says so: the prefill side holds
             # its notification until the claim comes)
-            notif = notif_of(start.remote_req, link.readers, early=not link.granted)
+            notif = notif_of(start.remote_req, link.readers, early=not io.granted(link))
             link.handle = self.ctx.transport.post_read(agent, start.local_block_ids, start.remote_block_ids, notif,
                                                    tag=req, group_sizes=start.group_sizes, segments=segments,
                                                    **heads)
@@ -377,7 +382,7 @@ class Receiver:
         the read's notification (one whose claim was not is holding it: an abandon
         counts us through there)."""
         for link in io.links:
-            if link.source is not None and not link.told and not (link.done and link.granted):
+            if link.source is not None and not link.told and not (link.done and io.granted(link)):
                 link.told = True
                 self.peers.tell_abandon(link.peer, [io.start.remote_req], link.readers)
 
