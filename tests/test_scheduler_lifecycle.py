@@ -1,12 +1,12 @@
 """The scheduler half's lifecycle (``sched``, kvsm/lifecycle/sched.py): the real
 SchedulerHalf, driven by vLLM's real scheduler, moves one machine per request
 through the declared table and logs it like the workers' machines; replay folds
-that log clean and catches a tampered one; the scheduler's code decides nothing
-from a state; its indexes follow the machines."""
+that log clean and catches a tampered one; its indexes follow the machines.
+(That the scheduler's code decides nothing from a state is
+tests/test_worker_decides_nothing.py's check.)"""
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 from typing import Any
@@ -28,9 +28,6 @@ from kvsm.lifecycle.sched import (
 )
 from kvsm.lifecycle.table import LIFECYCLES, PEER, RECV, SCHED, SEND
 from kvsm.replay import analyse
-
-SCHEDULER = Path(__file__).resolve().parent.parent / "kvsm" / "scheduler"
-
 
 # ---------------------------------------------------------------- the declaration
 
@@ -96,35 +93,6 @@ def test_an_ignored_request_runs_locally() -> None:
     assert t.apply(ParamsIgnored(req="x", reason="bad")).effects == ("warn_ignored",)
     assert t.apply(BlocksAllocated(req="x", num_external_tokens=0)).stale
     assert t.apply(RequestFinished(req="x")).dst == "ran_locally"
-
-
-# ---------------------------------------------------------------- the code decides nothing
-
-
-def _state_decisions(path: Path) -> list[str]:
-    """``.state`` reads, ``final_state(`` calls and comparisons with a state name."""
-    names = {s for spec in LIFECYCLES.values() for s in spec.states}
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr in ("state", "final_state"):
-            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.Compare):
-            for operand in (node.left, *node.comparators):
-                consts = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-                if any(isinstance(c, ast.Constant) and c.value in names for c in consts):
-                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
-    return found
-
-
-def test_the_scheduler_half_carries_out_effects_only() -> None:
-    found = [hit for path in sorted(SCHEDULER.glob("*.py")) for hit in _state_decisions(path)]
-    assert found == [], "decisions outside the sched table:\n" + "\n".join(found)
-
-
-def test_the_check_finds_a_state_decision(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.py"
-    bad.write_text('def f(m, t):\n    return m.state == "loading" or t.final_state("r") in ("pinned",)\n')
-    assert len(_state_decisions(bad)) == 4
 
 
 # ---------------------------------------------------------------- a real scheduler's log
