@@ -402,17 +402,6 @@ PEER_FETCH_STATES = frozenset({"unconnected", "stale", "probing", "dead"})
 # was removed from the transport).
 PEER_READABLE_STATES = frozenset({"alive", "stale"})
 PEER_UNREACHABLE_STATES = frozenset({"dead"})
-# States in which a decode request waits for its claims' answers: an answer
-# that finds it elsewhere is a second answer (stale) or moot, and a refusal
-# then fails nothing (the request's own failure is under way, its reads may
-# still be settling).
-RECV_CLAIMING_STATES = frozenset({"pending_handshake", "reading_unclaimed", "read_unclaimed"})
-# A decode request whose failure or abort is under way (its reads settling): a
-# peer's death still reaches it, but is not another failure to count.
-RECV_ENDING_STATES = frozenset({"failing", "aborting"})
-# The state whose ``post_early_reads`` posts the reads once the claims have left
-# (later in the same loop turn): a request that left it meanwhile (failed) posts none.
-RECV_EARLY_POST_STATES = frozenset({"reading_unclaimed"})
 
 
 # --- compiling a declaration ------------------------------------------------
