@@ -60,8 +60,8 @@ def test_a_known_peer_is_read_while_its_claim_is_out(pair: VirtualPair) -> None:
     assert "p-1" in pair.sent("A")  # released by the read, not by its lease
     path = [(ev, dst) for ev, _, dst, _ in transitions(pair, "d-1", "decode-0")]
     assert path == [("matched", "awaiting_blocks"), ("allocated", "reading_unclaimed"),
-                    ("claims_sent", "reading_unclaimed"), ("reads_posted", "reading_unclaimed"),
-                    ("all_reads_done", "read_unclaimed"), ("handshake_ok", "done")]
+                    ("reads_posted", "reading_unclaimed"), ("all_reads_done", "read_unclaimed"),
+                    ("handshake_ok", "done")]
     # The prefill worker held the read's notification (it says it was posted early)
     # until the claim came, whichever of the two it took first.
     sends = transitions(pair, "p-1", "prefill-A")
@@ -81,8 +81,7 @@ def test_without_a_freeze_the_read_and_its_claim_end_as_one(pair: VirtualPair) -
     pair.run(until=lambda: "d-2" in pair.recving)
     assert pair.recving["d-2"] == t0 + 1 * MS and pair.holds("d-2")
     path = [dst for _, _, dst, _ in transitions(pair, "d-2", "decode-0")]
-    assert path == ["awaiting_blocks", "reading_unclaimed", "reading_unclaimed", "reading_unclaimed", "transferring",
-                    "done"]
+    assert path == ["awaiting_blocks", "reading_unclaimed", "reading_unclaimed", "transferring", "done"]
     assert replayed(pair)[("send", "p-2")] == "released"
 
 

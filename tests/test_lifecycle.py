@@ -58,7 +58,6 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "backoff_over": ev.BackoffOver(req="p"),
     "closed": ev.Closed(req="p"),
     "shutdown": ev.Shutdown(req="r"),
-    "claims_sent": ev.ClaimsSent(req="r"),
 }
 
 
@@ -98,7 +97,6 @@ def test_reads_posted_with_their_claims() -> None:
     out = t.apply(ev.Allocated(req="r", block_ids=(1, 2), num_external_tokens=40, early=True))
     assert (out.dst, out.effects) == ("reading_unclaimed", ("take_blocks", "arm_handshake_timer",
                                                             "start_handshake", "post_early_reads"))
-    assert t.apply(SAMPLE_EVENTS["claims_sent"]).effects == ("post_reads",)  # the claims left first
     assert t.apply(SAMPLE_EVENTS["reads_posted"]).effects == ("arm_transfer_timer",)
     clock.advance(1_000)
     assert t.apply(SAMPLE_EVENTS["all_reads_done"]).dst == "read_unclaimed"
@@ -206,6 +204,20 @@ def test_a_clean_stop_ends_every_live_request_and_hands_back_what_it_holds() -> 
         r.apply(SAMPLE_EVENTS[name])
     o = r.apply(ev.Shutdown(req="r"))
     assert (o.src, o.dst) == ("transferring", "closed_at_shutdown") and "release_blocks" in o.effects
+
+
+def test_a_request_reading_early_that_fails_before_its_reads_leave_ends_at_once() -> None:
+    """The worker posts early reads after the claims' flush only for a request still
+    live: the table must end every request that failed or was aborted in
+    ``reading_unclaimed`` before a read was posted (its reads quiesce at once)."""
+    for trigger in ("error", "timeout", "peer_dead", "internal_error", "abort"):
+        rule = RECV.rules[("reading_unclaimed", trigger)][-1]
+        quiesced = RECV.rules[(rule.dest, "reads_quiesced")][-1].dest if rule.dest not in RECV.terminal else rule.dest
+        assert quiesced in RECV.terminal, (trigger, rule.dest, quiesced)
+        if rule.dest not in RECV.terminal:
+            assert "cancel_reads" in rule.effects, (trigger, rule.effects)  # (no read out: quiesced at once)
+    claim_refused = RECV.rules[("reading_unclaimed", "error")][0]
+    assert claim_refused.conditions == ("answers_a_claim",) and "cancel_reads" in claim_refused.effects
 
 
 PEER_TRIGGERS = sorted(LIFECYCLES["peer"].triggers - {"closed"})

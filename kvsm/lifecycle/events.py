@@ -121,11 +121,6 @@ class PeerDead(Event, frozen=True, tag="peer_dead"):
     reason: str = ""
 
 
-class ClaimsSent(Event, frozen=True, tag="claims_sent"):
-    """The claims of a request whose reads go out right behind them have left
-    (later in the loop turn that allocated its blocks): its reads are posted now."""
-
-
 class InternalError(Event, frozen=True, tag="internal_error"):
     """kvsm itself failed handling this request (a bug or an unexpected library
     error caught by the loop): the request fails, every other one goes on."""
@@ -262,7 +257,6 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     Timeout,
     PeerDead,
     InternalError,
-    ClaimsSent,
     Abort,
     ReadsQuiesced,
     FinishedOk,

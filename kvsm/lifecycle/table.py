@@ -46,9 +46,9 @@ EFFECTS: Mapping[str, str] = {
     # receiving side
     "take_blocks": "the allocated local blocks are ours to write until reported back",
     "post_reads": "post NIXL READs of the remote blocks into the local blocks",
-    "post_early_reads": ("have the reads posted right after the request's claims leave (claims_sent), without "
-                         "waiting for their answers (each read's notification is held by the prefill side until "
-                         "its claim)"),
+    "post_early_reads": ("post the reads right after the request's claims leave (later in the same loop turn), "
+                         "without waiting for their answers (each read's notification is held by the prefill "
+                         "side until its claim); a request that ended meanwhile posts none"),
     "send_notif": "tell the prefill side over the side channel that its blocks are not needed (nothing to read)",
     "deliver_blocks": "report finished_recving: the local blocks hold the remote KV",
     "report_invalid": "report the local blocks through get_block_ids_with_load_errors",
@@ -187,8 +187,6 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     # Reads posted before the claims' answers. Once every claim is granted they are
     # an ordinary transfer; reads that completed first wait for the grants, and are
     # served only if they completed inside the lease the claims granted.
-    # (posted once the claims have left, later in the turn that allocated the blocks)
-    {"trigger": "claims_sent", "source": "reading_unclaimed", "dest": "=", "after": "post_reads"},
     {"trigger": "reads_posted", "source": "reading_unclaimed", "dest": "=", "after": "arm_transfer_timer"},
     {"trigger": "handshake_ok", "source": "reading_unclaimed", "dest": "transferring", "prepare": "note_grant",
      "conditions": "all_claims_granted", "after": "cancel_handshake_timer"},
@@ -273,7 +271,7 @@ RECV_STALE: list[dict[str, Any]] = [
      "why": "an answer to a second claim: the first one moved the request on"},
     {"trigger": "abort", "source": "aborting", "why": "aborted twice"},
     {"trigger": ["abort", "handshake_ok", "timeout", "peer_dead", "error", "internal_error", "reads_quiesced",
-                 "all_reads_done", "claims_sent"],
+                 "all_reads_done"],
      "source": _RECV_ENDS, "why": "the request ended (and vLLM was told) before this input arrived"},
 ]
 

@@ -298,12 +298,19 @@ class Receiver:
         self._early_posts.append(req)
 
     def post_claimed_early(self) -> None:
-        """The claims queued this turn have left (``flush_claims``): the requests
-        whose reads go right behind them hear of it (``claims_sent``), and the
-        table posts their reads, unless they failed meanwhile (a claim refused at once)."""
+        """The claims queued this turn have left (``flush_claims``): post the reads
+        of the requests whose ``post_early_reads`` asked for it. One that ended
+        meanwhile (a claim refused at once, a peer known dead) posts none; one still
+        live is in ``reading_unclaimed`` (tests/test_lifecycle.py checks that every
+        failure or abort from there ends it within the turn: no read is out yet)."""
         posts, self._early_posts = self._early_posts, []
         for req in posts:
-            self._guard(req, self._apply_recv, ev.ClaimsSent(req=req))
+            self._guard(req, self._post_claimed_early, req)
+
+    def _post_claimed_early(self, req: str) -> None:
+        io = self._recv_io.get(req)
+        if io is not None and req in self.recv:
+            self._post_reads(io, None)
 
     def _post_reads(self, io: RecvIO | None, o: Outcome | None) -> None:
         """Post the request's reads now; the machine hears of it right after this
