@@ -11,6 +11,7 @@ removes its NIXL agent and so settles them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
@@ -18,6 +19,24 @@ from kvsm.runtime.loop import TimerHandle
 from kvsm.transport.base import TransferState, XferHandle
 from kvsm.worker.context import NOTIF_FOLLOW_UP_NS, PeerIO, Periodic, RecvIO, S, WorkerContext
 from kvsm.worker.peers import PeersAndClaims
+
+
+class ReadError(NamedTuple):
+    """How one read failed, as typed facts: NIXL says a peer is gone only in its
+    error's text (``nixlRemoteDisconnectError``), read here once."""
+
+    peer: PeerIO
+    error: str
+    disconnected: bool
+
+    @staticmethod
+    def of(peer: PeerIO, handle: XferHandle) -> ReadError:
+        error = getattr(handle, "error", "") or "NIXL reported an error"
+        return ReadError(peer, error, DISCONNECT_MARK in error)
+
+
+# How NIXL (and the in-memory transport, which mimics it) names a peer that is gone.
+DISCONNECT_MARK = "Disconnect"
 
 
 class ReadsInFlight:
@@ -77,18 +96,17 @@ class ReadsInFlight:
         for link in io.reads:
             if link.handle is not None and states[io.handles.index(link.handle)] is TransferState.DONE:
                 link.done = True
-        failed = [(self._peer_of_handle(io, h), getattr(h, "error", "") or "NIXL reported an error")
+        failed = [ReadError.of(self._peer_of_handle(io, h), h)
                   for h, s in zip(io.handles, states) if s is TransferState.ERROR]
         if failed:
             self.stats.failure("transfer")
-            errors = [e for _, e in failed]
-            gone = any("Disconnect" in e for e in errors)
-            self._apply_recv(ev.Error(req=req, kind="transfer", detail="; ".join(errors)[:500], peer_gone=gone))
-            for peer, error in failed:
-                if "Disconnect" in error:
-                    self.peers.mark_dead(peer, error, "disconnected")
+            self._apply_recv(ev.Error(req=req, kind="transfer", detail="; ".join(f.error for f in failed)[:500],
+                                      peer_gone=any(f.disconnected for f in failed)))
+            for f in failed:  # (a typed input: the peer's machine is told what happened)
+                if f.disconnected:
+                    self.peers.mark_dead(f.peer, f.error, "disconnected")
                 else:
-                    self.ctx.apply_peer(ev.ReadFailed(req=peer.key, why=error[:200]))
+                    self.ctx.apply_peer(ev.ReadFailed(req=f.peer.key, why=f.error[:200]))
             return
         self._apply_recv(ev.AllReadsDone(req=req, num_bytes=self.bytes_of(io)))
 
