@@ -55,6 +55,7 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "answered": ev.Answered(req="p", sent_ns=5),
     "died": ev.Died(req="p", reason="refused", sent_ns=0),
     "read_failed": ev.ReadFailed(req="p", why="EIO"),
+    "probe_sent": ev.ProbeSent(req="p", probe=7),
     "backoff_over": ev.BackoffOver(req="p"),
     "closed": ev.Closed(req="p"),
     "shutdown": ev.Shutdown(req="r"),
@@ -239,6 +240,8 @@ def test_what_a_peer_allows_is_folded_by_its_transitions(triggers: list[str]) ->
         assert m.needs_metadata == (state in PEER_FETCH_STATES), (triggers, state)
         assert m.agent_readable == (state in PEER_READABLE_STATES), (triggers, state)
         assert m.unreachable == (state in PEER_UNREACHABLE_STATES), (triggers, state)
+        # A liveness probe is out only while reads may go to it, until an answer or a death.
+        assert m.probe == -1 or state in PEER_READABLE_STATES, (triggers, state)
 
 
 def test_a_tracker_answers_from_what_the_table_declares() -> None:

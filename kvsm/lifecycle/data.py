@@ -89,7 +89,7 @@ class PeerMachine(RequestMachine):
     agent and its outage record. ``req`` is the peer's key, ``engine@address``."""
 
     __slots__ = ("agent", "failures", "backoff_ns", "dead_until_ns", "news_ns", "last_error", "agent_readable",
-                 "needs_metadata", "unreachable")
+                 "needs_metadata", "unreachable", "probe")
 
     def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
         super().__init__(req, lifecycle, state, now_ns)
@@ -100,6 +100,7 @@ class PeerMachine(RequestMachine):
         self.agent_readable = False
         self.needs_metadata = True
         self.unreachable = False
+        self.probe = -1  # the liveness probe outstanding (its request id; -1: none)
         self.failures = 0  # outages in a row
         self.backoff_ns = 0  # the next outage's back-off (0: the configured base)
         self.dead_until_ns = 0

@@ -225,6 +225,13 @@ class Died(Event, frozen=True, tag="died"):
     backoff_max_ns: int = 30_000_000_000
 
 
+class ProbeSent(Event, frozen=True, tag="probe_sent"):
+    """Reads from the peer stalled: a liveness probe (request ``probe``) went out.
+    Its answer is ``answered``; its silence, ``died``."""
+
+    probe: int
+
+
 class ReadFailed(Event, frozen=True, tag="read_failed"):
     """A read from the peer failed without a disconnect: its memory may have been
     re-registered, so its metadata is fetched again with the next claim."""
@@ -269,6 +276,7 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     AgentAdded,
     Answered,
     Died,
+    ProbeSent,
     ReadFailed,
     BackoffOver,
     Closed,

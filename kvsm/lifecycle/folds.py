@@ -128,6 +128,7 @@ def _take_agent(m: PeerMachine, ev: Any, now_ns: int) -> None:
 
 def _note_answer(m: PeerMachine, ev: Any, now_ns: int) -> None:
     m.unreachable = False
+    m.probe = -1
     m.failures = 0
     m.backoff_ns = 0
     m.dead_until_ns = 0
@@ -138,6 +139,10 @@ def _note_read_failed(m: PeerMachine, ev: Any, now_ns: int) -> None:
     """Its memory may have been re-registered: the next claim fetches its metadata
     again (reads still go to the agent meanwhile)."""
     m.needs_metadata = True
+
+
+def _note_probe(m: PeerMachine, ev: Any, now_ns: int) -> None:
+    m.probe = ev.probe
 
 
 def _end_backoff(m: PeerMachine, ev: Any, now_ns: int) -> None:
@@ -151,6 +156,7 @@ def _note_death(m: PeerMachine, ev: Any, now_ns: int) -> None:
     m.agent_readable = False
     m.needs_metadata = True
     m.unreachable = True
+    m.probe = -1
     backoff = m.backoff_ns or ev.backoff_ns
     m.failures += 1
     m.last_error = f"{ev.reason}: {ev.why}" if ev.why else ev.reason
@@ -177,4 +183,5 @@ PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
     "note_death": _note_death,
     "note_read_failed": _note_read_failed,
     "end_backoff": _end_backoff,
+    "note_probe": _note_probe,
 }

@@ -380,6 +380,9 @@ PEER_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "died", "source": _PEER_LIVE, "dest": "dead", "prepare": "note_death",
      "after": ["drop_agent", "fail_waiting", "arm_backoff_timer"]},
     {"trigger": "read_failed", "source": ["alive", "stale"], "dest": "stale", "prepare": "note_read_failed"},
+    # Reads from it stalled: a liveness probe is out (one at a time); its answer
+    # or its silence (answered, died) ends it.
+    {"trigger": "probe_sent", "source": ["alive", "stale"], "dest": "=", "prepare": "note_probe"},
     {"trigger": "backoff_over", "source": "dead", "dest": "probing", "prepare": "end_backoff"},
     {"trigger": "closed", "source": [*_PEER_LIVE, "dead"], "dest": "closed", "after": "cancel_backoff_timer"},
 ]
@@ -388,6 +391,8 @@ PEER_STALE: list[dict[str, Any]] = [
     {"trigger": "died", "source": "dead", "why": "already known dead: one outage, one back-off step"},
     {"trigger": "read_failed", "source": ["unconnected", "dead", "probing"],
      "why": "its agent is gone already: the next claim fetches it anyway"},
+    {"trigger": "probe_sent", "source": ["unconnected", "dead", "probing"],
+     "why": "no read goes to it: nothing to probe"},
 ]
 
 # What each peer state lets a decode worker do: claims to a peer in FETCH_STATES

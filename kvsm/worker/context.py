@@ -147,7 +147,6 @@ class PeerIO:
     rank: int = 0  # the prefill rank behind it (every request on the engine's one port names it)
     pp_rank: int = 0  # and its pipeline parallel stage
     backoff_timer: TimerHandle | None = None
-    probe_rid: int | None = None  # the liveness probe outstanding while reads from it are in flight
 
 
 @dataclass(slots=True)

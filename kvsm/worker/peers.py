@@ -270,10 +270,11 @@ class PeersAndClaims:
             if entry is None:
                 continue
             peer, sent_ns = entry
-            probe = peer.probe_rid == result.request_id
-            if probe:
-                peer.probe_rid = None
-            if isinstance(result.outcome, HandshakeRefused):
+            m = self._peer_machine(peer)
+            probe = m is not None and m.probe == result.request_id
+            if probe and not isinstance(result.outcome, HandshakeError):  # the reads are only slow
+                self._apply_peer(ev.Answered(req=peer.key, sent_ns=sent_ns))
+            elif isinstance(result.outcome, HandshakeRefused):
                 self.mark_dead(peer, str(result.outcome), "refused", sent_ns)
             elif isinstance(result.outcome, HandshakeTimeout):
                 what = (f"reads in flight stalled: no answer to a liveness probe within {self.cfg.stall_timeout_s:g} s"
@@ -402,11 +403,13 @@ class PeersAndClaims:
         deadline = now + int(self.cfg.stall_timeout_s * S)
         sent = False
         for peer in due:
-            if peer.probe_rid not in self.oneway and self.reachable(peer):
-                peer.probe_rid = client.heartbeat(peer.address, (), deadline_ns=deadline, tp_rank=peer.rank,
-                                                  pp_rank=peer.pp_rank)
-                self.oneway[peer.probe_rid] = (peer, now)
-                sent = True
+            m = self._peer_machine(peer)
+            if m is None or m.unreachable or m.probe in self.oneway:  # (one probe at a time)
+                continue
+            rid = client.heartbeat(peer.address, (), deadline_ns=deadline, tp_rank=peer.rank, pp_rank=peer.pp_rank)
+            self.oneway[rid] = (peer, now)
+            self._apply_peer(ev.ProbeSent(req=peer.key, probe=rid))
+            sent = True
         if sent:
             self._after_send()
 
