@@ -605,3 +605,24 @@ def test_side_channel_and_event_log_fall_back_to_the_environment() -> None:
         cfg = kvsm_config(h.vllm_config, env=env)
         assert (cfg.side_channel_host, cfg.side_channel_port, cfg.event_log_dir) == ("h", 6000, "/x")
         assert cfg.event_log_path("worker", 1).startswith(f"/x/{cfg.engine_id}.worker.rank1.")
+
+
+# ---------------------------------------------------------------- stopping
+
+
+def test_a_stop_request_has_the_workers_close_their_pins_once_the_drain_time_is_up() -> None:
+    """vLLM's engine core drains on SIGTERM while pins are live and is killed when
+    its wait is over: from the drain time on, every step tells the workers to close
+    their pins (they then report them finished_sending and vLLM runs out of work)."""
+    with harness("kv_producer") as h:
+        half = h.connector.scheduler_half
+        assert not meta_of(h.step()).stopping
+        half.request_stop(3600.0)
+        assert not meta_of(h.step()).stopping
+        half.request_stop(0.0)  # the first request's time holds
+        assert not meta_of(h.step()).stopping
+    with harness("kv_producer") as h:
+        h.connector.scheduler_half.request_stop(0.0)
+        metas = [meta_of(h.step()) for _ in range(2)]
+        assert all(m.stopping for m in metas) and all(metas)
+        assert "stopping" in repr(metas[0])

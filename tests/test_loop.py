@@ -943,3 +943,40 @@ def test_the_stop_runs_at_the_end_and_on_sigterm(tmp_path: Path, how: str, rc: i
             proc.kill()
             proc.wait()
     assert out.read_text() == "stopped\n"
+
+
+_NOTICE_CHILD = """
+import signal, sys, time
+from kvsm.runtime.stop import on_stop_requested
+said = []
+if sys.argv[1] == "own-handler":  # vLLM's engine core: it drains, then exits
+    signal.signal(signal.SIGTERM, lambda *a: (said.append("vllm"), print(*said, flush=True), sys.exit(7)))
+unwrap = on_stop_requested(lambda: said.append("notice"))
+if sys.argv[2] == "unwrapped":
+    unwrap()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("handler, wrap, rc, said", [("own-handler", "wrapped", 7, "notice vllm\n"),
+                                                     ("own-handler", "unwrapped", 7, "vllm\n"),
+                                                     ("default", "wrapped", -signal.SIGTERM, "")])
+def test_a_stop_notice_runs_before_the_process_s_own_sigterm_handler(handler: str, wrap: str, rc: int,
+                                                                    said: str) -> None:
+    """kvsm.runtime.stop.on_stop_requested: where the process has a SIGTERM handler
+    of its own (vLLM's engine core, which drains), the notice (the connector closing
+    its pins in time) runs first, then that handler; unwrapped, only the handler;
+    under the default disposition nothing is wrapped (SIGTERM still kills)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", _NOTICE_CHILD, handler, wrap], cwd=root,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == rc
+        assert proc.stdout.read() == said
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -132,7 +132,8 @@ class StepFacts:
     every worker process each step. False when the step carries nothing.
     """
 
-    __slots__ = ("heartbeats", "recv_abandon", "recv_abort", "recv_start", "send_finish", "send_start", "step")
+    __slots__ = ("heartbeats", "recv_abandon", "recv_abort", "recv_start", "send_finish", "send_start", "step",
+                 "stopping")
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -142,10 +143,14 @@ class StepFacts:
         self.send_start: list[SendStart] = []
         self.send_finish: list[SendFinish] = []
         self.heartbeats: list[HeartbeatTarget] = []
+        # The engine is stopping (SIGTERM to its engine core) and its drain time is up:
+        # the workers close every pin now, so that vLLM gets the blocks back, runs out
+        # of work and shuts down cleanly instead of being killed waiting for reads.
+        self.stopping = False
 
     def __bool__(self) -> bool:
         return bool(self.recv_start or self.recv_abort or self.recv_abandon or self.send_start
-                    or self.send_finish or self.heartbeats)
+                    or self.send_finish or self.heartbeats or self.stopping)
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in StepFacts.__slots__}
@@ -158,7 +163,7 @@ class StepFacts:
         return (f"{type(self).__name__}(step={self.step}, recv_start={len(self.recv_start)}, "
                 f"recv_abort={len(self.recv_abort)}, recv_abandon={len(self.recv_abandon)}, "
                 f"send_start={len(self.send_start)}, send_finish={len(self.send_finish)}, "
-                f"heartbeats={len(self.heartbeats)})")
+                f"heartbeats={len(self.heartbeats)}{', stopping' if self.stopping else ''})")
 
 
 # --- kv_transfer_params ------------------------------------------------------

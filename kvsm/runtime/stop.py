@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from kvsm.eventlog import exit as log_exit
 
-__all__ = ["SIGTERM_EXIT_CODE", "stop_on_exit"]
+__all__ = ["SIGTERM_EXIT_CODE", "on_stop_requested", "stop_on_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +100,50 @@ def stop_on_exit(stop: Callable[[], Any]) -> Callable[[], None]:
             _uninstall_sigterm()
 
     return cancel
+
+
+def on_stop_requested(notice: Callable[[], None]) -> Callable[[], None]:
+    """Call ``notice`` when the process is asked to stop by a handler of its own.
+
+    Why: vLLM's engine core handles SIGTERM/SIGINT by draining, stepping while
+    it has work, and a finished prefill whose blocks are pinned for a decode
+    engine is work until it is read or its lease ends; its parent kills it when
+    the wait is over, and the log then reads as a crash. ``notice`` lets the
+    connector close its pins in time. Each Python-level handler installed for
+    SIGTERM and SIGINT (vLLM's) is wrapped: ``notice`` (which must only set a
+    flag: it runs in a signal handler), then the handler. Where the disposition is
+    the default or ours (``stop_on_exit``'s path: the process exits at once), or
+    off the main thread, nothing is wrapped. Returns the call that unwraps (a
+    wrapper replaced since by someone else is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    wrapped: dict[int, Any] = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous = signal.getsignal(signum)
+            if not callable(previous) or previous is _on_sigterm or previous is signal.default_int_handler:
+                continue
+
+            def handler(num: int, frame: FrameType | None, previous: Any = previous) -> None:
+                try:
+                    notice()
+                finally:
+                    previous(num, frame)
+
+            signal.signal(signum, handler)
+            wrapped[signum] = (handler, previous)
+        except (ValueError, OSError) as e:  # pragma: no cover - e.g. an embedded interpreter
+            log.debug("kvsm: no stop notice on signal %s: %s", signum, e)
+
+    def unwrap() -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, (handler, previous) in wrapped.items():
+            try:
+                if signal.getsignal(signum) is handler:
+                    signal.signal(signum, previous)
+            except (ValueError, OSError):  # pragma: no cover
+                pass
+        wrapped.clear()
+
+    return unwrap

@@ -117,6 +117,9 @@ class SchedulerHalf:
         self._next_heartbeat = time.monotonic() + cfg.heartbeat_interval_s
         self._step = 0
         self._meta = step_facts(0)
+        # When the engine's stop was requested, the monotonic time from which each
+        # step tells the workers to close their pins (request_stop); None: running.
+        self._close_pins_at: float | None = None
         self._effects: dict[str, Effect] = {
             "warn_ignored": self._warn_ignored, "note_rejected": self._note_rejected,
             "take_reader": self._take_reader, "drop_reader": self._drop_reader,
@@ -387,7 +390,19 @@ class SchedulerHalf:
                     HeartbeatTarget(remote_engine=engine, remote_host=host, remote_port=port,
                                     remote_tp_size=tp, claims=tuple(claims), remote_pp_size=pp)
                     for (engine, host, port, tp, pp), claims in self._claims.items()]
+        if self._close_pins_at is not None and time.monotonic() >= self._close_pins_at:
+            meta.stopping = True
         return meta
+
+    def request_stop(self, drain_s: float = 0.0) -> None:
+        """The engine was asked to stop (SIGTERM to its engine core: the end of an
+        offline script, ``vllm serve`` stopping). vLLM keeps stepping while any
+        finished prefill's blocks are pinned, and kills the process when its wait
+        is over; so once ``drain_s`` has passed (reads of the pins may still come
+        meanwhile) every step asks the workers to close their pins. Safe in a
+        signal handler: it only stores a number."""
+        if self._close_pins_at is None:
+            self._close_pins_at = time.monotonic() + max(0.0, drain_s)
 
     # -- introspection --------------------------------------------------------
 

@@ -22,6 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,7 +39,7 @@ from kvsm.config import KVSMConfig
 from kvsm.eventlog.log import EventLog
 from kvsm.handoff.pins import PinTarget
 from kvsm.handshake import CompatInfo
-from kvsm.runtime.stop import stop_on_exit
+from kvsm.runtime.stop import on_stop_requested, stop_on_exit
 from kvsm.scheduler.half import SchedulerHalf
 from kvsm.vllm import stats as vllm_stats
 from kvsm.vllm.config import kvsm_config, unknown_extra_keys
@@ -57,6 +58,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvsm.connector")
+
+# Pins close this long before a draining engine core's wait (vLLM's
+# shutdown_timeout) is over, so it runs out of work and exits before it is killed.
+_DRAIN_MARGIN_S = 2.0
 
 
 def _allow_amx(kv_caches: dict[str, torch.Tensor]) -> None:
@@ -177,6 +182,7 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         self._stop_lock = threading.Lock()
         self._stopped = False
         self._cancel_stop: Callable[[], None] = lambda: None
+        self._unwrap_signals: Callable[[], None] = lambda: None
         self.kv_groups = kv_groups_of(kv_cache_config)
         cfg = kvsm_config(vllm_config)
         if any(g.kind.startswith("mamba") for g in self.kv_groups):
@@ -195,6 +201,10 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                                             hold_back_tokens=int(any(g.kind.startswith("mamba")
                                                                      for g in self.kv_groups)),
                                             step_facts=KVSMConnectorMetadata)
+            # vLLM's engine core drains on SIGTERM while pins are live, and is killed
+            # when its wait is over: the scheduler half closes the pins in time.
+            drain_s = max(0.0, float(getattr(vllm_config, "shutdown_timeout", 0) or 0) - _DRAIN_MARGIN_S)
+            self._unwrap_signals = on_stop_requested(partial(self._scheduler.request_stop, drain_s))
         else:
             rank, stage = _tp_rank(), _pp_rank()
             # One source per worker: vLLM adds their state counts up.
@@ -341,6 +351,7 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler.shutdown()
         finally:
             self._cancel_stop()
+            self._unwrap_signals()
 
     # ============================================================= scheduler side
 
