@@ -59,6 +59,7 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "backoff_over": ev.BackoffOver(req="p"),
     "closed": ev.Closed(req="p"),
     "shutdown": ev.Shutdown(req="r"),
+    "drain_over": ev.DrainOver(req="r"),
 }
 
 
@@ -182,6 +183,24 @@ def test_blocks_are_never_handed_back_while_a_read_may_write() -> None:
                 checked.add(src)
     # Each of those states does release blocks somewhere (else the checks above saw nothing).
     assert checked == {"transferring", "failing", "aborting", "reading_unclaimed"}, checked
+
+
+def test_a_drain_s_end_closes_only_what_is_pinned() -> None:
+    """A draining engine's time is up (``drain_over``): a pin waiting for its reader
+    closes and frees its blocks; a request still prefilling, or known only by an
+    early input, is not concerned (its finish pins it, and the next step closes it):
+    the tracker's ``live_accepting`` picks exactly the machines the table names."""
+    t = LifecycleTracker(SEND, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    for req in ("pinned", "prefilling", "early"):
+        t.create(req)
+    t.apply(ev.FinishedOk(req="pinned", block_ids=(1, 2)))
+    t.apply(ev.RemoteAbandoned(req="early"))
+    assert [m.req for m in t.live_accepting("drain_over")] == ["pinned"]
+    o = t.apply(ev.DrainOver(req="pinned"))
+    assert (o.src, o.dst, o.effects) == ("awaiting_pull", "closed_at_shutdown", ("cancel_lease", "free_blocks"))
+    assert t.live_accepting("drain_over") == []
+    t.apply(ev.FinishedOk(req="prefilling", block_ids=(3,)))
+    assert [m.req for m in t.live_accepting("drain_over")] == ["prefilling"]
 
 
 def test_a_clean_stop_ends_every_live_request_and_hands_back_what_it_holds() -> None:

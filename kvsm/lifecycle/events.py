@@ -253,6 +253,12 @@ class Shutdown(Event, frozen=True, tag="shutdown"):
     shutdown instead of leaving it open as a crash would."""
 
 
+class DrainOver(Event, frozen=True, tag="drain_over"):
+    """The engine is stopping and its drain time is up (the scheduler's step says
+    ``stopping``): a pin still waiting for its reader is closed now, so that vLLM
+    gets its blocks back and can exit before it is killed."""
+
+
 AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __args__)
     Matched,
     Allocated,
@@ -281,6 +287,7 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     BackoffOver,
     Closed,
     Shutdown,
+    DrainOver,
 ]
 
 EVENT_TYPES: dict[str, type[Event]] = {

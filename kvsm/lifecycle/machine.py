@@ -244,6 +244,12 @@ class LifecycleTracker:
         m = self._live.get(req)
         return answers[m.state if m is not None else self._finished.get(req)]
 
+    def live_accepting(self, trigger: str) -> list[RequestMachine]:
+        """The live machines whose state the table gives a rule for ``trigger``:
+        who an engine-wide input (a drain's end) concerns, as the table says."""
+        rules = self.spec.rules
+        return [m for m in self._live.values() if (m.state, trigger) in rules]
+
     def states(self) -> dict[str, str]:
         """Each live machine's state (introspection: the clean-stop record, debug snapshots)."""
         return {req: m.state for req, m in self._live.items()}

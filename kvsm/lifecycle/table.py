@@ -327,6 +327,11 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "shutdown", "source": "prefilling", "dest": "closed_at_shutdown"},
     {"trigger": "shutdown", "source": ["abandoned_early", "read_early"], "dest": "closed_at_shutdown",
      "after": "cancel_abandon_timer"},
+    # A draining engine's time is up: only what is pinned closes (a request still
+    # prefilling, or known only by an early input, is pinned by its finish and closed
+    # at the next step that says so).
+    {"trigger": "drain_over", "source": "awaiting_pull", "dest": "closed_at_shutdown",
+     "after": ["cancel_lease", "free_blocks"]},
 ]
 
 SEND_STALE: list[dict[str, Any]] = [

@@ -189,6 +189,9 @@ class WorkerHalf:
             guard(None, peers._send_heartbeat, target)
         peers.flush_claims()
         receiver.post_claimed_early()  # (right behind their claims)
+        if meta.stopping:  # the engine drains to stop and its time is up: pins close
+            for m in self.send.live_accepting("drain_over"):
+                guard(m.req, self.ctx.apply_send, ev.DrainOver(req=m.req))
 
     def _open_side_channel(self) -> None:
         assert self.compat is not None
