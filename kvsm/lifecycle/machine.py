@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator, Mapping
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.data import RequestMachine
 from kvsm.lifecycle.events import Event
-from kvsm.lifecycle.table import CONDITIONS, PREPARE, LifecycleSpec, Rule
+from kvsm.lifecycle.spec import LifecycleSpec, Rule
+from kvsm.lifecycle.vocabulary import CONDITIONS, PREPARE
 
 
 class IllegalEventPolicy(enum.Enum):

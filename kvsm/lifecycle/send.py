@@ -1,0 +1,120 @@
+"""The sending side's lifecycle (``send``): one machine per request a prefill
+worker pins blocks for, from its prefill to the blocks freed, and how its state
+answers a decode worker's claim."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvsm.lifecycle.spec import LifecycleSpec
+from kvsm.lifecycle.spec import each as _each
+
+SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "released", "expired", "forgotten",
+               "closed_at_shutdown"]
+
+SEND_TRANSITIONS: list[dict[str, Any]] = [
+    {"trigger": "finished_ok", "source": "prefilling", "dest": "awaiting_pull",
+     "prepare": "pin_blocks_data", "after": ["pin_blocks", "arm_lease"]},
+    *_each(["abort", "finished_abnormally"], source="prefilling", dest="released"),
+    # A claim or heartbeat extends the lease; a read its rank posted before the
+    # claim (held, see note_read) counts now.
+    {"trigger": "heartbeat", "source": "awaiting_pull", "dest": "released",
+     "prepare": ["extend_lease_data", "note_claimant"], "conditions": "all_reads_in",
+     "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "heartbeat", "source": "awaiting_pull", "dest": "=", "after": "extend_lease"},
+    {"trigger": "read_notif", "source": "awaiting_pull", "dest": "released", "prepare": "note_read",
+     "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "read_notif", "source": "awaiting_pull", "dest": "="},
+    # Each decode rank that has business with these blocks is through once (its
+    # read's notification or its abandon); the blocks go once all are.
+    {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "released", "prepare": "count_read",
+     "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "="},
+    {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "expired",
+     "after": ["count_expired_lease", "free_blocks"]},
+    # The decode side gave up before this worker heard of the prefill's end
+    # (its abandon overtook the scheduler's finish): the finish frees at once.
+    {"trigger": "remote_abandoned", "source": "prefilling", "dest": "abandoned_early",
+     "after": "arm_abandon_timer"},
+    {"trigger": "finished_ok", "source": "abandoned_early", "dest": "released", "prepare": "pin_blocks_data",
+     "after": ["cancel_abandon_timer", "pin_blocks", "free_blocks"]},
+    *_each(["abort", "finished_abnormally"], source="abandoned_early", dest="released",
+           after="cancel_abandon_timer"),
+    {"trigger": "abandon_expired", "source": "abandoned_early", "dest": "forgotten"},
+    # A read's notification before this worker heard of the prefill's end (a read
+    # posted at once by a decode worker that knows us): held, like an early
+    # abandon, until the finish pins the blocks; it counts once its rank claims.
+    {"trigger": "read_notif", "source": "prefilling", "dest": "read_early", "prepare": "note_read",
+     "after": "arm_abandon_timer"},
+    {"trigger": "read_notif", "source": "read_early", "dest": "=", "prepare": "note_read"},
+    {"trigger": "remote_abandoned", "source": "read_early", "dest": "=", "prepare": "count_read"},
+    {"trigger": "finished_ok", "source": "read_early", "dest": "released", "prepare": "pin_blocks_data",
+     "conditions": "all_reads_in", "after": ["cancel_abandon_timer", "pin_blocks", "free_blocks"]},
+    {"trigger": "finished_ok", "source": "read_early", "dest": "awaiting_pull",
+     "after": ["cancel_abandon_timer", "pin_blocks", "arm_lease"]},
+    *_each(["abort", "finished_abnormally"], source="read_early", dest="released", after="cancel_abandon_timer"),
+    {"trigger": "abandon_expired", "source": "read_early", "dest": "forgotten"},
+    # A clean stop: pinned blocks are freed (finished_sending, so the block ledger
+    # balances); a request not pinned yet holds nothing, its timers stop.
+    {"trigger": "shutdown", "source": "awaiting_pull", "dest": "closed_at_shutdown",
+     "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "shutdown", "source": "prefilling", "dest": "closed_at_shutdown"},
+    {"trigger": "shutdown", "source": ["abandoned_early", "read_early"], "dest": "closed_at_shutdown",
+     "after": "cancel_abandon_timer"},
+    # A draining engine's time is up: only what is pinned closes (a request still
+    # prefilling, or known only by an early input, is pinned by its finish and closed
+    # at the next step that says so).
+    {"trigger": "drain_over", "source": "awaiting_pull", "dest": "closed_at_shutdown",
+     "after": ["cancel_lease", "free_blocks"]},
+]
+
+SEND_STALE: list[dict[str, Any]] = [
+    {"trigger": ["finished_ok", "finished_abnormally", "abort"], "source": ["awaiting_pull", "released", "expired"],
+     "why": "told twice (a direct hand-off that partly failed also goes with the next step)"},
+    {"trigger": ["finished_ok", "finished_abnormally", "abort", "remote_abandoned", "read_notif", "heartbeat"],
+     "source": "closed_at_shutdown", "why": "the worker was shutting down: it had let the request go"},
+    {"trigger": "remote_abandoned", "source": ["abandoned_early", "released", "expired", "forgotten"],
+     "why": "nothing is pinned for it (abandoned twice, or released already)"},
+    {"trigger": "read_notif", "source": "released",
+     "why": "released already (the reader's abandon overtook its read's notification)"},
+    {"trigger": "read_notif", "source": "abandoned_early",
+     "why": "another reader gave the request up before this worker heard of its finish, which frees it"},
+    {"trigger": "read_notif", "source": "forgotten",
+     "why": "its prefill never finished here within a lease of an early input: forgotten"},
+]
+
+# A finish for a request whose early abandon was forgotten is a new request.
+SEND_NEW_AFTER_END = frozenset({"forgotten"})
+
+# How the prefill side answers a claim (or heartbeat) for a request, by the
+# state of its send machine after the claim was applied (None: not known here,
+# or forgotten). "unknown": ask again (the prefill worker may not have heard of
+# the finish yet); "expired": the blocks are gone.
+CLAIM_ANSWERS: Mapping[str | None, str] = {
+    None: "unknown",
+    "prefilling": "unknown",
+    "abandoned_early": "unknown",
+    "read_early": "unknown",
+    "awaiting_pull": "ok",
+    "released": "expired",
+    "expired": "expired",
+    "forgotten": "unknown",
+    "closed_at_shutdown": "expired",
+}
+
+
+SEND = LifecycleSpec(
+    name="send",
+    states=tuple(SEND_STATES),
+    initial="prefilling",
+    terminal=frozenset({"released", "expired", "forgotten", "closed_at_shutdown"}),
+    transitions=tuple(SEND_TRANSITIONS),
+    entry_states=frozenset({"prefilling"}),
+    named_violations={
+        ("expired", "read_notif"): "read_after_lease_expiry",
+        ("expired", "heartbeat"): "heartbeat_after_lease_expiry",
+    },
+    stale_inputs=tuple(SEND_STALE),
+    new_after_end=SEND_NEW_AFTER_END,
+)

@@ -1,0 +1,123 @@
+"""The names a lifecycle declaration may use: its ``prepare`` callbacks, its
+conditions and its effects.
+
+One registry for every lifecycle (RECV, SEND and PEER here; the scheduler
+half's from ``sched.py``, merged in below), because the compiled step
+(``machine.py``), the declarations' validation (``spec.py``) and the log
+reader all look a name up in one place. It sits below the declarations and
+above the callbacks, so the core's modules import one way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvsm.lifecycle import sched as _sched
+from kvsm.lifecycle.data import PeerMachine, RequestMachine
+from kvsm.lifecycle.folds import PREPARE as _PREPARE
+
+# --- effects: what a transition asks the I/O layer to do --------------------
+
+EFFECTS: Mapping[str, str] = {
+    # receiving side
+    "take_blocks": "the allocated local blocks are ours to write until reported back",
+    "post_reads": "post NIXL READs of the remote blocks into the local blocks",
+    "post_early_reads": ("post the reads right after the request's claims leave (later in the same loop turn), "
+                         "without waiting for their answers (each read's notification is held by the prefill "
+                         "side until its claim); a request that ended meanwhile posts none"),
+    "send_notif": "tell the prefill side over the side channel that its blocks are not needed (nothing to read)",
+    "deliver_blocks": "report finished_recving: the local blocks hold the remote KV",
+    "report_invalid": "report the local blocks through get_block_ids_with_load_errors",
+    "count_late_reads": "count reads that completed too late in their claim's lease (metrics, log)",
+    "count_failure": "count a claim's refusal as the request's failure, by its kind (metrics)",
+    "release_blocks": "report finished_recving for an aborted request: blocks go back",
+    "notify_abandon": "tell the prefill side we will never read, so it can unpin",
+    "release_reads": "release the request's settled NIXL transfer handles",
+    "cancel_reads": ("release what can be released of the reads in flight, and watch the rest until they settle "
+                     "(the request's claims are over too: no retry)"),
+    # sending side
+    "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
+    "free_blocks": "report finished_sending: the blocks may be reused",
+    "count_expired_lease": "count a lease that expired unread (metrics, rate-limited warning)",
+    "arm_lease": "start the lease timer for the pinned blocks",
+    "extend_lease": "move the lease deadline (a heartbeat came)",
+    "cancel_lease": "stop the lease timer",
+    "arm_abandon_timer": "forget an early abandon after a lease if its prefill never finishes here",
+    "cancel_abandon_timer": "stop the early abandon's timer",
+    "start_handshake": "ask the prefill side for its agent (if not known yet) and claim the request's blocks",
+    "arm_handshake_timer": "start the handshake timeout",
+    "cancel_handshake_timer": "stop the handshake timeout and the claims' retries (the handshake is over)",
+    "arm_transfer_timer": "start the transfer timeout",
+    "cancel_timers": "stop the request's timers",
+    # peers
+    "drop_agent": ("remove the peer's NIXL agent (every read from it settles, none can write afterwards) and close "
+                   "its side-channel socket (the next contact connects afresh)"),
+    "fail_waiting": "fail every request that depends on the peer",
+    "arm_backoff_timer": "end the back-off at the machine's dead_until_ns",
+    "cancel_backoff_timer": "stop the back-off timer",
+}
+
+# Effects that hand blocks back to their pool; the block ledger counts them.
+BLOCK_RELEASING_EFFECTS = frozenset({"deliver_blocks", "report_invalid", "release_blocks", "free_blocks"})
+# Effects that take blocks out of the pool for this request.
+BLOCK_HOLDING_EFFECTS = frozenset({"take_blocks", "pin_blocks"})
+# Holds that others may share: a pin only keeps blocks from being freed (the
+# prefix cache lets several finished prefills pin one block); a take is for
+# writing and is exclusive.
+SHARED_HOLDING_EFFECTS = frozenset({"pin_blocks"})
+
+
+# --- conditions: pure predicates over the request's data --------------------
+
+
+def _all_reads_in(m: RequestMachine, ev: Any) -> bool:
+    return m.reads_seen >= m.reads_expected
+
+
+def _all_claims_granted(m: RequestMachine, ev: Any) -> bool:
+    return m.claims_granted == (1 << m.claims_needed) - 1
+
+
+def _within_lease(m: RequestMachine, ev: Any) -> bool:
+    return m.late_ns <= 0
+
+
+def _claims_outstanding(m: RequestMachine, ev: Any) -> bool:
+    return not _all_claims_granted(m, ev)
+
+
+def _reads_early(m: RequestMachine, ev: Any) -> bool:
+    return bool(ev.early)
+
+
+def _peer_gone(m: RequestMachine, ev: Any) -> bool:
+    return bool(ev.peer_gone)
+
+
+def _answers_a_claim(m: RequestMachine, ev: Any) -> bool:
+    return bool(ev.claim)
+
+
+def _outdated(m: PeerMachine, ev: Any) -> bool:
+    """Sent before the last news about the peer: part of an outage already
+    handled, or older than an answer."""
+    return 0 < ev.sent_ns < m.news_ns
+
+
+CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
+    "all_reads_in": _all_reads_in,
+    "all_claims_granted": _all_claims_granted,
+    "claims_outstanding": _claims_outstanding,
+    "reads_early": _reads_early,
+    "within_lease": _within_lease,
+    "peer_gone": _peer_gone,
+    "answers_a_claim": _answers_a_claim,
+    "outdated": _outdated,
+}
+
+
+# The scheduler half's callbacks and effects join the others: one lookup each.
+PREPARE: dict[str, Callable[[Any, Any, int], None]] = {**_PREPARE, **_sched.SCHED_PREPARE}
+CONDITIONS = {**CONDITIONS, **_sched.SCHED_CONDITIONS}
+EFFECTS = {**EFFECTS, **_sched.SCHED_EFFECTS}
