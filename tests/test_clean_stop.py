@@ -3,8 +3,9 @@ live when it ends leaves a log replay reads as clean ("closed at shutdown"),
 whether its script just ends or it gets SIGTERM; ``kill -9`` still reads as a
 crash.
 
-Three real prefill engines (tiny model, CPU, single-process: vLLM's offline
-pattern as the test harnesses run it) start side by side, each generates with
+Four real prefill engines (tiny model, CPU; three single-process, as the test
+harnesses run vLLM's offline pattern, and one with vLLM's default engine-core
+process) start side by side, each generates with
 ``do_remote_decode`` (so its worker pins the blocks for a decode engine that
 never comes), and each then ends one way. Each writes its own log directory.
 """
@@ -46,10 +47,14 @@ def _send_finals(logs: Path) -> dict[str, str | None]:
 def test_every_exit_but_kill_9_leaves_a_clean_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = build_tiny_model()
     base = free_port_run(6)
-    ways = ("end", "sigterm", "kill9")
+    ways = ("end", "sigterm", "kill9", "end-mp")
+    # "end-mp": vLLM's default, the engine core in a process of its own. At the script's
+    # end vLLM sends it SIGTERM and it drains while it has work, which a live pin is: the
+    # connector closes its pins so that it exits before vLLM's wait is over and it is killed.
+    mp = {"end-mp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}}
     engines = started(*(PDEngine(f"prefill-{way}", "kv_producer", model=model, port=base + 2 * i,
                                  engine_id=f"prefill-{way}", log_dir=tmp_path / way, workdir=tmp_path / f"work-{way}",
-                                 cpu=i, wait=False) for i, way in enumerate(ways)))
+                                 cpu=i % 2, env=mp.get(way), wait=False) for i, way in enumerate(ways)))
     by_way = dict(zip(ways, engines, strict=True))
     try:
         # Pins live: a decode request would read them within the lease (30 s); none comes.
@@ -57,11 +62,13 @@ def test_every_exit_but_kill_9_leaves_a_clean_log(tmp_path: Path, capsys: pytest
             params = engine.prefill_params([PROMPT])
             assert params[0]["remote_block_ids"], params
         for way, engine in by_way.items():
-            state = engine.request({"op": "state"})["worker"]
-            assert state is not None, way
+            if way not in mp:  # (the worker is in this process only without multiprocessing)
+                state = engine.request({"op": "state"})["worker"]
+                assert state is not None, way
 
         # (a) the script ends: no shutdown by hand, the interpreter's exit does it.
         assert by_way["end"].end() == 0, by_way["end"].tail()
+        assert by_way["end-mp"].end() == 0, by_way["end-mp"].tail()
         # (b) SIGTERM while it waits for its next command.
         by_way["sigterm"].proc.send_signal(signal.SIGTERM)
         assert by_way["sigterm"].wait() == 128 + signal.SIGTERM, by_way["sigterm"].tail()
@@ -72,7 +79,7 @@ def test_every_exit_but_kill_9_leaves_a_clean_log(tmp_path: Path, capsys: pytest
         for engine in engines:
             engine.close()
 
-    for way in ("end", "sigterm"):
+    for way in ("end", "sigterm", "end-mp"):
         logs = tmp_path / way
         finals = _send_finals(logs)
         assert finals and set(finals.values()) == {"closed_at_shutdown"}, (way, finals)
