@@ -36,7 +36,6 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from conftest import examples
-from kvsm.worker import stats as stats_mod
 from kvsm.vllm.stats import (
     KVSMPromMetrics,
     KVSMStats,
@@ -44,6 +43,7 @@ from kvsm.vllm.stats import (
     build_stats,
     wrap,
 )
+from kvsm.worker import stats as stats_mod
 from kvsm.worker.stats import StatsRecorder
 
 MIB = 2**20
