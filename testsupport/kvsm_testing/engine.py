@@ -127,6 +127,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvsm_testing.pythonpath import child_pythonpath
+
 __all__ = [
     "apply_engine_env",
     "engine_env",
@@ -347,11 +349,8 @@ def run_engine_subprocess(
     child_env = dict(os.environ)
     child_env.update(engine_env())
     child_env.update(env or {})
-    # Make `kvsm` importable in the child whatever the caller's cwd.
-    repo_root = str(Path(__file__).resolve().parents[2])
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        [repo_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    )
+    # The kvsm and kvsm_testing this process imported, whatever the caller's cwd.
+    child_env["PYTHONPATH"] = child_pythonpath(child_env.get("PYTHONPATH"))
     cmd = [
         sys.executable, "-m", "kvsm_testing.engine", command,
         "--model", str(model_dir),

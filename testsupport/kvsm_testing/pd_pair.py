@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvsm_testing.pythonpath import child_pythonpath
+
 MARKER = "KVSM-RESULT "
 
 
@@ -264,9 +266,8 @@ class PDEngine:
         environ.update(engine_env())
         environ.update(env or {})  # e.g. VLLM_CPU_OMP_THREADS_BIND for a tensor parallel engine
         env = environ
-        repo_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([repo_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                           if p])
+        # The kvsm and kvsm_testing this process imported, whatever the child's cwd.
+        env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))
         cmd = [sys.executable, "-m", "kvsm_testing.pd_pair", "--kv-role", kv_role, "--model", str(model),
                "--port", str(port), "--engine-id", engine_id, "--max-model-len", str(max_model_len)]
         if log_dir is not None:
