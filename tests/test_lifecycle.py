@@ -71,7 +71,7 @@ def test_every_trigger_has_a_typed_event() -> None:
 
 def test_lifecycles_of_design() -> None:
     assert RECV.initial == "new" and RECV.terminal == {"done", "failed", "aborted", "closed_at_shutdown"}
-    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired", "forgotten",
+    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired", "forgotten", "refused_early",
                                                               "closed_at_shutdown"}
     # The happy paths of docs/design.md.
     t = LifecycleTracker(RECV, VirtualClock(), policy=IllegalEventPolicy.RAISE)
@@ -128,6 +128,29 @@ def test_reads_posted_with_their_claims() -> None:
     assert (out.dst, out.effects) == ("failing", ("cancel_reads",))
     out = t.apply(ev.ReadsQuiesced(req="x", completed=1))
     assert out.dst == "failed" and out.effects[0] == "notify_abandon"  # (its read's notification is held there)
+
+
+def test_the_table_refuses_early_inputs_beyond_the_bound() -> None:
+    """The admission limit is the table's: an early input that finds
+    MAX_EARLY_INPUTS waiting (the count recorded with it) ends its machine in
+    refused_early, counted; below the bound it waits. A finish afterwards begins
+    anew, and further early inputs for it are stale."""
+    from kvsm.lifecycle.table import MAX_EARLY_INPUTS
+
+    s = LifecycleTracker(SEND, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    s.create("w")
+    out = s.apply(ev.RemoteAbandoned(req="w", reader="d0", early_waiting=MAX_EARLY_INPUTS - 1))
+    assert (out.dst, out.effects) == ("abandoned_early", ("arm_abandon_timer",))
+    s.create("a")
+    out = s.apply(ev.RemoteAbandoned(req="a", reader="d0", early_waiting=MAX_EARLY_INPUTS))
+    assert (out.dst, out.effects) == ("refused_early", ("count_refused_abandon",))
+    s.create("r")
+    out = s.apply(ev.ReadNotif(req="r", reader="d0", early=True, early_waiting=MAX_EARLY_INPUTS))
+    assert (out.dst, out.effects) == ("refused_early", ("count_refused_read",))
+    assert s.apply(ev.ReadNotif(req="r", reader="d0")).stale and s.apply(ev.RemoteAbandoned(req="r")).stale
+    assert s.may_begin("r") and s.verdict("r", CLAIM_ANSWERS) == "unknown"
+    s.create("r")
+    assert s.apply(ev.FinishedOk(req="r", block_ids=(3,), lease_ns=1_000)).dst == "awaiting_pull"
 
 
 def test_a_read_notification_before_its_claim_is_held() -> None:

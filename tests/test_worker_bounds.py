@@ -1,14 +1,17 @@
-"""What a peer can make a worker hold is bounded: early abandons (abandons for
-prefills this worker has not heard finish) wait as send machines, at most
-MAX_EARLY_ABANDONS of them and each for at most a lease. Runs the real worker
-on a driven loop and virtual time (no NIXL, no sockets)."""
+"""What a peer can make a worker hold is bounded: early abandons and read
+notifications (for prefills this worker has not heard finish) wait as send
+machines, at most MAX_EARLY_INPUTS of them and each for at most a lease; the
+refusal beyond it is the table's (``early_inputs_full``, the send machine's
+``refused_early``). Runs the real worker on a driven loop and virtual time (no
+NIXL, no sockets)."""
 
 from __future__ import annotations
 
 from kvsm.config import KVSMConfig
+from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import VirtualClock
+from kvsm.lifecycle.table import CLAIM_ANSWERS, MAX_EARLY_INPUTS
 from kvsm.worker import WorkerHalf
-from kvsm.worker.send import MAX_EARLY_ABANDONS
 
 
 def _prefill_worker(clock: VirtualClock) -> WorkerHalf:
@@ -26,12 +29,21 @@ def test_early_abandons_are_bounded_in_number_and_time() -> None:
     clock = VirtualClock()
     half = _prefill_worker(clock)
     try:
-        flood = [f"never-{i}" for i in range(MAX_EARLY_ABANDONS + 500)]
+        flood = [f"never-{i}" for i in range(MAX_EARLY_INPUTS + 500)]
         answers = half.sender._on_claims("abandon", "decode/tp0", flood)
         assert set(answers.values()) == {"ok"}
         counts = half.send.count_by_state()
-        assert counts["abandoned_early"] == MAX_EARLY_ABANDONS
-        assert len(half.send) == MAX_EARLY_ABANDONS
+        assert counts["abandoned_early"] == MAX_EARLY_INPUTS
+        assert len(half.send) == MAX_EARLY_INPUTS
+        # Those beyond the bound were refused by the table, each counted once.
+        assert half.state_counts["send"]["refused_early"] == 500 and half.send.final_state(flood[-1]) == "refused_early"
+        assert half.stats.totals()["failures"].get("early_abandon_dropped") == 500
+        # A read notification beyond it too; a second input for a refused request is stale.
+        half.sender._on_read_notif(ev.ReadNotif(req="late-read", reader="decode/tp0"))
+        assert half.send.final_state("late-read") == "refused_early"
+        assert half.sender._on_claims("abandon", "decode/tp0", [flood[-1]]) == {flood[-1]: "ok"}
+        assert half.send.final_state(flood[-1]) == "refused_early" and half.send.violations == 0
+        assert half.send.verdict(flood[-1], CLAIM_ANSWERS) == "unknown"
         # A lease later every one is forgotten, and nothing is held.
         clock.advance(half.cfg.lease_ns + 1)
         half.loop.run_until_idle()

@@ -176,6 +176,9 @@ class ReadNotif(Event, frozen=True, tag="read_notif"):
     reader: str = ""
     readers: int = 1  # decode ranks that read (or tell) this rank, the reader says
     early: bool = False  # the read was posted ahead of its claim (counted once the claim came)
+    # For a request this worker had not heard of: the early inputs already waiting
+    # (the table refuses this one at MAX_EARLY_INPUTS); 0 otherwise.
+    early_waiting: int = 0
 
 
 class LeaseExpired(Event, frozen=True, tag="lease_expired"):
@@ -188,6 +191,7 @@ class RemoteAbandoned(Event, frozen=True, tag="remote_abandoned"):
     reason: str = ""
     reader: str = ""
     readers: int = 1
+    early_waiting: int = 0  # as ReadNotif's
 
 
 class AbandonExpired(Event, frozen=True, tag="abandon_expired"):

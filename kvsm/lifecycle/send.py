@@ -11,7 +11,12 @@ from kvsm.lifecycle.spec import LifecycleSpec
 from kvsm.lifecycle.spec import each as _each
 
 SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "released", "expired", "forgotten",
-               "closed_at_shutdown"]
+               "refused_early", "closed_at_shutdown"]
+
+# States of the early inputs that wait for their prefill's finish: their number
+# (``ReadNotif``/``RemoteAbandoned.early_waiting``) is what ``early_inputs_full``
+# bounds.
+SEND_EARLY_WAITING = ("abandoned_early", "read_early")
 
 SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "finished_ok", "source": "prefilling", "dest": "awaiting_pull",
@@ -35,6 +40,11 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
      "after": ["count_expired_lease", "free_blocks"]},
     # The decode side gave up before this worker heard of the prefill's end
     # (its abandon overtook the scheduler's finish): the finish frees at once.
+    # Early inputs wait in machines, at most MAX_EARLY_INPUTS of them (a bound on
+    # what peers can make us hold): beyond it one is refused, visibly, and its
+    # blocks wait for their lease once the finish pins them.
+    {"trigger": "remote_abandoned", "source": "prefilling", "dest": "refused_early",
+     "conditions": "early_inputs_full", "after": "count_refused_abandon"},
     {"trigger": "remote_abandoned", "source": "prefilling", "dest": "abandoned_early",
      "after": "arm_abandon_timer"},
     {"trigger": "finished_ok", "source": "abandoned_early", "dest": "released", "prepare": "pin_blocks_data",
@@ -45,6 +55,8 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     # A read's notification before this worker heard of the prefill's end (a read
     # posted at once by a decode worker that knows us): held, like an early
     # abandon, until the finish pins the blocks; it counts once its rank claims.
+    {"trigger": "read_notif", "source": "prefilling", "dest": "refused_early",
+     "conditions": "early_inputs_full", "after": "count_refused_read"},
     {"trigger": "read_notif", "source": "prefilling", "dest": "read_early", "prepare": "note_read",
      "after": "arm_abandon_timer"},
     {"trigger": "read_notif", "source": "read_early", "dest": "=", "prepare": "note_read"},
@@ -80,12 +92,14 @@ SEND_STALE: list[dict[str, Any]] = [
      "why": "released already (the reader's abandon overtook its read's notification)"},
     {"trigger": "read_notif", "source": "abandoned_early",
      "why": "another reader gave the request up before this worker heard of its finish, which frees it"},
+    {"trigger": ["remote_abandoned", "read_notif"], "source": "refused_early",
+     "why": "an early input for it was refused (too many waited): its lease frees the blocks"},
     {"trigger": "read_notif", "source": "forgotten",
      "why": "its prefill never finished here within a lease of an early input: forgotten"},
 ]
 
-# A finish for a request whose early abandon was forgotten is a new request.
-SEND_NEW_AFTER_END = frozenset({"forgotten"})
+# A finish for a request whose early input was forgotten, or refused, is a new request.
+SEND_NEW_AFTER_END = frozenset({"forgotten", "refused_early"})
 
 # How the prefill side answers a claim (or heartbeat) for a request, by the
 # state of its send machine after the claim was applied (None: not known here,
@@ -100,6 +114,7 @@ CLAIM_ANSWERS: Mapping[str | None, str] = {
     "released": "expired",
     "expired": "expired",
     "forgotten": "unknown",
+    "refused_early": "unknown",
     "closed_at_shutdown": "expired",
 }
 
@@ -108,7 +123,7 @@ SEND = LifecycleSpec(
     name="send",
     states=tuple(SEND_STATES),
     initial="prefilling",
-    terminal=frozenset({"released", "expired", "forgotten", "closed_at_shutdown"}),
+    terminal=frozenset({"released", "expired", "forgotten", "refused_early", "closed_at_shutdown"}),
     transitions=tuple(SEND_TRANSITIONS),
     entry_states=frozenset({"prefilling"}),
     named_violations={

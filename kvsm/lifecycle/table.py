@@ -57,6 +57,7 @@ from kvsm.lifecycle.recv import RECV, RECV_STALE, RECV_STATES, RECV_TRANSITIONS 
 from kvsm.lifecycle.send import (  # noqa: F401
     CLAIM_ANSWERS,
     SEND,
+    SEND_EARLY_WAITING,
     SEND_NEW_AFTER_END,
     SEND_STALE,
     SEND_STATES,
@@ -68,6 +69,7 @@ from kvsm.lifecycle.vocabulary import (  # noqa: F401
     BLOCK_RELEASING_EFFECTS,
     CONDITIONS,
     EFFECTS,
+    MAX_EARLY_INPUTS,
     PREPARE,
     SHARED_HOLDING_EFFECTS,
 )

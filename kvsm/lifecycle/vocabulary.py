@@ -45,6 +45,10 @@ EFFECTS: Mapping[str, str] = {
     "cancel_lease": "stop the lease timer",
     "arm_abandon_timer": "forget an early abandon after a lease if its prefill never finishes here",
     "cancel_abandon_timer": "stop the early abandon's timer",
+    "count_refused_abandon": ("count and warn of an early abandon refused (MAX_EARLY_INPUTS wait already): "
+                              "its blocks wait for their lease"),
+    "count_refused_read": ("count and warn of an early read notification refused (MAX_EARLY_INPUTS wait "
+                           "already): its blocks wait for their lease"),
     "start_handshake": "ask the prefill side for its agent (if not known yet) and claim the request's blocks",
     "arm_handshake_timer": "start the handshake timeout",
     "cancel_handshake_timer": "stop the handshake timeout and the claims' retries (the handshake is over)",
@@ -99,6 +103,19 @@ def _answers_a_claim(m: RequestMachine, ev: Any) -> bool:
     return bool(ev.claim)
 
 
+# At most this many early inputs (abandons and read notifications for a prefill
+# this worker has not heard finish) may wait as send machines: a bound on what
+# peers can make a prefill worker hold (each waits at most a lease).
+MAX_EARLY_INPUTS = 4096
+
+
+def _early_inputs_full(m: RequestMachine, ev: Any) -> bool:
+    """The bound is reached: ``early_waiting`` (the early inputs already waiting
+    when this one came, recorded with it) is the worker's count, the refusal the
+    table's, so replay re-checks it."""
+    return bool(ev.early_waiting >= MAX_EARLY_INPUTS)
+
+
 def _outdated(m: PeerMachine, ev: Any) -> bool:
     """Sent before the last news about the peer: part of an outage already
     handled, or older than an answer."""
@@ -113,6 +130,7 @@ CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "within_lease": _within_lease,
     "peer_gone": _peer_gone,
     "answers_a_claim": _answers_a_claim,
+    "early_inputs_full": _early_inputs_full,
     "outdated": _outdated,
 }
 

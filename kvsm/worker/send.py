@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec.structs
+
 from kvsm.handoff.facts import SendFinish
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import CLAIM_ANSWERS
+from kvsm.lifecycle.table import CLAIM_ANSWERS, MAX_EARLY_INPUTS, SEND_EARLY_WAITING
 from kvsm.runtime.loop import LoopError, TimerHandle
 from kvsm.worker.context import (
     NOTIF_FAST_WINDOW_NS,
@@ -61,12 +63,6 @@ def parse_notif(msg: bytes) -> tuple[str, int, bool]:
     return req, int(n), early
 
 
-# At most this many abandons and read notifications together may wait for a
-# prefill this worker has not heard finish (each is a small machine, alive for
-# at most a lease).
-MAX_EARLY_ABANDONS = 4096
-
-
 class Sender:
     """Prefill requests: pins, leases, claims answered, notifications (the sending part)."""
 
@@ -96,6 +92,8 @@ class Sender:
             "count_expired_lease": self._count_expired_lease,
             "arm_abandon_timer": self._arm_abandon_timer,
             "cancel_abandon_timer": self._cancel_abandon_timer,
+            "count_refused_abandon": self._count_refused_abandon,
+            "count_refused_read": self._count_refused_read,
         }
         ctx.runner.register(self.send, EffectTable(self.effects, _same, self._ended, self._effects_failed))
 
@@ -128,18 +126,12 @@ class Sender:
         answers: dict[str, str] = {}
         for req in claims:
             if kind == "abandon":
+                waiting = 0
                 if not self.send.known(req):
-                    if self._early_inputs() >= MAX_EARLY_ABANDONS:
-                        # A bound on what peers can make us hold: beyond it the
-                        # abandon is dropped, visibly, and its blocks wait for the lease.
-                        self.stats.failure("early_abandon_dropped")
-                        self.warn.warning("early_abandon_dropped", "%d early abandons wait already; the one "
-                                          "for %s is dropped (its lease frees the blocks)", MAX_EARLY_ABANDONS, req)
-                        answers[req] = "ok"
-                        continue
-                    self.send.create(req)  # not heard of yet: the machine waits for its finish
+                    self.send.create(req)  # not heard of yet: the machine waits for its finish, or is refused
+                    waiting = self._early_waiting()
                 self._apply_send(ev.RemoteAbandoned(req=req, reason=f"abandoned by {requester}", reader=requester,
-                                                    readers=readers))
+                                                    readers=readers, early_waiting=waiting))
                 answers[req] = "ok"
                 continue
             answer = self.send.verdict(req, CLAIM_ANSWERS)
@@ -171,17 +163,15 @@ class Sender:
         hold it, as for an early abandon, within the same bound."""
         req = notif.req
         if not self.send.known(req):
-            if self._early_inputs() >= MAX_EARLY_ABANDONS:
-                self.stats.failure("early_read_dropped")
-                self.warn.warning("early_read_dropped", "%d early inputs wait already; the read notification "
-                                  "for %s is dropped (its lease frees the blocks)", MAX_EARLY_ABANDONS, req)
-                return
             self.send.create(req)
+            notif = msgspec.structs.replace(notif, early_waiting=self._early_waiting())
         self._apply_send(notif)
 
-    def _early_inputs(self) -> int:
+    def _early_waiting(self) -> int:
+        """How many early inputs wait already (the table refuses one more at
+        MAX_EARLY_INPUTS): a count, recorded with the input, not a decision."""
         counts = self.ctx.state_counts["send"]
-        return counts["abandoned_early"] + counts["read_early"]
+        return sum(counts[s] for s in SEND_EARLY_WAITING)
 
     # -- finishes from the scheduler ---------------------------------------------------
 
@@ -270,6 +260,16 @@ class Sender:
         self.stats.lease_expired()
         self.warn.warning("lease_expired", "lease of request %s expired unread; its %d blocks are freed",
                           req, len(o.block_ids))
+
+    def _count_refused_abandon(self, req: str, o: Outcome) -> None:
+        self.stats.failure("early_abandon_dropped")
+        self.warn.warning("early_abandon_dropped", "%d early inputs wait already; the abandon for %s is refused "
+                          "(its lease frees the blocks)", MAX_EARLY_INPUTS, req)
+
+    def _count_refused_read(self, req: str, o: Outcome) -> None:
+        self.stats.failure("early_read_dropped")
+        self.warn.warning("early_read_dropped", "%d early inputs wait already; the read notification for %s is "
+                          "refused (its lease frees the blocks)", MAX_EARLY_INPUTS, req)
 
     # -- NIXL notifications -------------------------------------------------------------
 
