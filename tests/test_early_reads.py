@@ -141,6 +141,24 @@ def test_a_refused_claim_serves_nothing_an_early_read_brought(pair: VirtualPair)
     assert finals[("recv", "d-3")] == finals[("recv", "d-3b")] == "failed"
 
 
+def test_the_params_expiry_holds_early_reads_back_within_the_one_lease_margin(pair: VirtualPair) -> None:
+    """The params' expiry time is advisory: within LEASE_MARGIN_NS of it the claim
+    asks first (the same margin the claim's lease is judged by); further from it the
+    reads go out with the claims. Either way the claim decides: both are served."""
+    from kvsm.lifecycle.folds import LEASE_MARGIN_NS
+
+    know(pair, "A")
+    pair.finish("A", {"p-m1": (2,), "p-m2": (3,)})
+    wall_s = pair.clock.wall_ns() / S
+    pair.start("d-m1", "A", "p-m1", (2,), expiry_s=wall_s + LEASE_MARGIN_NS / 2 / S)
+    pair.start("d-m2", "A", "p-m2", (3,), expiry_s=wall_s + 2 * LEASE_MARGIN_NS / S)
+    pair.run(until=lambda: {"d-m1", "d-m2"} <= set(pair.recving))
+    assert [dst for _, _, dst, _ in transitions(pair, "d-m1", "decode-0")][1] == "pending_handshake"
+    assert [dst for _, _, dst, _ in transitions(pair, "d-m2", "decode-0")][1] == "reading_unclaimed"
+    finals = replayed(pair)
+    assert finals[("recv", "d-m1")] == finals[("recv", "d-m2")] == "done"
+
+
 def test_an_abort_while_the_claim_is_out_lets_the_prefill_go_at_once(pair: VirtualPair) -> None:
     know(pair, "A")
     pair.finish("A", {"p-4": (2, 3)})

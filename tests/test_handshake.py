@@ -1058,7 +1058,7 @@ def test_inproc_server_and_client_on_one_context_exchange_a_claim() -> None:
     ctx = zmq.Context()
     fake = FakePrefill()
     server = HandshakeServer("prefill-sim", COMPAT, fake.provide, fake.on_claims, host=host, port=port,
-                             context=ctx, lease_ms=1500)
+                             context=ctx, lease_ns=1500 * MS)
     client = HandshakeClient(COMPAT, "decode-sim/tp0", context=ctx)
     try:
         assert (server.address, server.port) == (address, port)
@@ -1087,7 +1087,7 @@ def test_inproc_server_and_client_on_one_context_exchange_a_claim() -> None:
         assert isinstance(meta.outcome, MetadataReply)
         assert (meta.outcome.engine_id, meta.outcome.agent_name) == ("prefill-sim", "prefill-agent-tp1")
         assert meta.outcome.claims == {"req-a": "ok", "req-b": "expired", "req-x": "unknown"}
-        assert meta.outcome.lease_ms == 1500
+        assert meta.outcome.lease_ms == 1500 and meta.outcome.lease_ns == 1500 * MS  # ms on the wire only
         beat = exchange(client.heartbeat(address, ["req-a"], deadline_ns=far))
         assert isinstance(beat.outcome, ClaimsReply) and beat.outcome.claims == {"req-a": "ok"}
         assert fake.calls == [("claim", "decode-sim/tp0", ["req-a", "req-b", "req-x"]),

@@ -1058,7 +1058,7 @@ class HandshakeBench:
             servers = []
             for i in range(num_healthy):
                 server = HandshakeServer(f"prefill-{i}", self.compat, provide, on_claims,
-                                         context=self.server_loop.context, lease_ms=30_000)
+                                         context=self.server_loop.context, lease_ns=30_000_000_000)
                 for sock in server.sockets():
                     self.server_loop.add_reader(sock, server.on_readable, label=f"server {i}")
                 servers.append(server)

@@ -59,9 +59,17 @@ class RecvStart(_RemoteRequest, frozen=True):
     # The prefill engine's pipeline parallel stages: each holds a run of the model's
     # layers, and the request reads each stage's from that stage's workers.
     remote_pp_size: int = 1
-    # When the prefill side said its lease ends (wall clock, s; 0: not said): reads
-    # are not posted ahead of their claims past it (their claims would be refused).
+    # When the prefill side said its lease ends (the params' remote_blocks_expiry_time:
+    # wall clock, s, upstream's unit; 0: not said). Advisory: reads are not posted
+    # ahead of their claims past it (their claims would likely be refused); the
+    # claim's answer decides. Read as ``remote_expiry_ns``.
     remote_expiry_s: float = 0.0
+
+    @property
+    def remote_expiry_ns(self) -> int:
+        """``remote_expiry_s`` in kvsm's unit (wall clock ns; 0: not said): the one
+        conversion of the params' seconds."""
+        return int(self.remote_expiry_s * 1e9)
 
     def group_block_ids(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(local, remote) block ids of each KV cache group."""

@@ -60,6 +60,16 @@ ShortStr = Annotated[str, msgspec.Meta(max_length=64)]
 
 # --------------------------------------------------------------------------- messages
 
+# The lease is nanoseconds everywhere in kvsm and milliseconds on the wire (the
+# protocol's field, kept for compatibility): these are the only conversions.
+NS_PER_MS = 1_000_000
+
+
+def wire_lease_ms(lease_ns: int) -> int:
+    """A lease in the wire's unit (whole milliseconds, rounded down as before)."""
+    return max(0, lease_ns) // NS_PER_MS
+
+
 class CompatInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What must agree between a prefill and a decode worker for a read of the
     prefill's KV blocks to land in the right place with the right meaning."""
@@ -171,8 +181,13 @@ class MetadataReply(_Message, tag="metadata", kw_only=True, frozen=True):
     claims: ClaimAnswers = {}
     # How long an "ok" claim keeps the blocks pinned from the moment it was
     # answered (the server's lease), so the client can tell whether its read
-    # finished in time; 0: not stated.
+    # finished in time; 0: not stated. Milliseconds on the wire only: kvsm reads
+    # it as ``lease_ns`` and writes it with ``wire_lease_ms``.
     lease_ms: Count = 0
+
+    @property
+    def lease_ns(self) -> int:
+        return self.lease_ms * NS_PER_MS
 
 
 class ClaimsReply(_Message, tag="claims", kw_only=True, frozen=True):
@@ -180,7 +195,11 @@ class ClaimsReply(_Message, tag="claims", kw_only=True, frozen=True):
 
     nonce: Nonce = 0
     claims: ClaimAnswers
-    lease_ms: Count = 0
+    lease_ms: Count = 0  # as MetadataReply's
+
+    @property
+    def lease_ns(self) -> int:
+        return self.lease_ms * NS_PER_MS
 
 
 class ErrorReply(_Message, tag="error", kw_only=True, frozen=True, forbid_unknown_fields=False):

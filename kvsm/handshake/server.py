@@ -32,6 +32,7 @@ from kvsm.handshake.messages import (
     Reply,
     Request,
     compat_hash,
+    wire_lease_ms,
 )
 from kvsm.handshake.relay import RankRelay, worker_name
 
@@ -104,7 +105,7 @@ class HandshakeServer:
     def __init__(self, engine_id: str, compat: CompatInfo, provide: MetadataProvider,
                  on_claims: ClaimsHandler, *, host: str = "127.0.0.1", port: int = 0,
                  context: zmq.Context | None = None, max_batch: int = 1024,
-                 rcvhwm: int = 16, sndhwm: int = 1000, lease_ms: int = 0, rank: int | None = None,
+                 rcvhwm: int = 16, sndhwm: int = 1000, lease_ns: int = 0, rank: int | None = None,
                  pp_rank: int = 0, relay_to: Mapping[int | tuple[int, int], str] | None = None,
                  internal: str = "",
                  now_ns: Callable[[], int] = time.monotonic_ns) -> None:
@@ -118,7 +119,9 @@ class HandshakeServer:
         self.pp_rank = pp_rank
         self._internal = bool(internal)
         self._now_ns = now_ns
-        self.lease_ms = lease_ms
+        # The worker's lease (ns, 0: not stated), in the wire's unit once, here.
+        self.lease_ns = lease_ns
+        self._lease_ms = wire_lease_ms(lease_ns)
         self.compat = compat
         self.compat_hash = compat_hash(compat)
         self._provide = provide
@@ -317,9 +320,9 @@ class HandshakeServer:
                 nonce=request.nonce, engine_id=self.engine_id, tp_rank=request.tp_rank,
                 pp_rank=request.pp_rank, compat=self.compat, compat_hash=self.compat_hash,
                 agent_name=agent_name, agent_metadata=agent_metadata, layout=layout,
-                meta_version=meta_version, claims=claims, lease_ms=self.lease_ms)
+                meta_version=meta_version, claims=claims, lease_ms=self._lease_ms)
         return ClaimsReply(nonce=request.nonce, claims=self._claims(_CLAIM_KIND[type(request)], request),
-                           lease_ms=self.lease_ms)
+                           lease_ms=self._lease_ms)
 
     # ---- other ranks (one port per engine: see kvsm.handshake.relay)
 

@@ -43,6 +43,9 @@ class Matched(Event, frozen=True, tag="matched"):
     remote_host: str = ""
     remote_port: int = 0
     remote_blocks: int = 0
+    # Not folded, and 0 from this version on: the params' expiry is advisory (the
+    # worker reads it only to hold early reads back), the claim's answer decides the
+    # lease (``HandshakeOk.lease_window_ns``). Kept so older logs decode as written.
     remote_expiry_ns: int = 0
     # Prefill ranks whose claims must all be granted before the reads (tensor
     # parallel sizes that differ: see kvsm.worker.tp_map), and the plan in words.

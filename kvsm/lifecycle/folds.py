@@ -12,7 +12,10 @@ from typing import Any
 
 from kvsm.lifecycle.data import PeerMachine, RequestMachine
 
-# A read must complete this much inside the lease its claim granted.
+# The lease's one margin: a read must complete this much inside the lease its
+# claim granted (the prefill side's clock and timer may run a little ahead of
+# ours), and reads go out ahead of their claims only until this much before the
+# lease the params announced ends.
 LEASE_MARGIN_NS = 500_000_000
 
 # --- prepare: fold an event's inputs into the request's data ----------------
@@ -22,7 +25,6 @@ def _take_remote(m: RequestMachine, ev: Any, now_ns: int) -> None:
     m.remote_engine = ev.remote_engine
     m.remote_req = ev.remote_req
     m.num_tokens = ev.num_tokens
-    m.lease_deadline_ns = ev.remote_expiry_ns
     m.claims_needed = max(1, ev.sources)
 
 

@@ -205,7 +205,7 @@ class WorkerHalf:
             server = self.ctx.server = HandshakeServer(
                 cfg.engine_id, self.compat, self.sender._provide, self.sender._on_claims,
                 host=self._bind_host(), port=cfg.side_channel_port, context=self.loop.context,
-                lease_ms=int(cfg.lease_s * 1000), rank=self.tp_rank, pp_rank=self.pp_rank, now_ns=self.loop.now_ns,
+                lease_ns=cfg.lease_ns, rank=self.tp_rank, pp_rank=self.pp_rank, now_ns=self.loop.now_ns,
                 relay_to={w: endpoint(*w) for w in others} if me == (0, 0) else None,
                 internal=endpoint(*me) if me != (0, 0) else "")
             for sock in server.sockets():

@@ -38,7 +38,7 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.data import PeerMachine
 from kvsm.lifecycle.machine import Outcome
 from kvsm.runtime.loop import LoopError, TimerHandle
-from kvsm.worker.context import CLAIM_RETRY_NS, MS, Claim, PeerIO, Periodic, S, WorkerContext
+from kvsm.worker.context import CLAIM_RETRY_NS, Claim, PeerIO, Periodic, S, WorkerContext
 from kvsm.worker.recv_plan import ReadPlanner
 from kvsm.worker.runner import Effect, EffectTable
 
@@ -317,9 +317,11 @@ class PeersAndClaims:
             self._note("worker.peer_added", None, peer=peer.address, engine=peer.engine, agent=agent)
         else:
             self._apply_peer(ev.Answered(req=peer.key, sent_ns=claim.sent_ns))
-        # The prefill side's lease decides how long the claim pins the blocks (a peer
-        # that does not say is assumed to run ours).
-        window = outcome.lease_ms * MS if outcome.lease_ms else self.cfg.lease_ns
+        # The claim's answer decides the lease: the prefill side's lease (ns; ms on
+        # the wire only), from when the claim left, judged with LEASE_MARGIN_NS by
+        # the table (check_lease). A peer that does not say is assumed to run ours.
+        # The params' expiry time is the other, advisory route (recv: early reads).
+        window = outcome.lease_ns or self.cfg.lease_ns
         for req, remote_req in claim.reqs:
             io = self._recv_io.get(req)
             if io is None:  # ended meanwhile

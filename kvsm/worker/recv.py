@@ -20,6 +20,7 @@ from typing import Any
 
 from kvsm.handoff.facts import RecvAbandon, RecvAbort, RecvStart
 from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.folds import LEASE_MARGIN_NS
 from kvsm.lifecycle.machine import Outcome
 from kvsm.runtime.loop import LoopError, TimerHandle
 from kvsm.transport.base import Heads
@@ -36,9 +37,6 @@ from kvsm.worker.tp_map import ReadPlan
 # gone, counts as ``peer_dead``).
 PEER_DEATH_FAILURES = {reason: f"peer_{reason}" for reason in ("refused", "silent", "disconnected", "unsettled")}
 
-# Reads go out ahead of their claims only this long before the lease the prefill
-# side announced ends (clocks of two hosts differ a little).
-EARLY_READ_MARGIN_S = 1.0
 
 
 class Receiver:
@@ -140,9 +138,12 @@ class Receiver:
         must not overtake its claim)."""
         if not self.cfg.early_reads or self.ctx.transport is None:
             return False
-        expiry = io.start.remote_expiry_s
-        if expiry and self.loop.clock.wall_ns() > (expiry - EARLY_READ_MARGIN_S) * S:
-            return False  # the lease may be over: the claim asks first (a read now would likely be refused)
+        # The params' expiry is advisory (a heartbeat may have extended the lease;
+        # the claim's answer decides): near it the claim asks first, as a read
+        # posted now would likely be refused. The same margin as the claim's lease.
+        expiry_ns = io.start.remote_expiry_ns
+        if expiry_ns and self.loop.clock.wall_ns() > expiry_ns - LEASE_MARGIN_NS:
+            return False
         for link in io.reads:
             agent = self.peers.agent_of(link.peer)
             if not agent or self.ctx.transport.layers_read(agent) == ():
@@ -420,7 +421,7 @@ class Receiver:
         assert io is not None
         self._note("worker.reads_late", req, peer=io.peer.address,
                    reads_took_s=round((self.loop.now_ns() - io.posted_ns) / S, 6),
-                   lease_window_s=self.cfg.lease_s)
+                   lease_window_ns=io.machine.lease_window_ns if io.machine is not None else 0)
 
     def _release_blocks(self, io: RecvIO | None, o: Outcome) -> None:
         req = o.req
