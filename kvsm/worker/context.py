@@ -153,7 +153,22 @@ class PeerIO:
 class Link:
     """One prefill worker a decode request deals with (a tensor parallel rank of
     one pipeline stage): a read of ``source``'s heads of the layers both hold, or
-    (``source`` None) only the word that nobody reads it (``tp_map``)."""
+    (``source`` None) only the word that nobody reads it (``tp_map``).
+
+    ``done`` and ``told`` are I/O bookkeeping, not decisions, so they stay here
+    rather than in the recv machine. The table decides *that* the prefill side is
+    told (``notify_abandon``, ``send_notif``) and whether a read counts (the
+    machine's ``claims_granted``, ``reads_done_ns``); these two only say *where*
+    a message already went, so the effect does not send it twice: ``done`` is the
+    transport's word that this link's read completed (its NIXL notification told
+    that rank; set from ``check(handle)`` at the final poll or when reads are
+    cancelled, and read while the reads are in flight by the stall probe), and
+    ``told`` that an abandon went over the side channel already (a rank nobody
+    reads, or a stage holding none of our layers, is told when the claims or
+    reads go out, before the request's end tells the rest). Folding them would
+    put a per-link bitmask in every ``error``/``reads_quiesced`` input for replay
+    to carry and check nothing new: no transition reads them.
+    """
 
     peer: PeerIO
     rank: int
