@@ -303,6 +303,19 @@ def test_a_tracker_answers_from_what_the_table_declares() -> None:
     assert t.known("f") and t.may_begin("f")  # forgotten: a finish begins anew
 
 
+def test_a_live_machines_claim_answer_is_its_heartbeat_step() -> None:
+    """For a live send machine the claim is applied as a heartbeat and the step
+    answers (a transition grants, a declared stale input says unknown): in every
+    live state that agrees with CLAIM_ANSWERS, which answers ended requests."""
+    for state in set(SEND.states) - SEND.terminal:
+        rules = SEND.rules[(state, "heartbeat")]
+        step_answer = "unknown" if any(r.stale for r in rules) else "ok"
+        assert all(bool(r.stale) == (step_answer == "unknown") for r in rules), state
+        assert step_answer == CLAIM_ANSWERS[state], state
+    for state in SEND.terminal:  # nothing recorded: the table's answer
+        assert CLAIM_ANSWERS[state] in ("unknown", "expired")
+
+
 def test_declaration_errors_name_the_problem() -> None:
     with pytest.raises(LifecycleDeclarationError, match="terminal state 'b'"):
         LifecycleSpec("x", ("a", "b"), "a", frozenset({"b"}),

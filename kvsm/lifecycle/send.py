@@ -82,6 +82,11 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
 ]
 
 SEND_STALE: list[dict[str, Any]] = [
+    # A claim (or heartbeat) is an input of every live machine: granted by a
+    # heartbeat transition (awaiting_pull), answered "unknown" by these (the decode
+    # worker asks again), so the log holds each answer of a live request.
+    {"trigger": "heartbeat", "source": ["prefilling", "abandoned_early", "read_early"],
+     "why": "the finish has not come here yet: the claim is answered unknown and asked again"},
     {"trigger": ["finished_ok", "finished_abnormally", "abort"], "source": ["awaiting_pull", "released", "expired"],
      "why": "told twice (a direct hand-off that partly failed also goes with the next step)"},
     {"trigger": ["finished_ok", "finished_abnormally", "abort", "remote_abandoned", "read_notif", "heartbeat"],
@@ -102,9 +107,15 @@ SEND_STALE: list[dict[str, Any]] = [
 SEND_NEW_AFTER_END = frozenset({"forgotten", "refused_early"})
 
 # How the prefill side answers a claim (or heartbeat) for a request, by the
-# state of its send machine after the claim was applied (None: not known here,
-# or forgotten). "unknown": ask again (the prefill worker may not have heard of
-# the finish yet); "expired": the blocks are gone.
+# state of its send machine (None: not known here). For a live machine the claim
+# is applied as a heartbeat and the step answers (a transition: "ok"; a declared
+# stale input: "unknown"), recorded and re-checked by replay; tests check that
+# agrees with this table. For an ended or unknown request nothing is recorded
+# (there is no machine to record it against) and this table answers.
+# "unknown": ask again (the prefill worker may not have heard of the finish
+# yet); "expired": the blocks are gone.
+ANSWER_OK = "ok"
+ANSWER_UNKNOWN = "unknown"
 CLAIM_ANSWERS: Mapping[str | None, str] = {
     None: "unknown",
     "prefilling": "unknown",

@@ -55,6 +55,8 @@ from kvsm.lifecycle.peer import (  # noqa: F401 - re-exported: the table's publi
 )
 from kvsm.lifecycle.recv import RECV, RECV_STALE, RECV_STATES, RECV_TRANSITIONS  # noqa: F401
 from kvsm.lifecycle.send import (  # noqa: F401
+    ANSWER_OK,
+    ANSWER_UNKNOWN,
     CLAIM_ANSWERS,
     SEND,
     SEND_EARLY_WAITING,

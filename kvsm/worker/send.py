@@ -4,8 +4,10 @@ SendFinish(ok), straight from the scheduler (``kvsm.handoff.pins``, not with a
 later step) -> finished_ok: pin, arm the lease from the scheduler's decision
 -> the decode side's read notification -> read_notif: free_blocks, i.e.
 finished_sending. Claims and heartbeats extend the lease; expiry frees the
-blocks, and a claim after it is answered "expired". Every answer comes from
-the table (``CLAIM_ANSWERS``); an abandon that overtakes the finish is the
+blocks, and a claim after it is answered "expired". Every answer is the
+table's: a claim for a live request is its machine's heartbeat input, granted by
+a transition or answered "unknown" by a declared stale input (both recorded);
+one for a request ended or unknown here is answered by ``CLAIM_ANSWERS``. An abandon that overtakes the finish is the
 send machine's ``abandoned_early`` state. A decode worker that knows us posts
 its reads right behind its claims: a read's notification that overtakes its
 claim is held until the claim comes (``note_read``), and one that overtakes
@@ -21,7 +23,7 @@ import msgspec.structs
 from kvsm.handoff.facts import SendFinish
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.machine import Outcome
-from kvsm.lifecycle.table import CLAIM_ANSWERS, MAX_EARLY_INPUTS, SEND_EARLY_WAITING
+from kvsm.lifecycle.table import ANSWER_OK, ANSWER_UNKNOWN, CLAIM_ANSWERS, MAX_EARLY_INPUTS, SEND_EARLY_WAITING
 from kvsm.runtime.loop import LoopError, TimerHandle
 from kvsm.worker.context import (
     NOTIF_FAST_WINDOW_NS,
@@ -134,10 +136,14 @@ class Sender:
                                                     readers=readers, early_waiting=waiting))
                 answers[req] = "ok"
                 continue
-            answer = self.send.verdict(req, CLAIM_ANSWERS)
-            if answer == "ok":  # pinned: the claim extends the lease (and counts a read held for it)
-                self._apply_send(ev.Heartbeat(req=req, lease_ns=self.cfg.lease_ns, reader=requester))
-            answers[req] = answer
+            if req not in self.send:  # ended, or unknown here: nothing to record it against
+                answers[req] = self.send.verdict(req, CLAIM_ANSWERS)
+                continue
+            # Live: the claim is its machine's input and the step is the answer (pinned:
+            # a transition that extends the lease and counts a read held for it; not yet
+            # pinned: a declared stale input), so the log records it and replay re-checks it.
+            o = self._apply_send(ev.Heartbeat(req=req, lease_ns=self.cfg.lease_ns, reader=requester))
+            answers[req] = ANSWER_OK if o is not None and o.ok and not o.stale else ANSWER_UNKNOWN
         if kind == "claim" or (kind == "heartbeat" and "ok" in answers.values()):
             # A claimed request is read next, and a read posted right behind its claim
             # (early reads) may be here already: a small one completes only once our
