@@ -5,10 +5,12 @@ later step) -> finished_ok: pin, arm the lease from the scheduler's decision
 -> the decode side's read notification -> read_notif: free_blocks, i.e.
 finished_sending. Claims and heartbeats extend the lease; expiry frees the
 blocks, and a claim after it is answered "expired". Every answer is the
-table's: a claim for a live request is its machine's heartbeat input, granted by
-a transition or answered "unknown" by a declared stale input (both recorded);
-one for a request ended or unknown here is answered by ``CLAIM_ANSWERS``. An abandon that overtakes the finish is the
-send machine's ``abandoned_early`` state. A decode worker that knows us posts
+table's: a claim for a live request is its machine's heartbeat input, granted
+by a transition or answered "unknown" by a declared stale input (both
+recorded); one for a request ended or unknown here is answered by
+``CLAIM_ANSWERS``. An abandon that overtakes the finish is the send machine's
+``abandoned_early`` state (beyond ``MAX_EARLY_INPUTS`` of them, with early read
+notifications, the table refuses one: ``refused_early``). A decode worker that knows us posts
 its reads right behind its claims: a read's notification that overtakes its
 claim is held until the claim comes (``note_read``), and one that overtakes
 the finish too waits in ``read_early``.
