@@ -140,8 +140,11 @@ def test_many_blocks_are_fast():
 
 
 def test_signature_ignores_addresses_and_block_counts():
-    a = describe_kv_caches(cpu_caches(), num_blocks=NB)
-    b = describe_kv_caches(cpu_caches(nb=NB + 5), num_blocks=NB + 5)
+    # Both sets of tensors stay alive: otherwise the allocator may hand the second
+    # the first one's freed memory, and the two base addresses would be equal.
+    caches_a, caches_b = cpu_caches(), cpu_caches(nb=NB + 5)
+    a = describe_kv_caches(caches_a, num_blocks=NB)
+    b = describe_kv_caches(caches_b, num_blocks=NB + 5)
     assert a.regions[0].base_addr != b.regions[0].base_addr
     assert a.signature() == b.signature() and a.mismatch(b) is None
     c = describe_kv_caches(cpu_caches(d=2 * D))
