@@ -29,8 +29,7 @@ from conftest import LlamaServers, require
 require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
-from kvsm.replay import analyse
-from kvsm_testing.reliability import metric, read_records, wait_until
+from kvsm_testing.reliability import metric, read_records, replay_when_settled, wait_until
 from kvsm_testing.servers import VLLMServer
 
 pytestmark = pytest.mark.slow
@@ -148,7 +147,8 @@ def test_an_idle_prefill_server_serves_its_one_request(pair: Pair) -> None:
     answers = {status: sum(r.get(status, {}).get(matched["req"], 0) for r in records
                            if r["event"] == "worker.claims_answered") for status in ("ok", "unknown", "expired")}
     assert answers == {"ok": 1, "unknown": 0, "expired": 0}, answers
-    (done,) = [r for r in records if r["req"] == matched["req"] and r.get("dst") == "done"]
+    (done,) = [r for r in records
+               if r["req"] == matched["req"] and r.get("lifecycle") == "recv" and r.get("dst") == "done"]
     assert done["event"] == "all_reads_done"
 
 
@@ -230,7 +230,7 @@ def test_healthy_transfers_never_wait_on_a_timer(pair: Pair) -> None:
     events = {r["event"] for r in records}
     assert not events & {"timeout", "lease_expired", "peer_dead", "error", "internal_error", "worker.peer_dead",
                          "worker.loop_error"}, sorted(events)
-    report = analyse(sorted(pair.logs.glob("*.jsonl")))
+    report = replay_when_settled(lambda: sorted(pair.logs.glob("*.jsonl")))
     assert not report.findings, [str(f) for f in report.findings]
     recv = [m for m in report.machines if m.lifecycle == "recv"]
     assert len(recv) >= 40 and all(m.final_state == "done" for m in recv)

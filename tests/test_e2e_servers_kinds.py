@@ -40,7 +40,7 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.replay import analyse
+from kvsm_testing.reliability import replay_when_settled
 from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs
 from kvsm_testing.tiny_model import build_tiny_model
 
@@ -91,7 +91,7 @@ def _stop(servers: list[VLLMServer], routers: list[RouterProcess]) -> None:
 
 
 def _replay_is_clean(logs: Path, min_reads: int) -> None:
-    report = analyse(sorted(logs.glob("*.jsonl")))
+    report = replay_when_settled(lambda: sorted(logs.glob("*.jsonl")))
     assert report.exit_code == 0 and not report.findings, [str(f) for f in report.findings]
     recv = [m for m in report.machines if m.lifecycle == "recv"]
     assert len(recv) >= min_reads and {m.final_state for m in recv} == {"done"}, \

@@ -43,9 +43,8 @@ require("vllm")
 require("nixl")
 
 from kvsm.lifecycle.table import LIFECYCLES
-from kvsm.replay import analyse
 from kvsm_testing import build_tiny_model
-from kvsm_testing.reliability import read_records, wait_until
+from kvsm_testing.reliability import read_records, replay_when_settled, wait_until
 from kvsm_testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, stop_pair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -234,7 +233,7 @@ def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: Par
     logs = sorted(pair.logs.glob("*.jsonl"))
     workers = [f for f in logs if ".worker." in f.name]
     assert len(workers) == X.ranks + Y.ranks, [f.name for f in logs]
-    report = analyse(logs)
+    report = replay_when_settled(lambda: logs)
     assert not report.findings, [str(f) for f in report.findings]
     assert {m.final_state for m in report.machines if m.lifecycle == "recv"} == {"done"}
     assert {m.final_state for m in report.machines if m.lifecycle == "send"} == {"released"}

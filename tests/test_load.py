@@ -318,4 +318,5 @@ def test_a_thousand_requests_through_the_router(tmp_path: Path) -> None:
     finals = Counter((m.lifecycle, m.final_state) for m in report.machines)
     # ... and the decode worker's one peer (the prefill engine) closed at the clean stop.
     assert finals == {("recv", "done"): E2E_REQUESTS, ("send", "released"): E2E_REQUESTS,
+                      ("sched", "pinned"): E2E_REQUESTS, ("sched", "done"): E2E_REQUESTS,
                       ("peer", "closed"): 1}, finals

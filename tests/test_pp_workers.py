@@ -380,7 +380,10 @@ def test_a_killed_stage_fails_the_request_and_the_other_stage_lets_go(engines: A
     prefill.release({"p-kill"}, workers=range(1))
     assert not any(decode.live()), decode.live()
     report = _replay(prefill, decode)
-    assert not report.findings, report.findings
+    # The killed stage's log may hold its pin (if its writer flushed it before the kill):
+    # a crash reads as one. Nothing else is a finding.
+    crashed = [f for f in report.findings if f.kind == "not_terminal_at_end" and ".pp1." in (f.file or "")]
+    assert report.findings == crashed, report.findings
     causes = [str(c) for c in report.causes if "d-kill" in str(c)]
     assert causes and any("pp1" in c or "pp_rank 1" in c for c in causes), causes[0]
 

@@ -65,6 +65,7 @@ from kvsm_testing.reliability import (
     post_json,
     read_records,
     recv_machines,
+    replay_when_settled,
     send_machines,
     stream_completion,
     wait_until,
@@ -352,7 +353,7 @@ def _pins_of_a_dead_decode_engine_are_freed_at_lease_expiry(c: Cluster) -> None:
     # From the last pin to kv_cache_usage_perc back at its start value: the lease, plus an
     # engine step and a metrics poll.
     _figure("lease_expiry_usage_back_after_last_pin", t_free - last_pin_ns / _S)
-    report = analyse(P.files)
+    report = replay_when_settled(lambda: P.files)
     assert not report.findings, [str(f) for f in report.findings]
     expired = {m.req for m in report.machines if m.lifecycle == "send" and m.final_state == "expired"}
     assert all(any(r in req for req in expired) for r in rids), expired
@@ -473,7 +474,7 @@ def _prefill_dies(c: Cluster, tag: str) -> dict[str, Any]:
     unended = {f.req for f in report.findings if f.kind == "not_terminal_at_end"}
     assert all(any(r in (req or "") for req in unended) for r in rids), (rids, [str(f) for f in report.findings])
     # The decode's log is clean: every request it failed ended in ``failed`` with its reason.
-    report = analyse(D.files)
+    report = replay_when_settled(lambda: D.files)
     assert not report.findings, [str(f) for f in report.findings]
     failed = {m.req: m for m in report.machines if m.lifecycle == "recv" and m.final_state == "failed"}
     for r in rids:
@@ -691,7 +692,7 @@ def test_clients_hanging_up_leak_nothing(pair: Cluster) -> None:
     for rid in orphans:
         (recs,) = send_machines(send, rid).values()
         assert recs[-1]["event"] == "lease_expired" and recs[-1]["dst"] == "expired", recs[-1]
-    report = analyse([*P.files, *D.files])
+    report = replay_when_settled(lambda: [*P.files, *D.files])
     assert not report.findings, [str(f) for f in report.findings]
 
     # A clean stop: each worker's last record says nothing was live and nothing held.

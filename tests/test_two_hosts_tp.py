@@ -51,7 +51,7 @@ require("nixl")
 from kvsm.replay import analyse
 from kvsm_testing import build_tiny_model
 from kvsm_testing.netns import TwoHosts
-from kvsm_testing.reliability import live_kvsm_requests, read_records, send_machines, wait_until
+from kvsm_testing.reliability import live_kvsm_requests, read_records, replay_when_settled, send_machines, wait_until
 from kvsm_testing.two_host_pair import TwoHostPair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -163,7 +163,7 @@ def test_an_abort_mid_read_lets_every_prefill_rank_go(pair: TwoHostPair) -> None
     took, out = pair.complete(victim, MAX_TOKENS, rid="again-after-abort")
     assert "error" not in out, out
     assert out["choices"][0]["text"] == reference
-    report = analyse(sorted(pair.logs.glob("*.jsonl")))
+    report = replay_when_settled(lambda: sorted(pair.logs.glob("*.jsonl")))
     assert not report.findings, [str(f) for f in report.findings][:10]
 
 

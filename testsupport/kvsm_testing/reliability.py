@@ -43,6 +43,22 @@ def wait_until(probe: Callable[[], T | None], timeout: float, what: str, interva
         time.sleep(interval)
 
 
+def replay_when_settled(files: Callable[[], Iterable[Path]], timeout: float = 5.0) -> Any:
+    """``kvsm.replay.analyse`` of ``files()`` once it finds nothing, or after
+    ``timeout`` s (the caller asserts on what it found). A request's last records
+    reach the file up to a writer batch after the client has its answer (the
+    scheduler half ends its machine in the step that returns the output), so a
+    live server's logs are read again until they settle."""
+    from kvsm.replay import analyse
+
+    deadline = time.monotonic() + timeout
+    while True:
+        report = analyse(list(files()))
+        if not report.findings or time.monotonic() > deadline:
+            return report
+        time.sleep(0.05)
+
+
 # -- event logs ----------------------------------------------------------------------------
 
 
