@@ -949,9 +949,15 @@ _NOTICE_CHILD = """
 import signal, sys, time
 from kvsm.runtime.stop import on_stop_requested
 said = []
-if sys.argv[1] == "own-handler":  # vLLM's engine core: it drains, then exits
-    signal.signal(signal.SIGTERM, lambda *a: (said.append("vllm"), print(*said, flush=True), sys.exit(7)))
-unwrap = on_stop_requested(lambda: said.append("notice"))
+def handler(*a):
+    said.append("own")
+    print(*said, flush=True)
+    sys.exit(7)
+if sys.argv[1] == "vllm-handler":  # vLLM's engine core: it drains, then exits
+    handler.__module__ = "vllm.v1.engine.core"
+if sys.argv[1] != "default":
+    signal.signal(signal.SIGTERM, handler)
+unwrap = on_stop_requested(lambda: said.append("notice"), owner="vllm.v1.engine.core")
 if sys.argv[2] == "unwrapped":
     unwrap()
 print("ready", flush=True)
@@ -959,15 +965,17 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("handler, wrap, rc, said", [("own-handler", "wrapped", 7, "notice vllm\n"),
-                                                     ("own-handler", "unwrapped", 7, "vllm\n"),
+@pytest.mark.parametrize("handler, wrap, rc, said", [("vllm-handler", "wrapped", 7, "notice own\n"),
+                                                     ("vllm-handler", "unwrapped", 7, "own\n"),
+                                                     ("app-handler", "wrapped", 7, "own\n"),
                                                      ("default", "wrapped", -signal.SIGTERM, "")])
 def test_a_stop_notice_runs_before_the_process_s_own_sigterm_handler(handler: str, wrap: str, rc: int,
                                                                     said: str) -> None:
-    """kvsm.runtime.stop.on_stop_requested: where the process has a SIGTERM handler
-    of its own (vLLM's engine core, which drains), the notice (the connector closing
-    its pins in time) runs first, then that handler; unwrapped, only the handler;
-    under the default disposition nothing is wrapped (SIGTERM still kills)."""
+    """kvsm.runtime.stop.on_stop_requested: where vLLM's engine core has its SIGTERM
+    handler (it drains), the notice (the connector closing its pins in time) runs
+    first, then that handler; unwrapped, only the handler; an application's own
+    handler (which may not stop the process) is left alone; under the default
+    disposition nothing is wrapped (SIGTERM still kills)."""
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, "-c", _NOTICE_CHILD, handler, wrap], cwd=root,
                             stdout=subprocess.PIPE, text=True)

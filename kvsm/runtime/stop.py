@@ -102,7 +102,7 @@ def stop_on_exit(stop: Callable[[], Any]) -> Callable[[], None]:
     return cancel
 
 
-def on_stop_requested(notice: Callable[[], None]) -> Callable[[], None]:
+def on_stop_requested(notice: Callable[[], None], owner: str | None = None) -> Callable[[], None]:
     """Call ``notice`` when the process is asked to stop by a handler of its own.
 
     Why: vLLM's engine core handles SIGTERM/SIGINT by draining, stepping while
@@ -113,8 +113,11 @@ def on_stop_requested(notice: Callable[[], None]) -> Callable[[], None]:
     SIGTERM and SIGINT (vLLM's) is wrapped: ``notice`` (which must only set a
     flag: it runs in a signal handler), then the handler. Where the disposition is
     the default or ours (``stop_on_exit``'s path: the process exits at once), or
-    off the main thread, nothing is wrapped. Returns the call that unwraps (a
-    wrapper replaced since by someone else is left alone)."""
+    off the main thread, nothing is wrapped; with ``owner``, only a handler
+    defined in that module is (the connector names vLLM's engine core: an
+    application's own handler, which may not stop the process, is left alone).
+    Returns the call that unwraps (a wrapper replaced since by someone else is
+    left alone)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     wrapped: dict[int, Any] = {}
@@ -122,6 +125,8 @@ def on_stop_requested(notice: Callable[[], None]) -> Callable[[], None]:
         try:
             previous = signal.getsignal(signum)
             if not callable(previous) or previous is _on_sigterm or previous is signal.default_int_handler:
+                continue
+            if owner is not None and getattr(previous, "__module__", None) != owner:
                 continue
 
             def handler(num: int, frame: FrameType | None, previous: Any = previous) -> None:

@@ -62,6 +62,9 @@ log = logging.getLogger("kvsm.connector")
 # Pins close this long before a draining engine core's wait (vLLM's
 # shutdown_timeout) is over, so it runs out of work and exits before it is killed.
 _DRAIN_MARGIN_S = 2.0
+# Where vLLM's engine-core process defines its SIGTERM/SIGINT handler (the one that
+# starts the drain: run_engine_core); only that handler gets the stop notice.
+_ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 
 
 def _allow_amx(kv_caches: dict[str, torch.Tensor]) -> None:
@@ -204,7 +207,8 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM's engine core drains on SIGTERM while pins are live, and is killed
             # when its wait is over: the scheduler half closes the pins in time.
             drain_s = max(0.0, float(getattr(vllm_config, "shutdown_timeout", 0) or 0) - _DRAIN_MARGIN_S)
-            self._unwrap_signals = on_stop_requested(partial(self._scheduler.request_stop, drain_s))
+            self._unwrap_signals = on_stop_requested(partial(self._scheduler.request_stop, drain_s),
+                                                     owner=_ENGINE_CORE_MODULE)
         else:
             rank, stage = _tp_rank(), _pp_rank()
             # One source per worker: vLLM adds their state counts up.
