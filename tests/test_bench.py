@@ -188,6 +188,7 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     assert len(sec["extra"]["sim"]["wall_us_per_request"]) == 2, sec["extra"]["sim"]
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_ttft_breakdown_smoke() -> None:
     """tools/ttft_breakdown.py on a real pair: every decode leg lined up with both

@@ -1,9 +1,10 @@
 """A clean stop on every exit: an offline prefill process whose pins are still
 live when it ends leaves a log replay reads as clean ("closed at shutdown"),
-whether its script just ends or it gets SIGTERM; ``kill -9`` still reads as a
-crash.
+whether its script just ends or it gets SIGTERM. (``kill -9`` still reads as a
+crash: tests/test_reliability_servers.py's killed prefill server, whose pins
+replay finds left open, not_terminal_at_end.)
 
-Four real prefill engines (tiny model, CPU; three single-process, as the test
+Three real prefill engines (tiny model, CPU; two single-process, as the test
 harnesses run vLLM's offline pattern, and one with vLLM's default engine-core
 process) start side by side, each generates with
 ``do_remote_decode`` (so its worker pins the blocks for a decode engine that
@@ -12,7 +13,6 @@ never comes), and each then ends one way. Each writes its own log directory.
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.replay import analyse, main, render_text
+from kvsm.replay import analyse, main
 from kvsm_testing import build_tiny_model
 from kvsm_testing.pd_pair import PDEngine, started
 from kvsm_testing.ports import free_port_run
@@ -44,10 +44,10 @@ def _send_finals(logs: Path) -> dict[str, str | None]:
     return {m.req: m.final_state for m in report.machines if m.lifecycle == "send"}
 
 
-def test_every_exit_but_kill_9_leaves_a_clean_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_script_s_end_and_sigterm_leave_a_clean_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = build_tiny_model()
     base = free_port_run(6)
-    ways = ("end", "sigterm", "kill9", "end-mp")
+    ways = ("end", "sigterm", "end-mp")
     # "end-mp": vLLM's default, the engine core in a process of its own. At the script's
     # end vLLM sends it SIGTERM and it drains while it has work, which a live pin is: the
     # connector closes its pins so that it exits before vLLM's wait is over and it is killed.
@@ -72,9 +72,6 @@ def test_every_exit_but_kill_9_leaves_a_clean_log(tmp_path: Path, capsys: pytest
         # (b) SIGTERM while it waits for its next command.
         by_way["sigterm"].proc.send_signal(signal.SIGTERM)
         assert by_way["sigterm"].wait() == 128 + signal.SIGTERM, by_way["sigterm"].tail()
-        # (c) kill -9: nothing runs, and replay must still say so.
-        os.kill(by_way["kill9"].proc.pid, signal.SIGKILL)
-        assert by_way["kill9"].wait() == -signal.SIGKILL
     finally:
         for engine in engines:
             engine.close()
@@ -90,13 +87,3 @@ def test_every_exit_but_kill_9_leaves_a_clean_log(tmp_path: Path, capsys: pytest
         assert rc == 0, (way, out)
         assert "closed at shutdown" in out, (way, out)
         assert "no violations" in out, (way, out)
-
-    logs = tmp_path / "kill9"
-    finals = _send_finals(logs)
-    assert finals and set(finals.values()) == {"awaiting_pull"}, finals
-    report = analyse(sorted(logs.glob("*.jsonl")))
-    assert {f.kind for f in report.findings} == {"not_terminal_at_end"}, [str(f) for f in report.findings]
-    assert "closed at shutdown" not in render_text(report)
-    rc, out = _replay(logs, capsys)
-    assert rc == 1, out
-    assert "no clean shutdown" in out, out
