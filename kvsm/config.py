@@ -32,6 +32,10 @@ EXTRA_KEYS: dict[str, str] = {
     "backends": "NIXL backends (['UCX'])",
     "num_threads": "UCX backend worker threads of each NIXL agent, as upstream's key (0: none, the loop "
                    "progresses UCX itself)",
+    "side_channel_keys": "directory of the deployment's CURVE keys (zmq.auth certificates, or env "
+                         "KVSM_SIDE_CHANNEL_KEYS): only engines holding one get an answer; unset: the side "
+                         "channel answers any host that reaches it (docs: security)",
+    "side_channel_keys_reload": "seconds between checks of that directory for rotated keys (2)",
     "early_reads": "decode side: post a request's reads right behind its claims when every prefill worker it "
                    "reads from is known, instead of after the claims' answers (true)",
 }
@@ -82,6 +86,10 @@ class KVSMConfig:
     # reads from is known (their round trip then overlaps the reads); the prefill
     # side holds such a read's notification until its claim.
     early_reads: bool = True
+    # The deployment's CURVE keys (a directory, kvsm.handshake.keys), checked every
+    # side_channel_keys_reload_s for a rotation; None: the side channel is open.
+    side_channel_keys: str | None = None
+    side_channel_keys_reload_s: float = 2.0
 
     @property
     def produces(self) -> bool:

@@ -9,13 +9,14 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvsm.handshake.codec import decode_reply, decode_request, encode
+from kvsm.handshake.keys import SideChannelKeys
 from kvsm.handshake.messages import (
     MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
@@ -39,6 +40,7 @@ from kvsm.handshake.messages import (
     compat_identity,
     compat_mismatch,
 )
+from kvsm.handshake.peer_socket import HANDSHAKE_FAILED, PeerSocket, ServerKeyChoice, close_pair, open_peer_socket
 
 log = logging.getLogger("kvsm.handshake")
 
@@ -52,29 +54,10 @@ class _Pending:
     tp_rank: int = -1
     pp_rank: int = -1
     expected_engine_id: str | None = None
+    resends: int = 0  # after a dropped connection (a keyed server rebinding)
 
 
-@dataclass(slots=True)
-class _Peer:
-    address: str
-    sock: zmq.Socket
-    monitor: zmq.Socket
-    pending: set[int] = field(default_factory=set)
-    # A TCP connection is up (monitor: CONNECTED or ZMTP handshake seen since the
-    # socket was made or since the last DISCONNECTED).
-    connected: bool = False
-
-
-# What the client's monitors report. A connect attempt that fails on an opened fd
-# (ECONNREFUSED: nothing listens; or an ICMP-unreachable host) closes that fd:
-# EVENT_CLOSED, then EVENT_CONNECT_RETRIED. CLOSED alone is the signal: a
-# CONNECT_RETRIED also follows every DISCONNECTED (it announces the reconnect timer,
-# before any attempt) and every failed name lookup, and a peer that accepts TCP
-# and stays silent shows only CONNECTED (plus ZMTP success for a ZMQ peer).
-_CLIENT_MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-                          | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
-
-
+_MAX_RESENDS = 3
 class HandshakeClient:
     """Decode side: sends requests to any number of prefill peers, one DEALER
     socket per peer so that a dead or slow peer only delays its own requests.
@@ -111,12 +94,21 @@ class HandshakeClient:
     Register sockets with the poller through ``on_socket_added`` and unregister them
     through ``on_socket_removed``, which is called *before* a socket is closed (a
     closed socket left in a zmq.Poller makes poll() fail).
+
+    With ``keys`` every peer socket is a CURVE client (this engine's key, and the
+    server key of :class:`~kvsm.handshake.peer_socket.ServerKeyChoice`); a failed
+    ZMTP handshake tries the deployment's next key and, when every key failed,
+    fails that peer's requests "unauthenticated" (without keys: a peer that needs
+    them fails them "handshake_failed") instead of letting libzmq retry for ever.
+    A keyed server drops its connections when its keys change; what was pending
+    on a dropped connection is sent again on a fresh socket (at most
+    ``_MAX_RESENDS`` times per request; then the deadline decides).
     """
 
     def __init__(self, compat: CompatInfo, requester: str, *, context: zmq.Context | None = None,
                  on_socket_added: Callable[[zmq.Socket], object] | None = None,
                  on_socket_removed: Callable[[zmq.Socket], object] | None = None,
-                 max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+                 max_reply_bytes: int = MAX_REPLY_BYTES, keys: SideChannelKeys | None = None) -> None:
         self.compat = compat
         self.compat_hash = compat_hash(compat)
         self.requester = requester
@@ -125,8 +117,9 @@ class HandshakeClient:
         self._on_removed = on_socket_removed
         self._max_reply_bytes = max_reply_bytes
         self._ids = itertools.count(1)
-        self._peers: dict[str, _Peer] = {}
-        self._by_socket: dict[zmq.Socket, _Peer] = {}
+        self._server_keys = ServerKeyChoice(keys)
+        self._peers: dict[str, PeerSocket] = {}
+        self._by_socket: dict[zmq.Socket, PeerSocket] = {}
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[int, int]] = []  # (deadline_ns, request_id), lazily pruned
         self._results: list[HandshakeResult] = []
@@ -301,37 +294,32 @@ class HandshakeClient:
 
     # ---- internals
 
-    def _peer(self, address: str) -> _Peer:
+    @property
+    def keys(self) -> SideChannelKeys | None:
+        return self._server_keys.keys
+
+    def set_keys(self, keys: SideChannelKeys | None) -> None:
+        """Use ``keys`` from now on: every peer socket is made afresh with them
+        (what is pending on it is sent again)."""
+        self._server_keys.set_keys(keys)
+        for address in list(self._peers):
+            self._reset_peer(address)
+
+    def _peer(self, address: str) -> PeerSocket:
         peer = self._peers.get(address)
         if peer is not None:
             return peer
-        sock = self._ctx.socket(zmq.DEALER)
-        monitor: zmq.Socket | None = None
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes)
-            sock.setsockopt(zmq.IPV6, 1)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
-            # Before connect(): the first attempt's refusal comes within a millisecond.
-            monitor = sock.get_monitor_socket(events=_CLIENT_MONITOR_EVENTS)
-            monitor.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-        except Exception:  # send() turns a bad address into the request's result
-            self._close_pair(sock, monitor)
-            raise
-        peer = _Peer(address, sock, monitor)
+        peer = open_peer_socket(self._ctx, address, self._max_reply_bytes, self._server_keys.keys,
+                                self._server_keys.key_for(address))
         self._peers[address] = peer
-        self._by_socket[sock] = peer
-        self._by_socket[monitor] = peer
+        self._by_socket[peer.sock] = peer
+        self._by_socket[peer.monitor] = peer
         if self._on_added is not None:
-            self._on_added(sock)
-            self._on_added(monitor)
+            self._on_added(peer.sock)
+            self._on_added(peer.monitor)
         return peer
 
-    def _transmit(self, peer: _Peer, pending: _Pending) -> None:
+    def _transmit(self, peer: PeerSocket, pending: _Pending) -> None:
         try:
             peer.sock.send(pending.payload, zmq.NOBLOCK)
             self._stats["sent"] += 1
@@ -341,7 +329,7 @@ class HandshakeClient:
                 "send_queue_full", f"too many requests queued for {peer.address}",
                 peer=peer.address, nonce=pending.request_id))
 
-    def _drain(self, peer: _Peer) -> None:
+    def _drain(self, peer: PeerSocket) -> None:
         while True:
             try:
                 frames = peer.sock.recv_multipart(zmq.NOBLOCK)
@@ -357,26 +345,61 @@ class HandshakeClient:
                 self._stats["internal"] += 1
                 log.exception("handshake client: failed handling a reply from %s", peer.address)
 
-    def _drain_monitor(self, peer: _Peer) -> None:
+    def _drain_monitor(self, peer: PeerSocket) -> None:
         """Track the peer's connection; a connect attempt that failed while no
         connection was up means the peer's host refuses it: fail its requests now."""
         while True:
             try:
-                event = parse_monitor_message(peer.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+                message = parse_monitor_message(peer.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             except Exception:  # noqa: BLE001 - a monitor hiccup is not worth failing requests over
                 self._stats["monitor_unreadable"] += 1
                 return
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            event = message["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 peer.connected = True
+                self._server_keys.succeeded(peer.address)
+            elif event == zmq.EVENT_CONNECTED:
+                peer.connected = True
+            elif event in HANDSHAKE_FAILED:
+                self._handshake_failed(peer, event, message["value"])
+                return  # its sockets are closed or replaced
             elif event == zmq.EVENT_DISCONNECTED:
                 peer.connected = False
+                if self.keys is not None and self._resend_after_drop(peer):
+                    return
             elif event == zmq.EVENT_CLOSED and not peer.connected:
                 self._refused(peer)
                 return  # its sockets are closed; later events are moot
 
-    def _refused(self, peer: _Peer) -> None:
+    def _handshake_failed(self, peer: PeerSocket, event: int, value: int) -> None:
+        """Try the deployment's next key; when none is left, fail what is pending."""
+        self._drain(peer)
+        self._stats["handshake_failed"] += 1
+        if self._server_keys.failed(peer.address):
+            self._stats["server_key_switches"] += 1
+            self._reset_peer(peer.address)
+            return
+        self._drop_peer(peer.address)
+        for request_id in sorted(peer.pending):
+            if request_id in self._pending:
+                self._take(request_id)
+                self._fail(request_id, peer.address, self._server_keys.failure(peer.address, event, value, request_id))
+
+    def _resend_after_drop(self, peer: PeerSocket) -> bool:
+        """A keyed server dropped the connection (its keys changed): what was in
+        flight on it is lost, so send it again on a fresh socket."""
+        pending = [self._pending[r] for r in peer.pending if r in self._pending]
+        if not pending or any(p.resends >= _MAX_RESENDS for p in pending):
+            return False
+        for p in pending:
+            p.resends += 1
+        self._stats["resent_after_drop"] += len(pending)
+        self._reset_peer(peer.address)
+        return True
+
+    def _refused(self, peer: PeerSocket) -> None:
         """Fail every request pending on ``peer`` as refused and close its sockets,
         so the next request to that address connects afresh."""
         self._drain(peer)  # a reply that arrived before the connection went wins
@@ -390,7 +413,7 @@ class HandshakeClient:
             self._results.append(HandshakeResult(request_id, peer.address, HandshakeRefused(
                 "refused", f"connection refused by {peer.address}", peer=peer.address, nonce=request_id)))
 
-    def _on_reply(self, peer: _Peer, frames: list[bytes]) -> None:
+    def _on_reply(self, peer: PeerSocket, frames: list[bytes]) -> None:
         self._stats["replies"] += 1
         if len(frames) != 1:
             self._stats["malformed_replies"] += 1
@@ -450,7 +473,7 @@ class HandshakeClient:
         self._stats[f"failed_{error.code}"] += 1
         self._results.append(HandshakeResult(request_id, peer, error))
 
-    def _drop_peer(self, address: str) -> _Peer | None:
+    def _drop_peer(self, address: str) -> PeerSocket | None:
         peer = self._peers.pop(address, None)
         if peer is None:
             return None
@@ -461,19 +484,8 @@ class HandshakeClient:
                     self._on_removed(sock)
                 except Exception:
                     log.exception("handshake client: on_socket_removed failed")
-        self._close_pair(peer.sock, peer.monitor)
+        close_pair(peer.sock, peer.monitor)
         return peer
-
-    @staticmethod
-    def _close_pair(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
-        """Close a DEALER and its monitor (unregistered from the loop already)."""
-        if monitor is not None:
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            monitor.close(linger=0)
-        sock.close(linger=0)
 
     def _reset_peer(self, address: str) -> None:
         """Fresh socket for a peer that missed a deadline; re-send what is still pending

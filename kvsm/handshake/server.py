@@ -15,6 +15,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvsm.handshake.address import INPROC_PREFIX, peer_address
 from kvsm.handshake.codec import _clip, decode_request, encode
+from kvsm.handshake.keys import ZAP_DOMAIN, SideChannelKeys
 from kvsm.handshake.messages import (
     CLAIM_STATUSES,
     MAX_FRAME_BYTES,
@@ -35,6 +36,7 @@ from kvsm.handshake.messages import (
     wire_lease_ms,
 )
 from kvsm.handshake.relay import RankRelay, worker_name
+from kvsm.handshake.zap import ZapHandler, rate_limited
 
 log = logging.getLogger("kvsm.handshake")
 
@@ -55,7 +57,7 @@ _MONITOR_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_SUCCEEDED: "zmtp_ok",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "zmtp_failed",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "zmtp_failed",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "zmtp_failed",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed",  # (counted by the ZAP handler as refused)
 }
 _MAX_FRAMES = 3  # [identity, (empty delimiter from REQ), payload]
 
@@ -67,13 +69,6 @@ class _Refusal(Exception):
         super().__init__(code, detail)
         self.code = code
         self.detail = detail
-
-
-def _rate_limited(count: int) -> bool:
-    """Log the 1st, 10th, 100th... occurrence: a flood must not flood the logs."""
-    while count >= 10 and count % 10 == 0:
-        count //= 10
-    return count == 1
 
 
 class HandshakeServer:
@@ -93,6 +88,12 @@ class HandshakeServer:
     :meth:`sockets` is readable (the second one is a monitor counting TCP
     connections, ZMTP failures and disconnects: a frame over MAX_FRAME_BYTES is
     dropped by libzmq, which closes that connection, and it shows only there).
+
+    With ``keys`` (the deployment's CURVE keys) the TCP socket is a CURVE server
+    and a ZAP handler on the loop lets in only clients holding one of them: a
+    stranger never reaches :meth:`_handle`, so it gets no answer of any kind,
+    no error detail and no ``compat``. A third socket in :meth:`sockets` is that
+    handler's. :meth:`set_keys` changes the keys of a running server.
     Readiness must be level-triggered (zmq.Poller): at most ``max_batch``
     messages are handled per call so a flood cannot starve the loop's timers.
 
@@ -107,7 +108,7 @@ class HandshakeServer:
                  context: zmq.Context | None = None, max_batch: int = 1024,
                  rcvhwm: int = 16, sndhwm: int = 1000, lease_ns: int = 0, rank: int | None = None,
                  pp_rank: int = 0, relay_to: Mapping[int | tuple[int, int], str] | None = None,
-                 internal: str = "",
+                 internal: str = "", keys: SideChannelKeys | None = None,
                  now_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.engine_id = engine_id
         # The worker this server answers for, (tp_rank, pp_rank); requests for other
@@ -135,8 +136,16 @@ class HandshakeServer:
         self._closed = False
 
         inproc = host.startswith(INPROC_PREFIX)
+        # Ranks' private endpoints (ipc in a 0700 directory) carry what rank 0 let in.
+        self.keys = keys if not internal else None
+        self._zap = ZapHandler(self._ctx, self.keys, label=f"side channel of {engine_id}") if self.keys else None
         router = self._ctx.socket(zmq.ROUTER)
         try:
+            if self.keys is not None:
+                router.setsockopt(zmq.CURVE_SERVER, 1)
+                router.setsockopt(zmq.CURVE_SECRETKEY, self.keys.own.secret)
+                router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+                router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: nobody in
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -166,6 +175,8 @@ class HandshakeServer:
                 router.bind(peer_address(host, port or "*"))  # "*": the OS chooses; see self.port
         except zmq.ZMQError as e:
             router.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
             raise OSError(f"handshake server could not bind {host}:{port or '*'}: {e}") from e
         self._router = router
         self.address: str = router.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -182,7 +193,8 @@ class HandshakeServer:
         """The sockets the loop must poll for reading; both go to on_readable()."""
         if self._closed:
             return []
-        return [self._router, self._monitor, *(self._relay.sockets() if self._relay else ())]
+        return [self._router, self._monitor, *(self._relay.sockets() if self._relay else ()),
+                *((self._zap.socket,) if self._zap is not None else ())]
 
     def on_readable(self, sock: zmq.Socket | None = None) -> int:
         """Handle what is ready on both sockets (``sock`` is accepted for the loop's
@@ -192,6 +204,8 @@ class HandshakeServer:
             return 0
         if sock is not None and self._relay is not None and self._relay.owns(sock):
             return self._relay_replies(sock)
+        if self._zap is not None and sock is self._zap.socket:
+            return self._zap.on_readable()
         self._drain_monitor()
         handled = 0
         while handled < self._max_batch:
@@ -217,7 +231,35 @@ class HandshakeServer:
             "served": dict(self._served),
             "errors": dict(self._errors),
             "connections": dict(self._connections),
+            **({"auth": self._zap.stats()} if self._zap is not None else {}),
         }
+
+    def set_keys(self, keys: SideChannelKeys) -> bool:
+        """Serve with ``keys`` from now on. When the key in use changed, or a key
+        was removed, the TCP endpoint is bound afresh: every connection drops (one
+        that a removed key let in must not stay), clients re-send what was in
+        flight (:class:`~kvsm.handshake.client.HandshakeClient` does). Returns
+        whether the socket was rebound. A server started without keys cannot take
+        them (raises ValueError): its peers could not talk to it meanwhile."""
+        if self._zap is None or self.keys is None:
+            raise ValueError("this side channel was started without side_channel_keys")
+        old, self.keys = self.keys, keys
+        self._zap.set_keys(keys)
+        if old.own.public == keys.own.public and set(old.publics) <= set(keys.publics):
+            return False
+        self.on_readable()  # answer what is here before its connections go
+        self._router.unbind(self.address)
+        self._router.setsockopt(zmq.CURVE_SECRETKEY, keys.own.secret)
+        deadline = time.monotonic_ns() + 2_000_000_000  # real time, whatever clock the loop runs on
+        while True:  # the old listener's close is the I/O thread's: usually done at once
+            try:
+                self._router.bind(self.address)
+                return True
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic_ns() > deadline:
+                    raise OSError(f"side channel of {self.engine_id}: could not bind {self.address} "
+                                  f"again with the new keys: {e}") from e
+                time.sleep(0.001)
 
     def close(self) -> None:
         """Close both sockets (unregister them from the poller first)."""
@@ -226,6 +268,8 @@ class HandshakeServer:
         self._closed = True
         if self._relay is not None:
             self._relay.close()
+        if self._zap is not None:
+            self._zap.close()
         try:
             self._router.disable_monitor()
         except zmq.ZMQError:
@@ -388,7 +432,7 @@ class HandshakeServer:
     def _count_error(self, code: str, detail: str, exc_info: bool = False) -> None:
         self._errors[code] += 1
         n = self._errors[code]
-        if _rate_limited(n):
+        if rate_limited(n):
             log.warning("handshake server %s: refused %d %s message(s) so far; latest: %s",
                         self.engine_id, n, code, _clip(detail, 300), exc_info=exc_info)
 

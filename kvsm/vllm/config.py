@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvsm.config import BUFFER_DEVICES, DEFAULT_SIDE_CHANNEL_PORT, EXTRA_KEYS, KV_ROLES, KVSMConfig
+from kvsm.handshake.keys import load_keys
 
 
 def _num_threads(value: Any) -> int:
@@ -92,6 +93,12 @@ def kvsm_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMC
     if backoff_max < backoff:
         raise ValueError(f"peer_backoff_max ({backoff_max}) is below peer_backoff ({backoff})")
     log_dir = extra.get("event_log_dir") or env.get("KVSM_EVENT_LOG_DIR") or None
+    keys_dir = extra.get("side_channel_keys") or env.get("KVSM_SIDE_CHANNEL_KEYS") or None
+    if keys_dir is not None:
+        if not isinstance(keys_dir, str):
+            raise ValueError(f"kv_connector_extra_config['side_channel_keys'] must be a directory path, "
+                             f"got {keys_dir!r:.80}")
+        load_keys(keys_dir)  # raises SideChannelKeysError (a ValueError) naming what is wrong
     backends = extra.get("backends", ["UCX"])
     if isinstance(backends, str) or not all(isinstance(b, str) for b in backends):
         raise ValueError(f"kv_connector_extra_config['backends'] must be a list of names, got {backends!r}")
@@ -121,6 +128,8 @@ def kvsm_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMC
         stall_timeout_s=_positive("stall_timeout", extra.get("stall_timeout", 2.0)),
         num_threads=_num_threads(extra.get("num_threads", 0)),
         early_reads=_flag("early_reads", extra.get("early_reads", True)),
+        side_channel_keys=os.path.abspath(keys_dir) if keys_dir else None,
+        side_channel_keys_reload_s=_positive("side_channel_keys_reload", extra.get("side_channel_keys_reload", 2.0)),
     )
 
 def unknown_extra_keys(vllm_config: Any) -> list[str]:

@@ -18,6 +18,7 @@ vLLM's classes for the connector (``kvsm.connector``):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -179,6 +180,24 @@ class KVSMPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
             labelnames=[*labels, "lifecycle", "state"],
         )
+        # Whether the side channel takes only the deployment's engines (CURVE keys
+        # configured): 0 says it answers any host that reaches it. Set once here,
+        # so it shows from the first scrape, before any request.
+        extra = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}) \
+            if vllm_config.kv_transfer_config is not None else {}
+        keyed = bool(extra.get("side_channel_keys") or os.environ.get("KVSM_SIDE_CHANNEL_KEYS"))
+        self.side_channel_authenticated = create_metric_per_engine(
+            self._gauge_cls(
+                name="vllm:kvsm_side_channel_authenticated",
+                documentation="1: the side channel is CURVE-authenticated and encrypted (side_channel_keys); "
+                              "0: it answers any host that can reach it (kvsm).",
+                multiprocess_mode="mostrecent",
+                labelnames=labels,
+            ),
+            per_engine,
+        )
+        for gauge in self.side_channel_authenticated.values():
+            gauge.set(1 if keyed else 0)
         self._failure_children: dict[tuple[int, str], Any] = {}
         self._side_channel_children: dict[tuple[int, str], Any] = {}
         self._state_children: dict[tuple[int, str, str], Any] = {}

@@ -23,12 +23,14 @@ from kvsm.eventlog.log import EventLog
 from kvsm.handoff.facts import StepFacts
 from kvsm.handoff.pins import PinChannelServer, PinTarget
 from kvsm.handshake import CompatInfo, HandshakeClient, HandshakeServer
+from kvsm.handshake.keys import SideChannelKeys
 from kvsm.handshake.relay import internal_endpoint
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.runtime.loop import EventLoop, LoopError, TimerHandle
 from kvsm.transport.base import Transport
 from kvsm.worker.context import WorkerContext, log
+from kvsm.worker.keys import KeysWatch, open_side_channel_notice
 from kvsm.worker.peers import PeersAndClaims
 from kvsm.worker.recovery import Recovery
 from kvsm.worker.recv import Receiver
@@ -72,6 +74,7 @@ class WorkerHalf:
         ctx.on_error = self.recovery.on_loop_error
         self._side_channel_seen: dict[str, int] = {}
         self._relay_timer: TimerHandle | None = None
+        self.keys_watch: KeysWatch | None = None
         self._started = False
 
     def _on_loop_error(self, err: LoopError) -> None:
@@ -195,6 +198,11 @@ class WorkerHalf:
 
     def _open_side_channel(self) -> None:
         assert self.compat is not None
+        if self.cfg.side_channel_keys:
+            self.keys_watch = KeysWatch(self.cfg, self.loop, self._use_keys, self.ctx.note, self.stats.side_channel)
+        elif (self.tp_rank, self.pp_rank) == (0, 0):
+            log.warning(open_side_channel_notice(self.cfg))
+        keys = self.keys_watch.keys if self.keys_watch is not None else None
         if self.cfg.produces:
             # One port per engine: rank 0 of stage 0 binds it and relays the other workers'
             # requests to the private endpoints they bind (kvsm.handshake.relay).
@@ -207,7 +215,7 @@ class WorkerHalf:
                 host=self._bind_host(), port=cfg.side_channel_port, context=self.loop.context,
                 lease_ns=cfg.lease_ns, rank=self.tp_rank, pp_rank=self.pp_rank, now_ns=self.loop.now_ns,
                 relay_to={w: endpoint(*w) for w in others} if me == (0, 0) else None,
-                internal=endpoint(*me) if me != (0, 0) else "")
+                internal=endpoint(*me) if me != (0, 0) else "", keys=keys)
             for sock in server.sockets():
                 self.loop.add_reader(sock, partial(self._on_side_channel, sock), label="handshake server")
             pins = self.ctx.pins = PinChannelServer(self.loop.context, self.sender._on_pins,
@@ -221,7 +229,16 @@ class WorkerHalf:
                 self.compat, requester=self.agent_name or f"{self.cfg.engine_id}/tp{self.tp_rank}",
                 context=self.loop.context,
                 on_socket_added=self.peers_and_claims._watch_client_socket,
-                on_socket_removed=self.loop.remove_reader)
+                on_socket_removed=self.loop.remove_reader, keys=keys)
+        if self.keys_watch is not None:
+            self.keys_watch.start()
+
+    def _use_keys(self, keys: SideChannelKeys) -> None:
+        """Rotated keys: the server (only the rank that binds the port has keys) and the client."""
+        if self.server is not None and self.server.keys is not None:
+            self.server.set_keys(keys)
+        if self.client is not None:
+            self.client.set_keys(keys)
 
     def _on_side_channel(self, sock: Any = None) -> None:
         """Serve what arrived, then count it by outcome for the stats (a few dict
@@ -277,6 +294,8 @@ class WorkerHalf:
                    client=self.client.stats() if self.client else None)
         for h in self._timers():
             self.loop.cancel(h)
+        if self.keys_watch is not None:
+            self.keys_watch.stop()
         if self.client is not None:
             self.client.close()
         if self.server is not None:
@@ -315,7 +334,8 @@ class WorkerHalf:
             out["client_pending"] = self.client.pending_count()
             out["client_sockets"] = self.client.socket_count()
         loop = self.loop.stats()
-        out["loop_timers"] = loop["timers_pending"]
+        # (the key directory's check is no request's, and always pending)
+        out["loop_timers"] = loop["timers_pending"] - (1 if self.keys_watch and self.keys_watch.timer else 0)
         out["loop_readers"] = loop["readers"]
         return out
 
@@ -357,9 +377,15 @@ class WorkerHalf:
 
 def _side_channel_outcomes(server_stats: dict[str, Any]) -> dict[str, int]:
     """``HandshakeServer.stats()`` flattened to cumulative counts by outcome:
-    ``served``, each refusal's error code, and replies that could not be sent."""
+    ``served``, each refusal's error code, replies that could not be sent,
+    connections refused by the deployment's keys (``unauthenticated``) and ZMTP
+    handshakes that failed (``handshake_failed``: no keys, a wrong server key, not ZMQ)."""
     out = {"served": sum(server_stats.get("served", {}).values())}
     out.update(server_stats.get("errors", {}))
+    if refused := server_stats.get("auth", {}).get("refused"):
+        out["unauthenticated"] = refused
+    if failed := server_stats.get("connections", {}).get("zmtp_failed"):
+        out["handshake_failed"] = failed
     for key in ("reply_dropped_full", "reply_unroutable", "reply_failed"):
         if server_stats.get(key):
             out[key] = server_stats[key]
