@@ -15,16 +15,23 @@ Then kvsm's own reading of them: every vLLM container's ``--kv-transfer-config``
 parses, names ``KVSMConnector`` and goes through ``KVSMConfig.from_vllm`` (the
 connector's real config parser); a producer declares its side-channel port
 (``side_channel_port`` + data-parallel index 0) and takes the advertised host from
-the pod IP; the router's arguments parse with ``kvsm.router``'s real CLI and point
-at Services of the same file; Service and probe ports exist in the pods; llm-d's
+the pod IP; every engine's ``side_channel_keys`` (the deployment's CURVE keys) is
+the path of a read-only, owner-only mount of a Secret, mounted whole (no ``subPath``,
+which a Secret's update never reaches), the same Secret for every engine of the file,
+and the real parser loads a key pair put there; the router's arguments parse with
+``kvsm.router``'s real CLI and point at Services of the same file; Service and probe ports exist in the pods; llm-d's
 sidecar, InferencePool and EPP configuration agree with the vLLM ports. Each check
 also has a negative case: a broken copy that must be rejected.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
+import functools
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -34,6 +41,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+import zmq.auth
 from kubernetes_validate.utils import latest_version
 
 from kvsm import router as kvsm_router
@@ -46,6 +54,7 @@ K8S_VERSIONS = ("1.29", latest_version())
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SIDE_CHANNEL_PORT_NAME = "kvsm-side"
+KEYS_ENV = "KVSM_SIDE_CHANNEL_KEYS"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
 
 _PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
@@ -167,9 +176,52 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 # -- kvsm's checks: each returns the problems it found (an empty list: none) ------------------
 
 
+@functools.cache
+def key_directory() -> str:
+    """A directory holding a fresh key pair, as a mounted Secret holds the deployment's
+    (``current.key_secret``): what the parser reads in place of the mount path."""
+    path = tempfile.mkdtemp(prefix="kvsm-manifest-keys-")
+    atexit.register(shutil.rmtree, path, True)
+    zmq.auth.create_certificates(path, "current")
+    return path
+
+
+def keys_path(container: dict[str, Any]) -> str | None:
+    """Where the engine is told its side-channel keys are: ``side_channel_keys``, else the env fallback."""
+    raw = flag(argv(container), "--kv-transfer-config")
+    extra = (json.loads(raw).get("kv_connector_extra_config") or {}) if raw else {}
+    return extra.get("side_channel_keys") or env_of(container).get(KEYS_ENV, {}).get("value")
+
+
+def keys_secret(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str | None, str | None]:
+    """(the Secret mounted at ``path``, None) if ``path`` is a usable key mount, else (None, what is wrong)."""
+    mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"].rstrip("/") == path.rstrip("/")]
+    if not mounts:
+        return None, f"side_channel_keys {path} is no volume mount of the container"
+    mount = mounts[0]
+    if mount.get("subPath") or mount.get("subPathExpr"):
+        return None, f"side_channel_keys {path} is a subPath mount: a Secret's update (a key rotation) never reaches it"
+    if not mount.get("readOnly"):
+        return None, f"side_channel_keys {path} is not mounted readOnly"
+    volume = next((v for v in pod["spec"].get("volumes", []) if v["name"] == mount["name"]), {})
+    secret = volume.get("secret")
+    if secret is None or not secret.get("secretName"):
+        return None, f"side_channel_keys {path}: volume {mount['name']} is not a Secret volume"
+    mode = secret.get("defaultMode", 0o644)
+    if mode & 0o077:
+        return None, f"side_channel_keys {path}: defaultMode {mode:#o} lets other users read the secret keys"
+    if secret.get("optional"):
+        return None, f"side_channel_keys {path}: the Secret is optional, so a pod could start without its keys"
+    items = secret.get("items")
+    if items is not None and not any(i.get("path") == "current.key_secret" for i in items):
+        return None, f"side_channel_keys {path}: the Secret's items put no current.key_secret there"
+    return secret["secretName"], None
+
+
 def kvsm_config(container: dict[str, Any], pod_ip: str = "10.0.0.7") -> tuple[dict[str, Any], KVSMConfig]:
     """The container's --kv-transfer-config, and what kvsm's config parser makes of it
-    (the pod's env as the engine would see it, with status.podIP as ``pod_ip``)."""
+    (the pod's env as the engine would see it, with status.podIP as ``pod_ip``, and
+    a fresh key pair where the side-channel keys' Secret would be mounted)."""
     args = argv(container)
     raw = flag(args, "--kv-transfer-config")
     assert raw is not None, f"{container['name']}: no --kv-transfer-config"
@@ -180,9 +232,14 @@ def kvsm_config(container: dict[str, Any], pod_ip: str = "10.0.0.7") -> tuple[di
             env[name] = str(e["value"])
         elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[name] = pod_ip
+    extra = dict(kvt.get("kv_connector_extra_config") or {})
+    if extra.get("side_channel_keys"):
+        extra["side_channel_keys"] = key_directory()
+    if env.get(KEYS_ENV):
+        env[KEYS_ENV] = key_directory()
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config=kvt.get("kv_connector_extra_config"), kv_role=kvt.get("kv_role"),
+            kv_connector_extra_config=extra, kv_role=kvt.get("kv_role"),
             kv_buffer_device=kvt.get("kv_buffer_device", "cpu"), engine_id="manifest-check",
             kv_load_failure_policy=kvt.get("kv_load_failure_policy", "fail")),
         parallel_config=SimpleNamespace(
@@ -196,6 +253,7 @@ def kvsm_config(container: dict[str, Any], pod_ip: str = "10.0.0.7") -> tuple[di
 
 def check_vllm_containers(docs: list[dict[str, Any]]) -> list[str]:
     problems = []
+    secrets: dict[str, str] = {}  # engine -> the Secret its keys come from
     for workload, pod in pod_specs(docs):
         for c in all_containers(pod):
             if not is_vllm(c):
@@ -208,6 +266,16 @@ def check_vllm_containers(docs: list[dict[str, Any]]) -> list[str]:
                 continue
             if kvt.get("kv_connector") != "KVSMConnector":
                 problems.append(f"{where}: kv_connector is {kvt.get('kv_connector')!r}, not KVSMConnector")
+            keys = keys_path(c)
+            if keys is None:
+                problems.append(f"{where}: no side_channel_keys: its side channel would answer any host "
+                                "that reaches it (docs/security.md)")
+            else:
+                secret, wrong = keys_secret(pod, c, keys)
+                if wrong is not None:
+                    problems.append(f"{where}: {wrong}")
+                else:
+                    secrets[where] = str(secret)
             unknown = sorted(set(kvt.get("kv_connector_extra_config") or {}) - set(EXTRA_KEYS))
             if unknown:
                 problems.append(f"{where}: kv_connector_extra_config keys kvsm does not know: {unknown}")
@@ -232,6 +300,9 @@ def check_vllm_containers(docs: list[dict[str, Any]]) -> list[str]:
             http = flag(argv(c), "--port")
             if http is None or int(http) not in declared.values():
                 problems.append(f"{where}: vLLM's --port {http} is not a container port")
+    if len(set(secrets.values())) > 1:
+        problems.append(f"the engines' keys come from different Secrets, so they would not trust each other: "
+                        f"{secrets}")
     return problems
 
 
@@ -461,6 +532,32 @@ def test_kvsm_checks_reject_broken_copies(monkeypatch: pytest.MonkeyPatch) -> No
     assert any("not the pod IP" in p
                for p in broken(lambda d: _producer(d)[1]["env"].__setitem__(
                    0, {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"})))
+
+    # The side channel's keys: removed, or mounted where they leak or a rotation cannot reach them.
+    assert any("no side_channel_keys" in p
+               for p in broken(lambda d: set_config(d, lambda c: c["kv_connector_extra_config"].pop(
+                   "side_channel_keys"))))
+
+    def keys_mount(d: list[dict[str, Any]]) -> dict[str, Any]:
+        c = _producer(d)[1]
+        return next(m for m in c["volumeMounts"] if m["mountPath"] == keys_path(c))
+
+    def keys_volume(d: list[dict[str, Any]]) -> dict[str, Any]:
+        doc, _ = _producer(d)
+        name = keys_mount(d)["name"]
+        return next(v for v in doc["spec"]["template"]["spec"]["volumes"] if v["name"] == name)
+
+    assert any("subPath" in p for p in broken(lambda d: keys_mount(d).update(subPath="current.key_secret")))
+    assert any("not mounted readOnly" in p for p in broken(lambda d: keys_mount(d).pop("readOnly")))
+    assert any("no volume mount" in p
+               for p in broken(lambda d: _producer(d)[1]["volumeMounts"].remove(keys_mount(d))))
+    assert any("not a Secret volume" in p
+               for p in broken(lambda d: keys_volume(d).update(secret=None, emptyDir={})))
+    assert any("other users read" in p
+               for p in broken(lambda d: keys_volume(d)["secret"].update(defaultMode=0o444)))
+    assert any("optional" in p for p in broken(lambda d: keys_volume(d)["secret"].update(optional=True)))
+    assert any("different Secrets" in p
+               for p in broken(lambda d: keys_volume(d)["secret"].update(secretName="other-keys")))
 
     router = _first(docs, "Deployment", lambda d: d["metadata"]["name"] == "kvsm-router")
     router["spec"]["template"]["spec"]["containers"][0]["args"][1] = "http://kvsm-prefill:9999"
