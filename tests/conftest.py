@@ -87,6 +87,7 @@ class LlamaServers:
     decode: Any
     router: Any  # kvsm_testing.servers.RouterProcess
     events: Path  # both servers' event logs
+    keys: Path  # the pair's side_channel_keys directory (CURVE; test_side_channel_auth rotates it)
 
 
 def vllm_left(server: Any, grace: float = 15) -> list[str]:
@@ -109,9 +110,10 @@ def vllm_left(server: Any, grace: float = 15) -> list[str]:
 @pytest.fixture(scope="session")
 def llama_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServers]:
     """One prefill and one decode API server (the tiny Llama, KVSMConnector) and
-    the router (``python -m kvsm.router``), shared by every module that only sends
+    the router (``python -m kvsm.router``), keyed as a deployment should be
+    (``side_channel_keys``: CURVE, checked for rotation every 0.5 s), shared by every module that only sends
     them requests and reads their logs and metrics (``test_e2e_servers``,
-    ``test_router``): starting a pair is most of such a module's time. (The
+    ``test_router``, ``test_side_channel_auth``): starting a pair is most of such a module's time. (The
     dashboard's test keeps a pair of its own: its handshake-latency panel needs a
     first handshake while Prometheus scrapes.) vLLM's stats are on
     (``/metrics``), the decode server logs each request
@@ -127,14 +129,19 @@ def llama_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaSer
     model = str(build_tiny_model())
     events = tmp / "events"
     p_spec, d_spec = pd_specs(event_log_dir=str(events))
+    keys = tmp / "keys"
+    keys.mkdir()
+    import zmq.auth
+    zmq.auth.create_certificates(str(keys), "current")
     for spec in (p_spec, d_spec):
         spec.log_stats = True
+        spec.extra_config.update(side_channel_keys=str(keys), side_channel_keys_reload=0.5)
     d_spec.extra_args = ("--enable-log-requests",)
     d_spec.kv_load_failure_policy = "recompute"
     prefill, decode = VLLMServer(p_spec, model, tmp), VLLMServer(d_spec, model, tmp)
     router = RouterProcess([prefill.url], [decode.url], tmp, timeout_s=60)
     with running_pair(prefill, decode, router, ready_timeout=240, stop_timeout=20):
-        yield LlamaServers(model, prefill, decode, router, events)
+        yield LlamaServers(model, prefill, decode, router, events, keys)
     left = [p for s in (prefill, decode) for p in vllm_left(s)]
     assert not left, f"vLLM processes left behind: {left}"
 

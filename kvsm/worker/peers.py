@@ -297,8 +297,8 @@ class PeersAndClaims:
                 self.mark_dead(peer, str(outcome), "silent", claim.sent_ns)
                 return  # a death fails every request waiting on this peer
             kind = "incompatible" if isinstance(outcome, HandshakeIncompatible) else "handshake"
-            if outcome.code == "engine_mismatch":
-                kind = "engine_mismatch"
+            if outcome.code in ("engine_mismatch", "unauthenticated", "handshake_failed"):
+                kind = outcome.code  # (the last two: the deployment's keys, on one side or the other)
             self._refuse(claim, kind, f"{peer.address}: {outcome}")
             return
         assert isinstance(outcome, (MetadataReply, ClaimsReply))

@@ -174,8 +174,12 @@ class SideChannelFuzzer:
     """
 
     def __init__(self, host: str, port: int, *, seed: int = 0, ranks: frozenset[tuple[int, int]] = frozenset({(0, 0)}),
-                 window: int = 64, reply_timeout_s: float = 30.0, context: zmq.Context | None = None) -> None:
+                 window: int = 64, reply_timeout_s: float = 30.0, context: zmq.Context | None = None,
+                 curve: tuple[bytes, bytes, bytes] | None = None) -> None:
         self.host, self.port = host, port
+        # (public, secret, server public), Z85: an attacker holding a deployment key,
+        # so that its ZMQ sockets get past CURVE and reach the handler.
+        self.curve = curve
         self.address = peer_address(host, port)
         self.rng = random.Random(seed)
         self.ranks = ranks
@@ -295,8 +299,16 @@ class SideChannelFuzzer:
 
     # ------------------------------------------------------------------ DEALER path
 
+    def _secure(self, sock: zmq.Socket) -> zmq.Socket:
+        if self.curve is not None:
+            public, secret, server = self.curve
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+        return sock
+
     def _socket(self, kind: int) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
+        sock = self._secure(self._ctx.socket(kind))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(self.reply_timeout_s * 1000))
         sock.connect(self.address)
@@ -570,7 +582,7 @@ class SideChannelFuzzer:
 
     def _attack_router_peer(self) -> None:
         """A ROUTER connecting to the ROUTER (it names the server's routing id itself)."""
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock = self._secure(self._ctx.socket(zmq.ROUTER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.RCVTIMEO, int(self.reply_timeout_s * 1000))
@@ -602,7 +614,7 @@ class SideChannelFuzzer:
     def _attack_refused_type(self) -> None:
         """A socket type a ROUTER refuses; what it sends must never be delivered."""
         name = self.rng.choice(sorted(REFUSED_SOCKET_TYPES))
-        sock = self._ctx.socket(REFUSED_SOCKET_TYPES[name])
+        sock = self._secure(self._ctx.socket(REFUSED_SOCKET_TYPES[name]))
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.address)
         self.report.connections[f"refused_{name}"] += 1
