@@ -24,7 +24,8 @@ Sections (the default runs those that are implemented):
    Repeated ``--e2e-repeat`` times (default: ``--repeat``, at most 3).
 7. ``handshake``  first-request latency to a fresh peer, and to healthy peers
    with a dead one among them: in process (kvsm only), and on real servers
-   (kvsm vs upstream).
+   (kvsm vs upstream); in process, the side channel with CURVE keys against
+   without (first request to a fresh peer, a claim on a connected one).
 8. ``scale``      per-request cost from 1,000 to 100,000 requests, and memory
    after every round (``tools/bench_scale.py``): the scheduler hooks on vLLM's
    real Scheduler (kvsm and upstream), the simulation on virtual time, and the
@@ -74,6 +75,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -117,6 +119,7 @@ from kvsm_testing.ports import free_port as _free_port
 from kvsm_testing.scheduler import CONNECTOR_SCHEDULER_HOOKS  # cheap: imports no vLLM
 
 if TYPE_CHECKING:
+    from kvsm.handshake.keys import SideChannelKeys
     from kvsm_testing.servers import RouterProcess
 
 # --------------------------------------------------------------------------- sizes
@@ -1034,11 +1037,18 @@ def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
 class HandshakeBench:
     """Prefill peers (HandshakeServers on one kvsm EventLoop) and a decode side
     (a fresh HandshakeClient per trial on another EventLoop, so every trial
-    meets its peers over fresh connections), all on 127.0.0.1."""
+    meets its peers over fresh connections), all on 127.0.0.1.
+
+    With ``keys``, two more peers for plain against CURVE (``compare``): one
+    without keys and one with them, otherwise alike, each on a zmq context of
+    its own (libzmq serves one ZAP handler per context; the plain one gets its
+    own too, so that both have an I/O thread to themselves)."""
 
     METADATA_BYTES = 16 * 1024  # a NIXL agent's metadata is tens of KiB
 
-    def __init__(self, num_healthy: int) -> None:
+    def __init__(self, num_healthy: int, keys: SideChannelKeys | None = None) -> None:
+        import zmq
+
         from kvsm.handshake import CompatInfo, HandshakeServer
         from kvsm.runtime.loop import EventLoop
 
@@ -1054,18 +1064,34 @@ class HandshakeBench:
         def on_claims(kind: str, requester: str, claims: list[str], readers: int = 1) -> dict[str, str]:
             return dict.fromkeys(claims, "ok")
 
+        def serve(server: Any, label: str) -> Any:
+            # on_readable(sock) tells the sockets apart (a keyed server's ZAP handler is one of them).
+            for sock in server.sockets():
+                self.server_loop.add_reader(sock, functools.partial(server.on_readable, sock), label=label)
+            return server
+
+        self.contexts: list[zmq.Context] = []
+
         def start_servers() -> list[Any]:
-            servers = []
-            for i in range(num_healthy):
-                server = HandshakeServer(f"prefill-{i}", self.compat, provide, on_claims,
-                                         context=self.server_loop.context, lease_ns=30_000_000_000)
-                for sock in server.sockets():
-                    self.server_loop.add_reader(sock, server.on_readable, label=f"server {i}")
-                servers.append(server)
-            return servers
+            return [serve(HandshakeServer(f"prefill-{i}", self.compat, provide, on_claims,
+                                          context=self.server_loop.context, lease_ns=30_000_000_000),
+                          f"server {i}")
+                    for i in range(num_healthy)]
+
+        def start_compared() -> dict[str, Any]:
+            compared = {}
+            for variant, variant_keys in (("plain", None), ("curve", keys)):
+                ctx = zmq.Context()
+                self.contexts.append(ctx)
+                compared[variant] = serve(HandshakeServer(f"prefill-{variant}", self.compat, provide, on_claims,
+                                                          context=ctx, lease_ns=30_000_000_000, keys=variant_keys),
+                                          f"server {variant}")
+            return compared
 
         self.servers = self.server_loop.call(start_servers, 10)
         self.healthy = [s.address for s in self.servers]
+        self.keys = keys
+        self.compared: dict[str, Any] = self.server_loop.call(start_compared, 10) if keys is not None else {}
         # Dead peer 1: accepts TCP (the kernel completes the connection) and never says a byte.
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
@@ -1144,9 +1170,97 @@ class HandshakeBench:
             raise RuntimeError(f"handshake trial: no result from {sorted(wanted - got.keys())} in {timeout_s} s")
         return {p: got[p] for p in wait_for}
 
+    def session(self, variant: str, round_trips: int, timeout_s: float = 10.0) -> dict[str, list[float]]:
+        """On ``compared[variant]``, from a fresh client (with the keys for
+        "curve"): the first request (metadata_req with one claim: TCP, ZMTP and,
+        keyed, CurveZMQ handshakes included), then ``round_trips`` of each of a
+        Heartbeat with one claim and a metadata_req with one claim, alternately,
+        one at a time on that connection. Milliseconds from each send to its
+        result on the client's loop thread, by kind ("first", "heartbeat",
+        "metadata")."""
+        from kvsm.handshake import HandshakeClient
+
+        loop = self.client_loop
+        peer = self.compared[variant].address
+        keys = self.keys if variant == "curve" else None
+        plan = ["first", *(["heartbeat", "metadata"] * round_trips)]
+        got: dict[str, list[float]] = {"first": [], "heartbeat": [], "metadata": []}
+        state: dict[str, Any] = {"at": 0, "rid": None, "t0": 0, "timer": None, "error": None}
+        done = threading.Event()
+
+        def send_next() -> None:
+            client, at = state["client"], state["at"]
+            deadline_ns = loop.now_ns() + 5_000_000_000
+            state["t0"] = time.perf_counter_ns()
+            if plan[at] == "heartbeat":
+                state["rid"] = client.heartbeat(peer, [f"c-{at}"], deadline_ns=deadline_ns)
+            else:
+                state["rid"] = client.fetch_metadata(peer, 0, claims=[f"c-{at}"], deadline_ns=deadline_ns)
+
+        def on_results(results: list[Any]) -> None:
+            while results:
+                t = time.perf_counter_ns()
+                r = next((r for r in results if r.request_id == state["rid"]), None)
+                if r is None or done.is_set():
+                    return
+                kind = plan[state["at"]]
+                if not r.ok:
+                    state["error"] = f"{kind}: {r.outcome}"
+                    done.set()
+                    return
+                got[kind].append((t - state["t0"]) / 1e6)
+                state["at"] += 1
+                if state["at"] == len(plan):
+                    done.set()
+                    return
+                send_next()
+                results = state["client"].poll_results()
+
+        def arm() -> None:
+            client = state["client"]
+            loop.cancel(state["timer"])
+            state["timer"] = None
+            deadline = client.next_deadline_ns()
+            if deadline is not None:
+                state["timer"] = loop.call_at(deadline, expire, label="bench handshake deadlines")
+
+        def expire() -> None:
+            state["timer"] = None
+            on_results(state["client"].expire(loop.now_ns()))
+            arm()
+
+        def watch(sock: Any) -> None:
+            def readable() -> None:
+                on_results(state["client"].on_readable(sock))
+                arm()
+
+            loop.add_reader(sock, readable, label="bench handshake client")
+
+        def start() -> None:
+            state["client"] = HandshakeClient(self.compat, "bench-decode/tp0", context=loop.context,
+                                              on_socket_added=watch, on_socket_removed=loop.remove_reader,
+                                              keys=keys)
+            send_next()
+            on_results(state["client"].poll_results())
+            arm()
+
+        def finish() -> None:
+            loop.cancel(state["timer"])
+            client = state.get("client")
+            if client is not None:
+                client.close()
+
+        loop.call(start, 10)
+        ok = done.wait(timeout_s)
+        loop.call(finish, 10)
+        if state["error"] is not None or not ok:
+            raise RuntimeError(f"handshake session ({variant}): {state['error'] or 'no result'} "
+                               f"after {state['at']} of {len(plan)} requests")
+        return got
+
     def close(self) -> None:
         def stop_servers() -> None:
-            for s in self.servers:
+            for s in [*self.servers, *self.compared.values()]:
                 for sock in s.sockets():
                     self.server_loop.remove_reader(sock)
                 s.close()
@@ -1156,6 +1270,8 @@ class HandshakeBench:
         self.server_loop.stop()
         self.client_loop.stop()
         self.listener.close()
+        for ctx in self.contexts:
+            ctx.destroy(linger=0)
 
 
 def _handshake_servers_run(label: str, connector: str, model: str, workdir: Path, seed: int) -> dict[str, Any]:
@@ -1277,12 +1393,34 @@ def _handshake_server_rows(sec: Section, repeat: int, tmp: Path) -> None:
                 for run in rs] for label, rs in runs.items()}
 
 
+HS_ROUND_TRIPS = 20  # 7. per kind, per session on a connected peer, plain and CURVE
+
+
+def _handshake_keys(tmp: Path) -> tuple[SideChannelKeys | None, str]:
+    """A deployment's CURVE keys made in ``tmp`` (as zmq.auth writes them), or None and why not."""
+    import zmq
+    import zmq.auth
+
+    from kvsm.handshake.keys import load_keys
+
+    if not zmq.has("curve"):
+        return None, "this libzmq was built without CURVE"
+    key_dir = tmp / "hs-curve-keys"
+    key_dir.mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(str(key_dir), "current")
+    return load_keys(str(key_dir)), ""
+
+
 def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
-    sec = Section(7, "handshake", "first request to fresh peers, with and without a dead peer (in process: kvsm "
-                  "only; on servers: kvsm vs upstream)")
-    hb = HandshakeBench(num_healthy=3)
+    sec = Section(7, "handshake", "first request to fresh peers, with and without a dead peer, with and without "
+                  "CURVE (in process: kvsm only; on servers: kvsm vs upstream)")
+    keys, no_keys = _handshake_keys(tmp)
+    hb = HandshakeBench(num_healthy=3, keys=keys)
     deadline = sizes.hs_deadline_ms
     long_deadline = 5000
+    variants = list(hb.compared)  # plain, curve (none without CURVE)
+    kinds = ("first", "heartbeat", "metadata")
+    auth: dict[str, dict[str, list[float]]] = {k: {v: [] for v in variants} for k in kinds}
     try:
         healthy = hb.healthy
         scenarios: dict[str, tuple[list[str], list[str]]] = {
@@ -1295,6 +1433,8 @@ def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
         }
         for _ in range(3):  # warm-up
             hb.trial(*scenarios["three"], long_deadline)
+            for v in variants:
+                hb.session(v, 5)
         per_rep: dict[str, list[float]] = {k: [] for k in scenarios}
         per_peer_rep: dict[str, list[float]] = {k: [] for k in scenarios}
         timeout_late: dict[str, list[float]] = {"dead_listening": []}
@@ -1315,6 +1455,16 @@ def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
             for name in scenarios:
                 per_rep[name].append(statistics.median(trials[name]))
                 per_peer_rep[name].append(statistics.median(each[name]))
+            # Plain against CURVE: a fresh client per session, the two alternating
+            # session by session (the order rotating), so that drift meets both.
+            sessions: dict[str, dict[str, list[float]]] = {k: {v: [] for v in variants} for k in kinds}
+            for t in range(sizes.hs_trials):
+                for v in _rotated(variants, rep + t) if variants else ():
+                    for k, ms_list in hb.session(v, HS_ROUND_TRIPS).items():
+                        sessions[k][v].extend(ms_list)
+            for k in kinds:
+                for v in variants:
+                    auth[k][v].append(statistics.median(sessions[k][v]))
             # The dead peer's own outcome: a silent one times out at its deadline; a
             # closed port is refused at once.
             res = hb.trial([hb.dead_listening, *healthy], [hb.dead_listening, *healthy], deadline)
@@ -1353,12 +1503,35 @@ def bench_handshake(sizes: Sizes, repeat: int, tmp: Path) -> Section:
             timeout_late["dead_listening"]),
         Row(f"closed port: refused after (deadline {deadline} ms)", "ms", refused_ms),
     ]
+    auth_rows = (
+        ("first", "first request to a fresh peer (connect, handshake, metadata_req with one claim)"),
+        ("heartbeat", "connected peer: Heartbeat with one claim, round trip"),
+        ("metadata", f"connected peer: metadata_req with one claim ({HandshakeBench.METADATA_BYTES // 1024} KiB "
+                     f"reply), round trip"),
+    )
+    for kind, measure in auth_rows if variants else ():
+        sec.rows += [
+            Row(f"{measure}: plain", "ms", auth[kind]["plain"]),
+            Row(f"{measure}: CURVE", "ms", auth[kind]["curve"]),
+            Row(f"{measure}: CURVE / plain", "x", ratio(auth[kind]["curve"], auth[kind]["plain"])),
+        ]
     sec.notes.append(
         f"kvsm.handshake HandshakeServer x3 on one kvsm EventLoop, a fresh HandshakeClient per trial on another "
         f"(fresh TCP + ZMTP connections each time), metadata_req with one claim, "
         f"{HandshakeBench.METADATA_BYTES // 1024} KiB of agent metadata per reply; latency from each request's "
         f"send to its result on the client's loop thread. Median of {sizes.hs_trials} trials per repetition, "
         f"scenarios interleaved.")
+    if variants:
+        sec.notes.append(
+            f"plain / CURVE rows: two more HandshakeServers on the same loop, alike but for the keys (a key pair "
+            f"made with zmq.auth.create_certificates; the keyed one's ZAP handler served by the loop), each on a "
+            f"zmq context of its own. Per repetition, {sizes.hs_trials} sessions of each, alternating (order "
+            f"rotating): a fresh HandshakeClient (keyed for CURVE) sends the first request, then "
+            f"{HS_ROUND_TRIPS} Heartbeats and {HS_ROUND_TRIPS} metadata_reqs, alternately and one at a time, on "
+            f"the connection it opened; each row is the median per repetition, the ratio that of the medians of "
+            f"the same repetition.")
+    else:
+        sec.notes.append(f"plain / CURVE rows: not run ({no_keys}).")
     sec.notes.append("in-process rows, upstream n/a: NixlConnector's handshake (`_nixl_handshake`) is a method of "
                      "its worker (NIXL agent with the engine's registered KV caches, TP group, attention backend; "
                      "on the CPU it also pins its process to the last core), so it cannot run without an engine; "
