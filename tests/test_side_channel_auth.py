@@ -149,7 +149,7 @@ def test_a_stranger_gets_nothing_from_the_prefill_side_channel(llama_servers: Ll
         try:
             while chunk := tcp.recv(4096):
                 received += chunk
-        except TimeoutError:
+        except (TimeoutError, ConnectionResetError):  # silence, or the server closing on us
             pass
     assert len(received) <= 64 and b"compat" not in received and b"agent" not in received, received
 
@@ -234,5 +234,6 @@ def test_a_fuzz_storm_holding_a_deployment_key_is_answered_by_the_rules(llama_se
     reference = _complete(llama_servers.prefill.url, llama_servers.model, prompt)
     report = fuzzer.storm(3000, hold_open=6, big_frames=2, over_limit_frames=1, claimed_64mib=2, deadline_s=90)
     assert not report.mismatches, report.mismatches[:5]
-    assert report.unanswered == 0 and sum(report.answered.values()) >= 3000, report.summary()
+    assert report.unanswered == 0 and report.messages >= 3000, report.summary()
+    assert sum(report.answered.values()) == report.delivered and report.answered["served"] > 0, report.summary()
     assert _complete(llama_servers.router.url, llama_servers.model, prompt) == reference
