@@ -368,6 +368,19 @@ def storm(stack: Stack) -> Storm:
 
 
 @pytest.mark.slow
+def test_an_open_side_channel_says_so_once_and_in_its_metrics(stack: Stack) -> None:
+    """This pair runs without side_channel_keys (the open default a drop-in keeps):
+    the prefill engine says so once at start, naming how to add keys, and its gauge
+    says 0 (the keyed shared pair's says 1: test_side_channel_auth)."""
+    text = stack.prefill.tail(2_000_000)
+    assert text.count("no side_channel_keys, so it answers any host that can reach its port") == 1, text[-2000:]
+    assert "create_certificates" in text
+    gauge = [line for line in stack.prefill.metrics().splitlines()
+             if line.startswith("vllm:kvsm_side_channel_authenticated")]
+    assert gauge and all(line.endswith(" 0.0") for line in gauge), gauge
+
+
+@pytest.mark.slow
 def test_the_side_channel_survives_a_storm_while_serving(storm: Storm) -> None:
     stack, report, pin_report, rss, plog = storm.stack, storm.report, storm.pin_report, storm.rss, storm.plog
     t0, t1 = storm.window
