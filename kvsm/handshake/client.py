@@ -9,7 +9,6 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -23,41 +22,25 @@ from kvsm.handshake.messages import (
     Abandon,
     ClaimsReply,
     CompatInfo,
-    ErrorReply,
     HandshakeError,
-    HandshakeIncompatible,
     HandshakeProtocolError,
     HandshakeRefused,
-    HandshakeRejected,
     HandshakeResult,
     HandshakeTimeout,
     Heartbeat,
     MetadataReply,
     MetadataRequest,
-    Reply,
     Request,
     compat_hash,
-    compat_identity,
-    compat_mismatch,
 )
 from kvsm.handshake.peer_socket import HANDSHAKE_FAILED, PeerSocket, ServerKeyChoice, close_pair, open_peer_socket
+from kvsm.handshake.pending import Pending, judge
 
 log = logging.getLogger("kvsm.handshake")
 
-@dataclass(slots=True)
-class _Pending:
-    request_id: int
-    peer: str
-    payload: bytes
-    deadline_ns: int
-    expects: type
-    tp_rank: int = -1
-    pp_rank: int = -1
-    expected_engine_id: str | None = None
-    resends: int = 0  # after a dropped connection (a keyed server rebinding)
-
-
 _MAX_RESENDS = 3
+
+
 class HandshakeClient:
     """Decode side: sends requests to any number of prefill peers, one DEALER
     socket per peer so that a dead or slow peer only delays its own requests.
@@ -120,7 +103,7 @@ class HandshakeClient:
         self._server_keys = ServerKeyChoice(keys)
         self._peers: dict[str, PeerSocket] = {}
         self._by_socket: dict[zmq.Socket, PeerSocket] = {}
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._deadlines: list[tuple[int, int]] = []  # (deadline_ns, request_id), lazily pruned
         self._results: list[HandshakeResult] = []
         self._stats: Counter[str] = Counter()
@@ -175,7 +158,7 @@ class HandshakeClient:
             self._fail(request_id, peer, HandshakeProtocolError(
                 "malformed", f"not sent, cannot be encoded: {e}", peer=peer, nonce=request_id))
             return request_id
-        pending = _Pending(request_id, peer, payload, deadline_ns,
+        pending = Pending(request_id, peer, payload, deadline_ns,
                            MetadataReply if isinstance(request, MetadataRequest) else ClaimsReply,
                            expected_engine_id=expected_engine_id)
         if isinstance(request, MetadataRequest):
@@ -231,7 +214,7 @@ class HandshakeClient:
     def expire(self, now_ns: int) -> list[HandshakeResult]:
         """Time out every request whose deadline is <= now_ns; reset those peers'
         sockets. Returns the results that became known (timeouts and others)."""
-        due: list[_Pending] = []
+        due: list[Pending] = []
         while self._deadlines and self._deadlines[0][0] <= now_ns:
             deadline_ns, request_id = heapq.heappop(self._deadlines)
             pending = self._pending.get(request_id)
@@ -319,7 +302,7 @@ class HandshakeClient:
             self._on_added(peer.monitor)
         return peer
 
-    def _transmit(self, peer: PeerSocket, pending: _Pending) -> None:
+    def _transmit(self, peer: PeerSocket, pending: Pending) -> None:
         try:
             peer.sock.send(pending.payload, zmq.NOBLOCK)
             self._stats["sent"] += 1
@@ -433,36 +416,9 @@ class HandshakeClient:
         pending = self._take(reply.nonce)
         self._stats["completed"] += 1
         self._results.append(HandshakeResult(pending.request_id, peer.address,
-                                             self._judge(pending, reply)))
+                                             judge(pending, reply, self.compat, self.compat_hash)))
 
-    def _judge(self, pending: _Pending, reply: Reply) -> MetadataReply | ClaimsReply | HandshakeError:
-        """The reply if it is what this request needed, else the error saying why not."""
-        peer, nonce = pending.peer, pending.request_id
-        if isinstance(reply, ErrorReply):
-            if reply.code == "incompatible":
-                differences = compat_mismatch(self.compat, reply.compat) if reply.compat else []
-                return HandshakeIncompatible(differences, peer=peer, nonce=nonce)
-            return HandshakeRejected(reply.code, reply.detail, peer=peer, nonce=nonce)
-        if not isinstance(reply, pending.expects):
-            return HandshakeProtocolError("unexpected_reply", f"expected {pending.expects.__name__}, "
-                                          f"got {type(reply).__name__}", peer=peer, nonce=nonce)
-        if isinstance(reply, MetadataReply):
-            if compat_identity(reply.compat) != compat_identity(self.compat):
-                return HandshakeIncompatible(compat_mismatch(self.compat, reply.compat),
-                                             peer=peer, nonce=nonce)
-            if reply.compat_hash != self.compat_hash:
-                return HandshakeIncompatible([], peer=peer, nonce=nonce)
-            if (reply.tp_rank, reply.pp_rank) != (pending.tp_rank, pending.pp_rank):
-                return HandshakeProtocolError(
-                    "wrong_rank", f"asked for tp_rank={pending.tp_rank} pp_rank={pending.pp_rank}, "
-                    f"got tp_rank={reply.tp_rank} pp_rank={reply.pp_rank}", peer=peer, nonce=nonce)
-            if pending.expected_engine_id is not None and reply.engine_id != pending.expected_engine_id:
-                return HandshakeError(
-                    "engine_mismatch", f"expected engine {pending.expected_engine_id!r}, "
-                    f"{peer} is now engine {reply.engine_id!r} (restarted?)", peer=peer, nonce=nonce)
-        return reply
-
-    def _take(self, request_id: int) -> _Pending:
+    def _take(self, request_id: int) -> Pending:
         pending = self._pending.pop(request_id)
         peer = self._peers.get(pending.peer)
         if peer is not None:
