@@ -32,6 +32,9 @@ EXTRA_KEYS: dict[str, str] = {
     "backends": "NIXL backends (['UCX'])",
     "num_threads": "UCX backend worker threads of each NIXL agent, as upstream's key (0: none, the loop "
                    "progresses UCX itself)",
+    "kv_recompute_threshold": "decode side: a request with fewer remote tokens to load than this computes its "
+                              "prompt here and the prefill side unpins at once (upstream's key; 0: off, the "
+                              "default)",
     "side_channel_keys": "directory of the deployment's CURVE keys (zmq.auth certificates, or env "
                          "KVSM_SIDE_CHANNEL_KEYS): only engines holding one get an answer; unset: the side "
                          "channel answers any host that reaches it (docs: security)",
@@ -86,6 +89,8 @@ class KVSMConfig:
     # reads from is known (their round trip then overlaps the reads); the prefill
     # side holds such a read's notification until its claim.
     early_reads: bool = True
+    # Fewer remote tokens to load than this: computed here (upstream's kv_recompute_threshold; 0: off).
+    recompute_threshold: int = 0
     # The deployment's CURVE keys (a directory, kvsm.handshake.keys), checked every
     # side_channel_keys_reload_s for a rotation; None: the side channel is open.
     side_channel_keys: str | None = None

@@ -581,6 +581,12 @@ def test_harness_loads_it_by_name_through_the_plugin() -> None:
     ({"num_threads": "4"}, "num_threads"),
     ({"num_threads": -1}, "num_threads"),
     ({"stall_timeout": 0}, "stall_timeout"),
+    ({"kv_recompute_threshold": -1}, "kv_recompute_threshold"),
+    ({"kv_recompute_threshold": 1.5}, "kv_recompute_threshold"),
+    ({"kv_recompute_threshold": "64"}, "kv_recompute_threshold"),
+    ({"side_channel_keys": "/nonexistent/kvsm-keys"}, "side_channel_keys: cannot read the directory"),
+    ({"side_channel_keys": 7}, "side_channel_keys"),
+    ({"side_channel_keys_reload": 0}, "side_channel_keys_reload"),
 ])
 def test_bad_config_is_refused_naming_the_key(extra: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

@@ -19,6 +19,7 @@ full run.
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -52,7 +53,8 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 RNG = random.Random(20261130)
-SHORT = _prompt(RNG, 1)  # one token
+SHORT = _prompt(RNG, 1)  # one token: fewer than the decode engine's kv_recompute_threshold
+RECOMPUTE_THRESHOLD = 2
 UNDER_BLOCK = _prompt(RNG, 40)  # under one block
 ONE_BLOCK = _prompt(RNG, BLOCK)  # exactly one full block
 LONG = _prompt(RNG, 300)  # two full blocks and a partial one
@@ -73,7 +75,8 @@ class Pair:
             PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id="prefill-pd",
                      log_dir=self.logs, workdir=tmp, cpu=0, wait=False),
             PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id="decode-pd",
-                     log_dir=self.logs, workdir=tmp, cpu=1, wait=False))
+                     log_dir=self.logs, workdir=tmp, cpu=1, wait=False,
+                     extra={"kv_recompute_threshold": RECOMPUTE_THRESHOLD}))
         # The single engine's outputs: the decode engine's own, computed apart from its prefix
         # cache (a cache_salt) before anything is read into it.
         refs = self.decode.generate(ALL_PROMPTS, MAX_TOKENS, cache_salt="reference")
@@ -125,24 +128,48 @@ def _matched_tokens(logs: Path, remote_reqs: list[str], timeout: float = 10.0) -
 
 
 def test_outputs_equal_a_single_engine_and_prompts_come_from_the_transfer(pair: Pair) -> None:
-    prompts = [SHORT, UNDER_BLOCK, ONE_BLOCK, LONG]  # several requests in one step on both sides
+    prompts = [UNDER_BLOCK, ONE_BLOCK, LONG]  # several requests in one step on both sides
     params = pair.prefill_params(prompts)
     assert all(len(p["remote_block_ids"]) == 1 for p in params)
-    assert [len(p["remote_block_ids"][0]) for p in params] == [1, 1, 1, 3]
+    assert [len(p["remote_block_ids"][0]) for p in params] == [1, 1, 3]
     outs = pair.decode.generate(prompts, MAX_TOKENS, params)
-    pair.record(prompts, reads=4, blocks=6)
+    pair.record(prompts, reads=3, blocks=5)
     for prompt, out in zip(prompts, outs):
         assert out["finish_reason"] == "length"
         assert out["token_ids"] == pair.reference[tuple(prompt)], f"{len(prompt)}-token prompt"
         # Every prompt token's KV came over the transfer (no local prefix hit yet).
-        # vLLM reports 0 cached tokens for a 1-token prompt whatever the source
-        # (its stats never count the last prompt token alone); the event log
-        # check below covers that one.
-        if len(prompt) > 1:
-            assert out["num_cached_tokens"] == len(prompt), f"{len(prompt)}-token prompt"
+        assert out["num_cached_tokens"] == len(prompt), f"{len(prompt)}-token prompt"
     remote = [p["remote_request_id"] for p in params]
     matched = _matched_tokens(pair.logs, remote)
     assert [matched[q] for q in remote] == [len(p) for p in prompts]
+
+
+def test_fewer_remote_tokens_than_the_recompute_threshold_are_computed_here(pair: Pair) -> None:
+    """kv_recompute_threshold 2 on the decode engine (upstream's key): the one-token
+    prompt's token is computed there, not read, the output is the single engine's,
+    and the prefill side is told to unpin at once (not at its lease's end); the
+    scheduler's log says why."""
+    (params,) = pair.prefill_params([SHORT])
+    (out,) = pair.decode.generate([SHORT], MAX_TOKENS, [params])
+    pair.record([SHORT], reads=0, blocks=0, right=False)
+    assert out["token_ids"] == pair.reference[tuple(SHORT)]
+    remote = params["remote_request_id"]
+    wait_until(lambda: remote not in pair.prefill.request({"op": "state"})["worker"]["send"], 5,
+               f"the prefill side to unpin {remote}")
+
+    def recomputed() -> list[dict[str, Any]] | None:
+        records = [json.loads(line) for f in pair.logs.glob("decode-pd.scheduler.*.jsonl")
+                   for line in f.read_text().splitlines() if line.strip()]
+        steps = [r for r in records if r.get("lifecycle") == "sched" and r.get("input", {}).get("remote_req") == remote]
+        if not steps:
+            return None
+        mine = [r for r in records if r.get("lifecycle") == "sched" and r.get("req") == steps[0]["req"]]
+        return mine if mine[-1].get("dst") == "ran_locally" else None
+    steps = wait_until(recomputed, 10, "the decode scheduler's log to end the request ran_locally")
+    assert [(r["event"], r["dst"]) for r in steps[1:]] == [
+        ("params_read", "claiming"), ("remote_tokens_counted", "recomputing"),
+        ("blocks_allocated", "computing_locally"), ("request_finished", "ran_locally")], steps
+    assert steps[2]["input"] == {"tokens": 1, "threshold": RECOMPUTE_THRESHOLD}
 
 
 def test_local_prefix_hit_reads_only_the_rest(pair: Pair) -> None:
@@ -231,9 +258,10 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
     # replay's to judge (no findings, above).
     finals.pop("peer", None)
     # Each scheduler's own machines (kvsm/lifecycle/sched.py): every decode request
-    # read and ran, every prefill pinned its blocks.
+    # read and ran (or, under kv_recompute_threshold, ran locally), every prefill
+    # pinned its blocks.
     sched = finals.pop("sched")
-    assert set(sched) <= {"done", "pinned"}, sched
+    assert set(sched) <= {"done", "pinned", "ran_locally"}, sched
     assert set(finals) == {"recv", "send"}, finals
     assert set(finals["recv"]) == {"done"} and set(finals["send"]) == {"released"}
     # One request's whole story across both engines, from the CLI.
@@ -245,8 +273,8 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
     for needle in ("prefill-pd/worker", "decode-pd/worker",
                    "--finished_ok-->", "--handshake_ok-->", "--all_reads_done--> done", "--read_notif--> released"):
         assert needle in cli.stdout, f"{needle!r} missing from the timeline:\n{cli.stdout}"
-    # In a full run: 4 + 1 + 1 (notify only) + 1 + 2 requests, each once on each side;
-    # 8 reads of 13 blocks (1+1+1+3, 1, 2, 2+2).
+    # In a full run: 3 + 1 (computed here) + 1 + 1 (notify only) + 1 + 2 requests, each
+    # once on each side; 7 reads of 12 blocks (1+1+3, 1, 2, 2+2).
     ledger = pair.ledger
     assert finals["recv"]["done"] == finals["send"]["released"] == ledger["requests"], (finals, ledger)
     # The connectors' own counters agree (what vLLM's stats and Prometheus get).

@@ -24,6 +24,7 @@ from kvsm.lifecycle.sched import (
     ParamsIgnored,
     ParamsRead,
     PrefillFinished,
+    RemoteTokensCounted,
     RequestFinished,
 )
 from kvsm.lifecycle.table import LIFECYCLES, PEER, RECV, SCHED, SEND
@@ -85,6 +86,32 @@ def test_what_a_prefill_finish_pins(status: str, blocks: int, past: int, held_ba
     m = t.get("p")
     out = t.apply(PrefillFinished(req="p", status=status, blocks=blocks, past_prompt=past, held_back=held_back))
     assert out.dst == dest and m is not None and m.why.startswith(why)  # type: ignore[attr-defined]
+
+
+def test_fewer_remote_tokens_than_the_recompute_threshold_are_computed_here() -> None:
+    """kv_recompute_threshold (upstream's key): the table decides, on the counted
+    tokens and the threshold in the event, so replay re-checks the arithmetic."""
+    t = LifecycleTracker(SCHED, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+    read = {"remote_engine": "p", "remote_req": "pr", "remote_port": 1}
+    for req in ("few", "many", "gone"):
+        t.create(req)
+        t.apply(ParamsRead(req=req, **{**read, "remote_req": f"pr-{req}"}))
+    out = t.apply(RemoteTokensCounted(req="many", tokens=64, threshold=64))  # not fewer: read as usual
+    assert (out.dst, out.effects) == ("claiming", ())
+    assert t.apply(BlocksAllocated(req="many", num_external_tokens=64)).dst == "loading"
+    out = t.apply(RemoteTokensCounted(req="few", tokens=63, threshold=64))
+    assert (out.dst, out.effects) == ("recomputing", ("recompute_locally",))
+    m = t.get("few")
+    assert m is not None and m.recompute_tokens == 63  # type: ignore[attr-defined]
+    assert "63 remote token(s) computed here: fewer than kv_recompute_threshold (64)" in m.why  # type: ignore[attr-defined]
+    assert t.apply(RemoteTokensCounted(req="few", tokens=63, threshold=64)).stale  # asked again
+    out = t.apply(BlocksAllocated(req="few", num_external_tokens=0))
+    assert (out.dst, out.effects) == ("computing_locally", ("stop_heartbeat", "start_notify_only"))
+    assert t.apply(RequestFinished(req="few", status="FINISHED_LENGTH_CAPPED")).dst == "ran_locally"
+    # Finished before vLLM allocated: the prefill side is told, as for a claiming request.
+    t.apply(RemoteTokensCounted(req="gone", tokens=1, threshold=2))
+    out = t.apply(RequestFinished(req="gone", status="FINISHED_ABORTED"))
+    assert (out.dst, out.effects) == ("abandoned", ("stop_heartbeat", "drop_reader", "abandon_remote"))
 
 
 def test_an_ignored_request_runs_locally() -> None:

@@ -57,6 +57,16 @@ class BlocksAllocated(Event, frozen=True, tag="blocks_allocated"):
     num_external_tokens: int = 0
 
 
+class RemoteTokensCounted(Event, frozen=True, tag="remote_tokens_counted"):
+    """vLLM asked what the prefill side offers (``get_num_new_matched_tokens``):
+    ``tokens`` to load beyond what this engine has, against ``kv_recompute_threshold``
+    (fewer than ``threshold`` remote tokens are computed here, as upstream's key
+    says). Counted only while the threshold is on."""
+
+    tokens: int
+    threshold: int
+
+
 class LoadReported(Event, frozen=True, tag="load_reported"):
     """A worker reported the request in ``finished_recving``: vLLM stops waiting."""
 
@@ -84,8 +94,8 @@ class SchedulerStopped(Event, frozen=True, tag="scheduler_stopped"):
     """The scheduler half shuts down while the request is live: it ends here."""
 
 
-SCHED_EVENTS: tuple[type[Event], ...] = (ParamsIgnored, ParamsRead, BlocksAllocated, LoadReported,
-                                         RequestFinished, PrefillFinished, SchedulerStopped)
+SCHED_EVENTS: tuple[type[Event], ...] = (ParamsIgnored, ParamsRead, RemoteTokensCounted, BlocksAllocated,
+                                         LoadReported, RequestFinished, PrefillFinished, SchedulerStopped)
 
 
 # --- the data ----------------------------------------------------------------
@@ -97,7 +107,7 @@ class SchedMachine(RequestMachine):
     here: no condition reads it and replay does not rebuild it), kept until the
     effect that uses them up starts the transfer or tells the prefill side."""
 
-    __slots__ = ("source", "why", "remote")
+    __slots__ = ("source", "why", "remote", "recompute_tokens")
 
     def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
         super().__init__(req, lifecycle, state, now_ns)
@@ -105,6 +115,8 @@ class SchedMachine(RequestMachine):
         self.source: tuple[str, str, int, int, int, str] = ("", "", 0, 0, 0, "")
         self.why = ""  # why the params were ignored, or why nothing was pinned
         self.remote: Any = None
+        # Remote tokens left to compute here (kv_recompute_threshold); 0: none.
+        self.recompute_tokens = 0
 
     @property
     def group(self) -> tuple[str, str, int, int, int]:
@@ -113,7 +125,7 @@ class SchedMachine(RequestMachine):
 
     def snapshot(self) -> dict[str, Any]:
         out = super().snapshot()
-        out.update({"source": self.source, "why": self.why})
+        out.update({"source": self.source, "why": self.why, "recompute_tokens": self.recompute_tokens})
         return out
 
 
@@ -139,6 +151,12 @@ def _note_second_reader(m: SchedMachine, ev: ParamsRead, now_ns: int) -> None:
              f"blocks after one read")
 
 
+def _note_recompute(m: SchedMachine, ev: RemoteTokensCounted, now_ns: int) -> None:
+    m.recompute_tokens = ev.tokens
+    m.why = (f"{ev.tokens} remote token(s) computed here: fewer than kv_recompute_threshold ({ev.threshold}); "
+             f"the prefill side is told to unpin")
+
+
 def _note_load(m: SchedMachine, ev: BlocksAllocated, now_ns: int) -> None:
     m.num_tokens = ev.num_external_tokens
 
@@ -155,6 +173,7 @@ SCHED_PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
     "note_params": _note_params,
     "note_ignored": _note_ignored,
     "note_second_reader": _note_second_reader,
+    "note_recompute": _note_recompute,
     "note_load": _note_load,
     "note_refusal": _note_refusal,
 }
@@ -174,6 +193,10 @@ def _read_by_another(m: SchedMachine, ev: ParamsRead) -> bool:
     return ev.reader not in ("", m.req)
 
 
+def _below_recompute_threshold(m: SchedMachine, ev: RemoteTokensCounted) -> bool:
+    return 0 < ev.tokens < ev.threshold
+
+
 def _tokens_to_load(m: SchedMachine, ev: BlocksAllocated) -> bool:
     return ev.num_external_tokens > 0
 
@@ -191,6 +214,7 @@ def _prompt_state_only(m: SchedMachine, ev: PrefillFinished) -> bool:
 SCHED_CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "rejected_upstream": _rejected_upstream,
     "read_by_another": _read_by_another,
+    "below_recompute_threshold": _below_recompute_threshold,
     "tokens_to_load": _tokens_to_load,
     "kv_complete": _kv_complete,
     "prompt_state_only": _prompt_state_only,
@@ -202,6 +226,7 @@ SCHED_EFFECTS: Mapping[str, str] = {
     "warn_ignored": "log why the params were ignored (the request runs as a local one)",
     "note_rejected": "log vLLM's stand-in for a request rejected upstream",
     "keep_params": "keep the parsed params: vLLM asks what they offer until it allocates",
+    "recompute_locally": "answer vLLM that nothing is loaded: it computes the prompt itself",
     "take_reader": "become the one reader of the prefill request (the index by prefill request)",
     "drop_reader": "stop being its reader: another request of this engine may read it",
     "start_heartbeat": "heartbeat the prefill request's claim until vLLM allocates (the index by prefill worker group)",
@@ -234,6 +259,8 @@ SCHED_STATES = [
     "new",
     "ignored",
     "claiming",
+    "recomputing",
+    "computing_locally",
     "rejected",
     "loading",
     "loaded",
@@ -270,6 +297,13 @@ SCHED_TRANSITIONS: list[dict[str, Any]] = [
      "conditions": "read_by_another", "after": "warn_ignored"},
     {"trigger": "params_read", "source": "new", "dest": "claiming",
      "after": ["keep_params", "take_reader", "start_heartbeat"]},
+    # -- decode: vLLM asks what the prefill side offers (get_num_new_matched_tokens), while
+    # kv_recompute_threshold is on: so few remote tokens are computed here, not read.
+    {"trigger": "remote_tokens_counted", "source": "claiming", "dest": "recomputing", "prepare": "note_recompute",
+     "conditions": "below_recompute_threshold", "after": "recompute_locally"},
+    {"trigger": "remote_tokens_counted", "source": "claiming", "dest": "claiming"},
+    {"trigger": "blocks_allocated", "source": "recomputing", "dest": "computing_locally",
+     "after": ["stop_heartbeat", "start_notify_only"]},
     # -- decode: vLLM allocates (update_state_after_alloc), once a transfer
     {"trigger": "blocks_allocated", "source": "claiming", "dest": "loading", "prepare": "note_load",
      "conditions": "tokens_to_load", "after": ["stop_heartbeat", "start_load"]},
@@ -284,6 +318,9 @@ SCHED_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "request_finished", "source": "claiming", "dest": "abandoned",
      "after": ["stop_heartbeat", "drop_reader", "abandon_remote"]},
     {"trigger": "request_finished", "source": "rejected", "dest": "abandoned", "after": "abandon_remote"},
+    {"trigger": "request_finished", "source": "recomputing", "dest": "abandoned",
+     "after": ["stop_heartbeat", "drop_reader", "abandon_remote"]},
+    {"trigger": "request_finished", "source": "computing_locally", "dest": "ran_locally", "after": "drop_reader"},
     # vLLM keeps the blocks until a worker reports the request in finished_recving.
     {"trigger": "request_finished", "source": "loading", "dest": "aborted_loading",
      "after": ["drop_reader", "abort_load"]},
@@ -299,9 +336,11 @@ SCHED_TRANSITIONS: list[dict[str, Any]] = [
 ]
 
 SCHED_STALE: list[dict[str, Any]] = [
-    {"trigger": "blocks_allocated", "source": ["loading", "loaded", "prefilling"],
+    {"trigger": "blocks_allocated", "source": ["loading", "loaded", "prefilling", "computing_locally"],
      "why": "vLLM allocates again after the load or a preemption: one transfer, one start per request"},
     {"trigger": "blocks_allocated", "source": "ignored", "why": "it runs as a local request"},
+    {"trigger": "remote_tokens_counted", "source": ["recomputing", "computing_locally", "loading", "loaded"],
+     "why": "vLLM asks again (a preemption, or blocks not free yet): counted once"},
 ]
 
 # ``LifecycleSpec``'s arguments: ``table.py`` compiles them into ``SCHED``.

@@ -49,6 +49,7 @@ from kvsm.lifecycle.sched import (
     BlocksAllocated,
     LoadReported,
     PrefillFinished,
+    RemoteTokensCounted,
     RequestFinished,
     SchedMachine,
     SchedulerStopped,
@@ -124,7 +125,7 @@ class SchedulerHalf:
             "warn_ignored": self._warn_ignored, "note_rejected": self._note_rejected,
             "take_reader": self._take_reader, "drop_reader": self._drop_reader,
             "start_heartbeat": self._start_heartbeat, "stop_heartbeat": self._stop_heartbeat,
-            "keep_params": self._keep_params,
+            "keep_params": self._keep_params, "recompute_locally": self._recompute_locally,
             "start_load": self._start_load, "start_notify_only": self._start_notify_only,
             "abandon_remote": self._abandon_remote, "abort_load": self._abort_load,
             "start_send": self._start_send, "queue_pin": self._queue_pin, "refuse_pin": self._refuse_pin,
@@ -205,7 +206,7 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         m = self._machine(request.request_id)
         remote = None if m is None else m.remote
-        if remote is None:
+        if m is None or remote is None or m.recompute_tokens:
             return 0, False
         available = request.num_prompt_tokens
         if remote.remote_num_tokens is not None:
@@ -215,6 +216,9 @@ class SchedulerHalf:
                              strict=True):
             available = min(available, len(ids) * size)
         count = available - num_computed_tokens
+        if count > 0 and self.cfg.recompute_threshold and self._apply(m, RemoteTokensCounted(
+                req=m.req, tokens=count, threshold=self.cfg.recompute_threshold)):
+            return 0, False  # the table chose: so few tokens are computed here
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -270,6 +274,9 @@ class SchedulerHalf:
         (``AsyncLLM.notify_kv_transfer_request_rejected``)."""
         self._note("sched.rejected_upstream", m.req, remote_req=m.remote_req,
                    **({"kept_for": ev.reader} if ev.reader else {}))
+
+    def _recompute_locally(self, m: SchedMachine, ev: Any, context: Any) -> bool:
+        return True  # get_num_new_matched_tokens answers (0, False)
 
     def _keep_params(self, m: SchedMachine, ev: Any, remote: Any) -> None:
         m.remote = remote

@@ -128,9 +128,18 @@ def kvsm_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMC
         stall_timeout_s=_positive("stall_timeout", extra.get("stall_timeout", 2.0)),
         num_threads=_num_threads(extra.get("num_threads", 0)),
         early_reads=_flag("early_reads", extra.get("early_reads", True)),
+        recompute_threshold=_count("kv_recompute_threshold", extra.get("kv_recompute_threshold", 0)),
         side_channel_keys=os.path.abspath(keys_dir) if keys_dir else None,
         side_channel_keys_reload_s=_positive("side_channel_keys_reload", extra.get("side_channel_keys_reload", 2.0)),
     )
+
+def _count(key: str, value: Any) -> int:
+    """A non-negative whole number of tokens (an int, or a float that is one: JSON)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not value.is_integer()) or value < 0):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a non-negative integer, got {value!r}")
+    return int(value)
+
 
 def unknown_extra_keys(vllm_config: Any) -> list[str]:
     """kv_connector_extra_config keys kvsm does not know (reported at start)."""
