@@ -31,6 +31,13 @@ errors, 504 for a timeout, 400 for a malformed client body. A client that
 disconnects mid-stream closes the decode connection, and vLLM aborts the
 request. Both backends get the same ``X-Request-Id`` so their logs correlate;
 one log line per request says where it went and how long each step took.
+
+Selective disaggregation (``--disagg-threshold N``, ``kvsm.router_decider``): a
+prompt with fewer than ``N`` tokens uncached on its decode backend (by the
+router's own count of the prompts it sent there) goes to that decode backend
+alone, which computes it; the others go by prefill and transfer. Text prompts
+and chat messages are counted by the decode backend's ``/tokenize`` (a failure
+there means P/D, never a failed request). ``GET /metrics`` counts each path.
 """
 
 from __future__ import annotations
@@ -50,11 +57,19 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvsm.router_decider import Decider, Decision, tokenize_body
+
 __all__ = ["create_app", "main"]
 
 logger = logging.getLogger("kvsm.router")
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+# --disagg-threshold's default (docs/benchmarks.md, "Selective disaggregation"): up to
+# 64 tokens the decode engine computed a prompt within its usual step time (TTFT
+# flat), while P/D cost 18 ms more; longer prompts' compute shows, and would be
+# taken from every stream decoding on that engine.
+DEFAULT_DISAGG_THRESHOLD = 64
 
 # What the prefill engine is asked for: compute the prompt's KV and keep it for
 # a remote decode (the keys NixlConnector's routers send; kvsm reads the same).
@@ -91,6 +106,7 @@ class Trace:
     decode_ms: float | None = None
     status: int = 500
     error: str | None = None
+    disagg: Decision | None = None  # the first prompt's, for a list
     t0: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
@@ -100,6 +116,8 @@ class Trace:
                 f"prefill={self.prefill or '-'} prefill_ms={ms(self.prefill_ms)} "
                 f"decode={self.decode or '-'} decode_ttfb_ms={ms(self.decode_ttfb_ms)} "
                 f"decode_ms={ms(self.decode_ms)} total_ms={ms((time.monotonic() - self.t0) * 1e3)}")
+        if self.disagg is not None:
+            text += " " + self.disagg.fields()
         return f"{text} error={self.error!r}" if self.error else text
 
 
@@ -123,7 +141,8 @@ def _error_text(body: bytes) -> tuple[str, str | None]:
 class Router:
     """Backends, their round-robin order, and the one client session (connection pool) to them."""
 
-    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float) -> None:
+    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float,
+                 decider: Decider | None = None) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode backend")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -134,6 +153,7 @@ class Router:
         # No total limit: a long stream is fine as long as the backend keeps talking.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._session: aiohttp.ClientSession | None = None
+        self.decider = decider or Decider()
 
     async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
         """One session for the app's lifetime: connections to the backends are reused."""
@@ -182,6 +202,10 @@ class Router:
         """The router's own liveness (it does not probe the backends)."""
         return web.json_response({"status": "ok"})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The router's counters (Prometheus text): prompts by path taken, the threshold."""
+        return web.Response(text=self.decider.prometheus(), content_type="text/plain", charset="utf-8")
+
     async def models(self, request: web.Request) -> web.Response:
         """What the decode engines serve (the first one answers for all)."""
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -204,12 +228,22 @@ class Router:
             prompts = _prompt_list(request.path, body)
             if prompts is not None and not trace.stream:
                 return await self._generate_each(request.path, trace, body, prompts, headers)
-            trace.prefill = next(self._next_prefill)
-            t = time.monotonic()
-            kv_params = await self._prefill(trace.prefill, request.path, body, headers)
-            trace.prefill_ms = _since_ms(t)
             trace.decode = next(self._next_decode)
-            return await self._decode(request, trace, {**body, "kv_transfer_params": kv_params}, headers)
+            if prompts is not None:  # a streamed list goes whole, by P/D (see the module's docstring)
+                trace.disagg, tokens = self.decider.pd("streamed_list"), None
+            else:
+                trace.disagg, tokens = await self._decide(trace.decode, request.path, body, body.get("prompt"),
+                                                          headers)
+            if not trace.disagg.local:
+                trace.prefill = next(self._next_prefill)
+                t = time.monotonic()
+                kv_params = await self._prefill(trace.prefill, request.path, body, headers)
+                trace.prefill_ms = _since_ms(t)
+                body = {**body, "kv_transfer_params": kv_params}
+            out = await self._decode(request, trace, body, headers)
+            if tokens is not None and trace.status < 400:
+                self.decider.index.record(trace.decode, str(body.get("model")), tokens)
+            return out
         except BackendError as e:
             trace.status, trace.error = e.status, e.message
             return e.response(rid)
@@ -224,13 +258,20 @@ class Router:
         """One prefill/decode pair per prompt of a list, answered as one response."""
         async def one(prompt: Any) -> dict[str, Any]:
             single = {**body, "prompt": prompt}
-            prefill, decode = next(self._next_prefill), next(self._next_decode)
-            trace.prefill, trace.decode = trace.prefill or prefill, trace.decode or decode
-            kv_params = await self._prefill(prefill, path, single, headers)
-            out = await self._post_json("decode", decode, path, headers, {**single, "kv_transfer_params": kv_params})
+            decode = next(self._next_decode)
+            trace.decode = trace.decode or decode
+            decision, tokens = await self._decide(decode, path, single, prompt, headers)
+            trace.disagg = trace.disagg or decision
+            if not decision.local:
+                prefill = next(self._next_prefill)
+                trace.prefill = trace.prefill or prefill
+                single["kv_transfer_params"] = await self._prefill(prefill, path, single, headers)
+            out = await self._post_json("decode", decode, path, headers, single)
             if not isinstance(out.get("choices"), list):
                 raise BackendError(502, f"decode backend {decode} returned no choices: {str(out)[:200]}",
                                    "backend_error", decode)
+            if tokens is not None:
+                self.decider.index.record(decode, str(body.get("model")), tokens)
             return out
 
         t = time.monotonic()
@@ -238,7 +279,33 @@ class Router:
         trace.decode_ms, trace.status = _since_ms(t), 200
         return web.json_response(_merge_completions(answers), headers=self._trace_headers(trace))
 
-    # -- the two steps ----------------------------------------------------------------------
+    # -- the steps --------------------------------------------------------------------------
+
+    async def _decide(self, decode: str, path: str, body: dict[str, Any], prompt: Any,
+                      headers: dict[str, str]) -> tuple[Decision, list[int] | None]:
+        """P/D or the decode backend alone for one prompt, and its token ids (None: not counted)."""
+        if not self.decider.on:
+            return self.decider.pd("off"), None
+        ask = tokenize_body(path, body, prompt)
+        if ask is None:
+            return self.decider.pd("tokenize_failed", "a prompt of neither text nor token ids"), None
+        if isinstance(ask, dict):
+            try:
+                ask = await self._tokenize(decode, ask, headers)
+            except (BackendError, TimeoutError) as e:
+                note = e.message if isinstance(e, BackendError) else "/tokenize timed out"
+                logger.warning("req=%s: counting the prompt's tokens failed, so P/D: %s",
+                               headers.get("X-Request-Id"), note)
+                return self.decider.pd("tokenize_failed", note), None
+        return self.decider.decide(decode, str(body.get("model")), ask), ask
+
+    async def _tokenize(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> list[int]:
+        """The prompt's token ids, as the decode backend's vLLM counts them (``POST /tokenize``)."""
+        async with asyncio.timeout(min(self.timeout_s, 10.0)):
+            tokens = (await self._post_json("decode", url, "/tokenize", headers, body)).get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise BackendError(502, f"decode backend {url} /tokenize returned no token ids", "backend_error", url)
+        return tokens
 
     @staticmethod
     async def _client_body(request: web.Request) -> dict[str, Any]:
@@ -379,12 +446,17 @@ def _merge_completions(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def create_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 300.0) -> web.Application:
-    """The router as an aiohttp application (run it with ``web.run_app`` or an ``AppRunner``)."""
-    router = Router(prefill_urls, decode_urls, timeout)
+def create_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 300.0, *,
+               disagg_threshold: int = 0, prefix_block_size: int = 16,
+               prefix_capacity: int = 100_000) -> web.Application:
+    """The router as an aiohttp application (run it with ``web.run_app`` or an ``AppRunner``);
+    ``disagg_threshold`` 0 (here the default) sends every request by P/D."""
+    router = Router(prefill_urls, decode_urls, timeout,
+                    Decider(disagg_threshold, prefix_block_size, prefix_capacity))
     app = web.Application(client_max_size=64 * 2**20)  # long prompts, or images as data URLs
     app.cleanup_ctx.append(router.session_ctx)
     app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics)
     app.router.add_get("/v1/models", router.models)
     for path in GENERATE_PATHS:
         app.router.add_post(path, router.generate)
@@ -404,11 +476,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a backend may take to connect or stay silent (default 300) before a 504")
+    parser.add_argument("--disagg-threshold", type=int, default=DEFAULT_DISAGG_THRESHOLD, metavar="TOKENS",
+                        help="a prompt with fewer uncached tokens on its decode backend than this goes to the decode "
+                             f"backend alone, without prefill (default {DEFAULT_DISAGG_THRESHOLD}; 0: every request "
+                             "by prefill and transfer)")
+    parser.add_argument("--prefix-block-size", type=int, default=16, metavar="TOKENS",
+                        help="tokens per block of the router's prefix index: the engines' --block-size (default 16)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    if args.disagg_threshold < 0 or args.prefix_block_size < 1:
+        parser.error("--disagg-threshold must be 0 or more, --prefix-block-size 1 or more")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(args.prefill, args.decode, args.timeout)
-    logger.info("routing prefill=%s decode=%s on http://%s:%d", args.prefill, args.decode, args.host, args.port)
+    app = create_app(args.prefill, args.decode, args.timeout, disagg_threshold=args.disagg_threshold,
+                     prefix_block_size=args.prefix_block_size)
+    logger.info("routing prefill=%s decode=%s on http://%s:%d; disagg threshold %d tokens, prefix blocks of %d",
+                args.prefill, args.decode, args.host, args.port, args.disagg_threshold, args.prefix_block_size)
     # handler_cancellation: a client that goes away cancels its handler at once, which closes
     # the backend connection even while the backend is silent (vLLM then aborts the request).
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)

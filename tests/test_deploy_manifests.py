@@ -317,7 +317,7 @@ def check_router(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) ->
             where = f"{workload['metadata']['name']}/{c['name']}"
             seen: dict[str, Any] = {}
             monkeypatch.setattr(kvsm_router, "create_app",
-                                lambda p, d, t, seen=seen: seen.update(prefill=p, decode=d, timeout=t))
+                                lambda p, d, t, seen=seen, **kw: seen.update(prefill=p, decode=d, timeout=t))
             monkeypatch.setattr(kvsm_router.web, "run_app", lambda app, seen=seen, **kw: seen.update(kw))
             monkeypatch.setattr(kvsm_router.logging, "basicConfig", lambda **kw: None)
             args = c.get("args", [])
