@@ -49,7 +49,7 @@ require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.router import create_app
-from kvsm_testing.servers import VLLMServer, free_port
+from kvsm_testing.servers import RouterProcess, VLLMServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -421,6 +421,49 @@ def test_client_disconnect_mid_stream_aborts_on_decode(pair: Pair, router: str) 
         status, out, _ = _post(url, "/v1/completions", body)
         assert status == 200
         assert out["choices"][0]["token_ids"] == _reference(pair, "/v1/completions", body)["token_ids"]
+
+
+def test_selective_disaggregation_sends_short_prompts_to_decode_alone(pair: Pair, tmp_path: Path) -> None:
+    """With --disagg-threshold 64, prompts of fewer tokens go to the decode engine
+    alone (counted by the router from token ids, or by the decode engine's
+    /tokenize for text and chat): nothing reaches the prefill engine, nothing is
+    read by transfer; a longer one goes by P/D. Every answer is the reference."""
+    def prefill_prompt_tokens() -> float:
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in pair.prefill.metrics().splitlines()
+                   if ln.startswith("vllm:prompt_tokens_total{"))
+
+    short = [("/v1/completions", _completion(pair, _ids(20), 8)),
+             ("/v1/completions", _completion(pair, "A short text prompt", 8)),
+             ("/v1/chat/completions", _chat(pair, "Hi there", 8))]
+    long = _completion(pair, _ids(300), 8)
+    refs = [_reference(pair, path, body) for path, body in [*short, ("/v1/completions", long)]]
+    with RouterProcess([pair.prefill.url], [pair.decode.url], tmp_path, disagg_threshold=64,
+                       extra_args=["--prefix-block-size", "128"]) as router:
+        router.start()
+        before = prefill_prompt_tokens()
+        rids = [_rid() for _ in short]
+        for (path, body), ref, rid in zip(short, refs, rids):
+            status, out, headers = _post(router.url, path, body, {"X-Request-Id": rid})
+            assert status == 200, out
+            got = out["choices"][0]
+            assert (got.get("text"), (got.get("message") or {}).get("content")) == (
+                ref.get("text"), (ref.get("message") or {}).get("content"))
+            assert headers["X-KVSM-Prefill-Backend"] == ""
+        assert prefill_prompt_tokens() == before  # the prefill engine saw none of them
+        rid = _rid()
+        status, out, headers = _post(router.url, "/v1/completions", long, {"X-Request-Id": rid})
+        assert status == 200 and out["choices"][0]["token_ids"] == refs[-1]["token_ids"], out
+        _assert_loaded_remotely(pair, rid, 300)
+        with urllib.request.urlopen(router.url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        log = router.log_path.read_text()
+    assert 'kvsm_router_disagg_total{path="local",reason="below_threshold"} 3' in metrics, metrics
+    assert 'kvsm_router_disagg_total{path="pd",reason="above_threshold"} 1' in metrics, metrics
+    for r in rids:
+        line = next(ln for ln in log.splitlines() if f"req={r} " in ln)
+        assert re.search(r"prefill=- .* disagg=local disagg_reason=below_threshold uncached=\d+ threshold=64", line)
+        assert _recv_machines(pair, r) == {}  # nothing read by transfer
+    assert re.search(rf"req={rid} .* disagg=pd disagg_reason=above_threshold uncached=300 threshold=64", log)
 
 
 def test_backend_down_is_502_naming_it(pair: Pair) -> None:

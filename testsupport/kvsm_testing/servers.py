@@ -343,11 +343,16 @@ def vm_rss_bytes(pid: int) -> int:
 
 class RouterProcess:
     """``python -m kvsm.router`` in front of the given backends, as its CLI runs;
-    ``stop`` always cleans up (use as a context manager)."""
+    ``stop`` always cleans up (use as a context manager).
+
+    ``disagg_threshold`` is 0 unless said (every request by prefill and
+    transfer, what the tests and benchmarks that check transfers need); None
+    leaves the router's default. ``extra_args`` go to its command line last."""
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], workdir: str | os.PathLike[str], *,
                  timeout_s: float = 60.0, netns: str | None = None, bind_host: str = "127.0.0.1",
-                 url_host: str = "127.0.0.1", own_session: bool = True) -> None:
+                 url_host: str = "127.0.0.1", own_session: bool = True, disagg_threshold: int | None = 0,
+                 extra_args: Sequence[str] = ()) -> None:
         self.own_session = own_session
         self.port = free_port()
         self.url = f"http://{url_host}:{self.port}"
@@ -359,6 +364,9 @@ class RouterProcess:
             self.args += ["--prefill", url]
         for url in decode:
             self.args += ["--decode", url]
+        if disagg_threshold is not None:
+            self.args += ["--disagg-threshold", str(disagg_threshold)]
+        self.args += list(extra_args)
         self.proc: subprocess.Popen | None = None
 
     def start(self, ready_timeout: float = 60.0) -> RouterProcess:
