@@ -31,6 +31,10 @@ Sections (the default runs those that are implemented):
    real Scheduler (kvsm and upstream), the simulation on virtual time, and the
    real worker loops of ``kvsm_testing.load`` (1,000 and 10,000 reads in
    flight at once); each part's flatness (largest size over smallest).
+9. ``disagg``     selective disaggregation: one request's TTFT through the
+   router by P/D against the decode engine alone, by prompt length
+   (``tools/bench_disagg.py``): what ``kvsm.router --disagg-threshold``'s
+   default is chosen from.
 
 This machine is noisy (2 cores, shared): every measurement is repeated
 (``--repeat``, default 5), kvsm and upstream runs alternate (the order rotates
@@ -94,6 +98,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from bench_disagg import bench_disagg  # tools/bench_disagg.py: section 9
 from bench_scale import bench_scale  # tools/bench_scale.py: section 8
 from bench_serve import (  # tools/bench_serve.py: 6.'s client
     serve_all_rates,
@@ -1582,6 +1587,7 @@ SECTIONS = (
     SectionSpec(7, "handshake", "handshake latency, dead peers", bench_handshake),
     SectionSpec(8, "scale", "per-request cost at 1k to 100k requests, memory after every round",
                 lambda s, r, t: bench_scale(s, r, t, sched_run=sched_run)),
+    SectionSpec(9, "disagg", "selective disaggregation: TTFT by P/D against the decode engine alone", bench_disagg),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 
