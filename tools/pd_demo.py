@@ -419,9 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"servers ready after {time.monotonic() - t0:.0f} s; starting the router on :{router_port}")
         # Run from the work dir with this process's kvsm first on its path (not
         # from the checkout, whose kvsm/ would shadow an installed wheel's).
+        # --disagg-threshold 0: every prompt by transfer, which the demo shows and checks
+        # (the router's default sends prompts under 64 uncached tokens to the decode engine alone).
         router = subprocess.Popen(
             [sys.executable, "-m", "kvsm.router", "--prefill", prefill.url, "--decode", decode.url,
-             "--port", str(router_port), "--host", "127.0.0.1"],
+             "--port", str(router_port), "--host", "127.0.0.1", "--disagg-threshold", "0"],
             cwd=str(workdir), env=child_env, stdout=router_log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
