@@ -65,11 +65,10 @@ logger = logging.getLogger("kvsm.router")
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
-# --disagg-threshold's default (docs/benchmarks.md, "Selective disaggregation"): up to
-# 64 tokens the decode engine computed a prompt within its usual step time (TTFT
-# flat), while P/D cost 18 ms more; longer prompts' compute shows, and would be
-# taken from every stream decoding on that engine.
-DEFAULT_DISAGG_THRESHOLD = 64
+# --disagg-threshold's default: off, so an upgraded router sends requests where it always
+# did; 64 is the setting measured for the dev machine (docs/benchmarks.md, "Selective
+# disaggregation"), to be measured again once first-token seeding cuts the P/D cost.
+DEFAULT_DISAGG_THRESHOLD = 0
 
 # What the prefill engine is asked for: compute the prompt's KV and keep it for
 # a remote decode (the keys NixlConnector's routers send; kvsm reads the same).
