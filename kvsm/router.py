@@ -38,6 +38,11 @@ router's own count of the prompts it sent there) goes to that decode backend
 alone, which computes it; the others go by prefill and transfer. Text prompts
 and chat messages are counted by the decode backend's ``/tokenize`` (a failure
 there means P/D, never a failed request). ``GET /metrics`` counts each path.
+
+Prefix affinity (``--prefix-affinity``, ``kvsm.router_affinity``): the backends
+holding the longest prefix of a prompt, by the same count, take it in place of
+the round robin (a conversation's turns meet their cached blocks), unless too
+loaded; ``GET /metrics`` counts each choice and why.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
@@ -57,7 +61,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvsm.router_affinity import Balancer, Choice
 from kvsm.router_decider import Decider, Decision, tokenize_body
+from kvsm.router_lists import merge_completions, prompt_list
 
 __all__ = ["create_app", "main"]
 
@@ -106,6 +112,7 @@ class Trace:
     status: int = 500
     error: str | None = None
     disagg: Decision | None = None  # the first prompt's, for a list
+    affinity: list[Choice] = field(default_factory=list)  # the first prompt's, for a list
     t0: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
@@ -117,6 +124,8 @@ class Trace:
                 f"decode_ms={ms(self.decode_ms)} total_ms={ms((time.monotonic() - self.t0) * 1e3)}")
         if self.disagg is not None:
             text += " " + self.disagg.fields()
+        if self.affinity:
+            text += " affinity=" + ",".join(c.field() for c in self.affinity)
         return f"{text} error={self.error!r}" if self.error else text
 
 
@@ -138,21 +147,20 @@ def _error_text(body: bytes) -> tuple[str, str | None]:
 
 
 class Router:
-    """Backends, their round-robin order, and the one client session (connection pool) to them."""
+    """Backends, how they are chosen, and the one client session (connection pool) to them."""
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float,
-                 decider: Decider | None = None) -> None:
+                 decider: Decider | None = None, balancer: Balancer | None = None) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode backend")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
-        self._next_prefill = itertools.cycle(self.prefill_urls)
-        self._next_decode = itertools.cycle(self.decode_urls)
+        self.decider = decider or Decider()
+        self.balancer = balancer or Balancer(self.prefill_urls, self.decode_urls, self.decider.index)
         self.timeout_s = timeout
         # No total limit: a long stream is fine as long as the backend keeps talking.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._session: aiohttp.ClientSession | None = None
-        self.decider = decider or Decider()
 
     async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
         """One session for the app's lifetime: connections to the backends are reused."""
@@ -202,8 +210,9 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """The router's counters (Prometheus text): prompts by path taken, the threshold."""
-        return web.Response(text=self.decider.prometheus(), content_type="text/plain", charset="utf-8")
+        """The router's counters (Prometheus text): prompts by path taken, backend choices."""
+        return web.Response(text=self.decider.prometheus() + self.balancer.prometheus(), content_type="text/plain",
+                            charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
         """What the decode engines serve (the first one answers for all)."""
@@ -224,24 +233,22 @@ class Router:
             body = await self._client_body(request)
             trace.stream = bool(body.get("stream"))
             headers = self._headers(request, rid)
-            prompts = _prompt_list(request.path, body)
+            prompts = prompt_list(request.path, body)
             if prompts is not None and not trace.stream:
                 return await self._generate_each(request.path, trace, body, prompts, headers)
-            trace.decode = next(self._next_decode)
-            if prompts is not None:  # a streamed list goes whole, by P/D (see the module's docstring)
-                trace.disagg, tokens = self.decider.pd("streamed_list"), None
-            else:
-                trace.disagg, tokens = await self._decide(trace.decode, request.path, body, body.get("prompt"),
-                                                          headers)
-            if not trace.disagg.local:
-                trace.prefill = next(self._next_prefill)
-                t = time.monotonic()
-                kv_params = await self._prefill(trace.prefill, request.path, body, headers)
-                trace.prefill_ms = _since_ms(t)
-                body = {**body, "kv_transfer_params": kv_params}
-            out = await self._decode(request, trace, body, headers)
-            if tokens is not None and trace.status < 400:
-                self.decider.index.record(trace.decode, str(body.get("model")), tokens)
+            # A streamed list goes whole, by P/D (see the module's docstring).
+            decode, trace.disagg, hashes = await self._route(request.path, body, body.get("prompt"), headers,
+                                                             countable=prompts is None)
+            trace.decode, trace.affinity = decode.url, [decode]
+            with self.balancer.hold(decode):
+                if not trace.disagg.local:
+                    t = time.monotonic()
+                    kv_params = await self._prefill_on(trace, trace.affinity, request.path, body, hashes, headers)
+                    trace.prefill_ms = _since_ms(t)
+                    body = {**body, "kv_transfer_params": kv_params}
+                out = await self._decode(request, trace, body, headers)
+            if hashes is not None and trace.status < 400:
+                self.balancer.record(decode, hashes)
             return out
         except BackendError as e:
             trace.status, trace.error = e.status, e.message
@@ -257,46 +264,50 @@ class Router:
         """One prefill/decode pair per prompt of a list, answered as one response."""
         async def one(prompt: Any) -> dict[str, Any]:
             single = {**body, "prompt": prompt}
-            decode = next(self._next_decode)
-            trace.decode = trace.decode or decode
-            decision, tokens = await self._decide(decode, path, single, prompt, headers)
-            trace.disagg = trace.disagg or decision
-            if not decision.local:
-                prefill = next(self._next_prefill)
-                trace.prefill = trace.prefill or prefill
-                single["kv_transfer_params"] = await self._prefill(prefill, path, single, headers)
-            out = await self._post_json("decode", decode, path, headers, single)
+            decode, decision, hashes = await self._route(path, single, prompt, headers)
+            trace.decode, trace.disagg = trace.decode or decode.url, trace.disagg or decision
+            choices = [decode]
+            with self.balancer.hold(decode):
+                if not decision.local:
+                    single["kv_transfer_params"] = await self._prefill_on(trace, choices, path, single, hashes,
+                                                                          headers)
+                trace.affinity = trace.affinity or choices
+                out = await self._post_json("decode", decode.url, path, headers, single)
             if not isinstance(out.get("choices"), list):
-                raise BackendError(502, f"decode backend {decode} returned no choices: {str(out)[:200]}",
-                                   "backend_error", decode)
-            if tokens is not None:
-                self.decider.index.record(decode, str(body.get("model")), tokens)
+                raise BackendError(502, f"decode backend {decode.url} returned no choices: {str(out)[:200]}",
+                                   "backend_error", decode.url)
+            if hashes is not None:
+                self.balancer.record(decode, hashes)
             return out
 
         t = time.monotonic()
         answers = await asyncio.gather(*(one(p) for p in prompts))
         trace.decode_ms, trace.status = _since_ms(t), 200
-        return web.json_response(_merge_completions(answers), headers=self._trace_headers(trace))
+        return web.json_response(merge_completions(answers), headers=self._trace_headers(trace))
 
     # -- the steps --------------------------------------------------------------------------
 
-    async def _decide(self, decode: str, path: str, body: dict[str, Any], prompt: Any,
-                      headers: dict[str, str]) -> tuple[Decision, list[int] | None]:
-        """P/D or the decode backend alone for one prompt, and its token ids (None: not counted)."""
-        if not self.decider.on:
-            return self.decider.pd("off"), None
+    async def _route(self, path: str, body: dict[str, Any], prompt: Any, headers: dict[str, str],
+                     countable: bool = True) -> tuple[Choice, Decision, list[int] | None]:
+        """One prompt's decode backend, P/D or that backend alone, and its block hashes (``Balancer.route``)."""
+        return await self.balancer.route(self.decider, str(body.get("model")), countable,
+                                         lambda url: self._tokens(url, path, body, prompt, headers))
+
+    async def _tokens(self, url: str, path: str, body: dict[str, Any], prompt: Any,
+                      headers: dict[str, str]) -> tuple[list[int] | None, str | None]:
+        """A prompt's token ids (asking ``url``'s ``/tokenize`` for text or chat), or None and why."""
         ask = tokenize_body(path, body, prompt)
         if ask is None:
-            return self.decider.pd("tokenize_failed", "a prompt of neither text nor token ids"), None
-        if isinstance(ask, dict):
-            try:
-                ask = await self._tokenize(decode, ask, headers)
-            except (BackendError, TimeoutError) as e:
-                note = e.message if isinstance(e, BackendError) else "/tokenize timed out"
-                logger.warning("req=%s: counting the prompt's tokens failed, so P/D: %s",
-                               headers.get("X-Request-Id"), note)
-                return self.decider.pd("tokenize_failed", note), None
-        return self.decider.decide(decode, str(body.get("model")), ask), ask
+            return None, "a prompt of neither text nor token ids"
+        if isinstance(ask, list):
+            return ask, None
+        try:
+            return await self._tokenize(url, ask, headers), None
+        except (BackendError, TimeoutError) as e:
+            note = e.message if isinstance(e, BackendError) else "/tokenize timed out"
+            logger.warning("req=%s: counting the prompt's tokens failed (so no threshold, no affinity): %s",
+                           headers.get("X-Request-Id"), note)
+            return None, note
 
     async def _tokenize(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> list[int]:
         """The prompt's token ids, as the decode backend's vLLM counts them (``POST /tokenize``)."""
@@ -340,6 +351,18 @@ class Router:
             raise BackendError(502, f"{role} backend {url} returned no JSON object: {raw[:200]!r}",
                                "backend_error", url)
         return out
+
+    async def _prefill_on(self, trace: Trace, choices: list[Choice], path: str, body: dict[str, Any],
+                          hashes: list[int] | None, headers: dict[str, str]) -> dict[str, Any]:
+        """``_prefill`` on the prefill backend chosen for the prompt (added to ``choices``)."""
+        prefill = self.balancer.pick("prefill", hashes)
+        trace.prefill = trace.prefill or prefill.url
+        choices.append(prefill)
+        with self.balancer.hold(prefill):
+            kv_params = await self._prefill(prefill.url, path, body, headers)
+        if hashes is not None:
+            self.balancer.record(prefill, hashes)
+        return kv_params
 
     async def _prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         """Compute the prompt's KV on a prefill backend; return where the decode side finds it."""
@@ -416,42 +439,16 @@ class Router:
         return out
 
 
-def _prompt_list(path: str, body: dict[str, Any]) -> list[Any] | None:
-    """The prompts of a completions request that names several (texts, or lists of
-    token ids); None for one prompt (a list of ints is one tokenized prompt)."""
-    prompt = body.get("prompt")
-    if not path.endswith("/v1/completions") or not isinstance(prompt, list) or len(prompt) < 2:
-        return None
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-        return prompt
-    return None
-
-
-def _merge_completions(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Several one-prompt completions as vLLM answers a list of prompts: the choices
-    in prompt order (prompt i's sample j at index i * n + j), the usage summed."""
-    merged = {k: v for k, v in answers[0].items() if k != "kv_transfer_params"}
-    choices: list[dict[str, Any]] = []
-    for i, answer in enumerate(answers):
-        own = sorted(answer["choices"], key=lambda c: c.get("index", 0))
-        choices += [{**c, "index": i * len(own) + j} for j, c in enumerate(own)]
-    merged["choices"] = choices
-    usages: list[dict[str, Any]] = [u for u in (a.get("usage") for a in answers) if isinstance(u, dict)]
-    if len(usages) == len(answers):
-        summed: dict[str, Any] = dict.fromkeys(usages[0])  # details that do not add up: none
-        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            summed[key] = sum(int(u.get(key) or 0) for u in usages)
-        merged["usage"] = summed
-    return merged
-
-
 def create_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 300.0, *,
-               disagg_threshold: int = 0, prefix_block_size: int = 16,
-               prefix_capacity: int = 100_000) -> web.Application:
+               disagg_threshold: int = 0, prefix_block_size: int = 16, prefix_capacity: int = 100_000,
+               prefix_affinity: bool = False, affinity_max_inflight: int | None = None) -> web.Application:
     """The router as an aiohttp application (run it with ``web.run_app`` or an ``AppRunner``);
-    ``disagg_threshold`` 0 (here the default) sends every request by P/D."""
-    router = Router(prefill_urls, decode_urls, timeout,
-                    Decider(disagg_threshold, prefix_block_size, prefix_capacity))
+    ``disagg_threshold`` 0 (here the default) sends every request by P/D, ``prefix_affinity``
+    False (the default) picks backends round robin."""
+    decider = Decider(disagg_threshold, prefix_block_size, prefix_capacity)
+    balancer = Balancer([u.rstrip("/") for u in prefill_urls], [u.rstrip("/") for u in decode_urls], decider.index,
+                        on=prefix_affinity, max_inflight=affinity_max_inflight)
+    router = Router(prefill_urls, decode_urls, timeout, decider, balancer)
     app = web.Application(client_max_size=64 * 2**20)  # long prompts, or images as data URLs
     app.cleanup_ctx.append(router.session_ctx)
     app.router.add_get("/health", router.health)
@@ -481,15 +478,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "by prefill and transfer)")
     parser.add_argument("--prefix-block-size", type=int, default=16, metavar="TOKENS",
                         help="tokens per block of the router's prefix index: the engines' --block-size (default 16)")
+    parser.add_argument("--prefix-affinity", action="store_true",
+                        help="send each request to the prefill and the decode backend holding the longest prefix of "
+                             "its prompt (text and chat counted by a decode backend's /tokenize); default: round robin")
+    parser.add_argument("--affinity-max-inflight", type=int, default=None, metavar="N",
+                        help="with --prefix-affinity, a preferred backend with more than N requests in flight gives "
+                             "way to the least loaded (default: twice the least loaded backend's count, plus 4)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    if args.disagg_threshold < 0 or args.prefix_block_size < 1:
-        parser.error("--disagg-threshold must be 0 or more, --prefix-block-size 1 or more")
+    if args.disagg_threshold < 0 or args.prefix_block_size < 1 or (args.affinity_max_inflight or 0) < 0:
+        parser.error("--disagg-threshold and --affinity-max-inflight must be 0 or more, --prefix-block-size 1 or more")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(args.prefill, args.decode, args.timeout, disagg_threshold=args.disagg_threshold,
-                     prefix_block_size=args.prefix_block_size)
-    logger.info("routing prefill=%s decode=%s on http://%s:%d; disagg threshold %d tokens, prefix blocks of %d",
-                args.prefill, args.decode, args.host, args.port, args.disagg_threshold, args.prefix_block_size)
+                     prefix_block_size=args.prefix_block_size, prefix_affinity=args.prefix_affinity,
+                     affinity_max_inflight=args.affinity_max_inflight)
+    logger.info("routing prefill=%s decode=%s on http://%s:%d; disagg threshold %d tokens, prefix blocks of %d, "
+                "prefix affinity %s", args.prefill, args.decode, args.host, args.port, args.disagg_threshold,
+                args.prefix_block_size, "on" if args.prefix_affinity else "off")
     # handler_cancellation: a client that goes away cancels its handler at once, which closes
     # the backend connection even while the backend is silent (vLLM then aborts the request).
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)

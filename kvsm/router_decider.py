@@ -46,7 +46,7 @@ def block_hashes(model: str, tokens: Sequence[int], block_size: int) -> list[int
 
 
 class PrefixIndex:
-    """Per decode backend, the block hashes of the prompts sent there: at most
+    """Per backend, the block hashes of the prompts sent there: at most
     ``capacity`` per backend, the least recently used dropped first."""
 
     def __init__(self, block_size: int = 16, capacity: int = 100_000) -> None:
@@ -55,23 +55,36 @@ class PrefixIndex:
         self.block_size, self.capacity = block_size, capacity
         self._blocks: dict[str, OrderedDict[int, None]] = {}
 
-    def cached_tokens(self, backend: str, model: str, tokens: Sequence[int]) -> int:
-        """How many leading tokens of ``tokens`` the backend has seen (whole blocks only)."""
+    def matched_blocks(self, backend: str, hashes: Sequence[int], touch: bool = True) -> int:
+        """How many leading blocks of a prompt (its ``block_hashes``) the backend has seen;
+        ``touch`` marks them used (a lookup that only compares backends leaves them be)."""
         seen = self._blocks.get(backend)
-        if not seen:
-            return 0
         n = 0
-        for h in block_hashes(model, tokens, self.block_size):
-            if h not in seen:
-                break
-            seen.move_to_end(h)
-            n += 1
-        return n * self.block_size
+        if seen:
+            for h in hashes:
+                if h not in seen:
+                    break
+                if touch:
+                    seen.move_to_end(h)
+                n += 1
+        return n
+
+    def cached_tokens(self, backend: str, model: str, tokens: Sequence[int],
+                      hashes: Sequence[int] | None = None) -> int:
+        """How many leading tokens of ``tokens`` the backend has seen (whole blocks only);
+        ``hashes``: their ``block_hashes`` when already made."""
+        if hashes is None:
+            hashes = block_hashes(model, tokens, self.block_size)
+        return self.matched_blocks(backend, hashes) * self.block_size
 
     def record(self, backend: str, model: str, tokens: Sequence[int]) -> None:
         """Remember that ``tokens`` went to ``backend`` (its engine now caches their blocks)."""
+        self.add(backend, block_hashes(model, tokens, self.block_size))
+
+    def add(self, backend: str, hashes: Sequence[int]) -> None:
+        """``record`` for a prompt's ``block_hashes`` already made."""
         seen = self._blocks.setdefault(backend, OrderedDict())
-        for h in block_hashes(model, tokens, self.block_size):
+        for h in hashes:
             seen[h] = None
             seen.move_to_end(h)
         while len(seen) > self.capacity:
@@ -133,11 +146,12 @@ class Decider:
         """P/D without a count of the prompt (off, a failed /tokenize, a streamed list)."""
         return self.count(Decision("pd", reason, self.threshold, note=note))
 
-    def decide(self, backend: str, model: str, tokens: Sequence[int]) -> Decision:
+    def decide(self, backend: str, model: str, tokens: Sequence[int],
+               hashes: Sequence[int] | None = None) -> Decision:
         """Local when fewer than ``threshold`` of ``tokens`` are uncached on ``backend``."""
         if not self.on:
             return self.pd("off")
-        cached = self.index.cached_tokens(backend, model, tokens)
+        cached = self.index.cached_tokens(backend, model, tokens, hashes)
         local = len(tokens) - cached < self.threshold
         return self.count(Decision("local" if local else "pd", "below_threshold" if local else "above_threshold",
                                    self.threshold, len(tokens), cached))

@@ -256,9 +256,14 @@ def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(router.web, "run_app", lambda *a, **kw: None)
     monkeypatch.setattr(router.logging, "basicConfig", lambda **kw: None)
     urls = ["--prefill", "http://p", "--decode", "http://d"]
-    router.main([*urls, "--disagg-threshold", "7", "--prefix-block-size", "128"])
-    assert seen == {"disagg_threshold": 7, "prefix_block_size": 128}
+    router.main([*urls, "--disagg-threshold", "7", "--prefix-block-size", "128", "--prefix-affinity",
+                 "--affinity-max-inflight", "3"])
+    assert seen == {"disagg_threshold": 7, "prefix_block_size": 128, "prefix_affinity": True,
+                    "affinity_max_inflight": 3}
     router.main(urls)
-    assert seen == {"disagg_threshold": router.DEFAULT_DISAGG_THRESHOLD, "prefix_block_size": 16}
+    assert seen == {"disagg_threshold": router.DEFAULT_DISAGG_THRESHOLD, "prefix_block_size": 16,
+                    "prefix_affinity": False, "affinity_max_inflight": None}
     with pytest.raises(SystemExit):
         router.main([*urls, "--disagg-threshold", "-1"])
+    with pytest.raises(SystemExit):
+        router.main([*urls, "--affinity-max-inflight", "-1"])
