@@ -43,6 +43,11 @@ Prefix affinity (``--prefix-affinity``, ``kvsm.router_affinity``): the backends
 holding the longest prefix of a prompt, by the same count, take it in place of
 the round robin (a conversation's turns meet their cached blocks), unless too
 loaded; ``GET /metrics`` counts each choice and why.
+
+First-token seeding (``--first-token-seeding``, ``kvsm.router_seeding``): a
+streamed request of one choice gets its first token from the prefill leg's
+answer, sent at once, and the decode's stream goes on after it (its token 1,
+checked against the one sent, taken out).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from aiohttp import web
 from kvsm.router_affinity import Balancer, Choice
 from kvsm.router_decider import Decider, Decision, tokenize_body
 from kvsm.router_lists import merge_completions, prompt_list
+from kvsm.router_seeding import Diverged, Seed, leg_body, prefill_extra, release_body, seed_reason
 
 __all__ = ["create_app", "main"]
 
@@ -113,6 +119,8 @@ class Trace:
     error: str | None = None
     disagg: Decision | None = None  # the first prompt's, for a list
     affinity: list[Choice] = field(default_factory=list)  # the first prompt's, for a list
+    seed: str | None = None  # with --first-token-seeding: "1", or why not
+    first_ms: float | None = None  # a seeded stream's first chunk written, since t0
     t0: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
@@ -126,6 +134,8 @@ class Trace:
             text += " " + self.disagg.fields()
         if self.affinity:
             text += " affinity=" + ",".join(c.field() for c in self.affinity)
+        if self.seed is not None:
+            text += f" seed={self.seed} first_ms={ms(self.first_ms)}"
         return f"{text} error={self.error!r}" if self.error else text
 
 
@@ -150,7 +160,7 @@ class Router:
     """Backends, how they are chosen, and the one client session (connection pool) to them."""
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float,
-                 decider: Decider | None = None, balancer: Balancer | None = None) -> None:
+                 decider: Decider | None = None, balancer: Balancer | None = None, seeding: bool = False) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode backend")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -158,6 +168,8 @@ class Router:
         self.decider = decider or Decider()
         self.balancer = balancer or Balancer(self.prefill_urls, self.decode_urls, self.decider.index)
         self.timeout_s = timeout
+        self.seeding = seeding
+        self._releases: set[asyncio.Task[None]] = set()
         # No total limit: a long stream is fine as long as the backend keeps talking.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._session: aiohttp.ClientSession | None = None
@@ -168,6 +180,7 @@ class Router:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout,
                                               auto_decompress=False)
         yield
+        await asyncio.gather(*self._releases, return_exceptions=True)
         await self._session.close()
 
     # -- calling a backend -------------------------------------------------------------
@@ -240,13 +253,21 @@ class Router:
             decode, trace.disagg, hashes = await self._route(request.path, body, body.get("prompt"), headers,
                                                              countable=prompts is None)
             trace.decode, trace.affinity = decode.url, [decode]
+            if self.seeding:
+                trace.seed = "local" if trace.disagg.local else seed_reason(request.path, body) or "1"
+            seeded = trace.seed == "1"
+            seed: Seed | None = None
             with self.balancer.hold(decode):
                 if not trace.disagg.local:
                     t = time.monotonic()
-                    kv_params = await self._prefill_on(trace, trace.affinity, request.path, body, hashes, headers)
+                    answer = await self._prefill_on(trace, trace.affinity, request.path, body, hashes, headers,
+                                                    prefill_extra(request.path, body) if seeded else None)
                     trace.prefill_ms = _since_ms(t)
-                    body = {**body, "kv_transfer_params": kv_params}
-                out = await self._decode(request, trace, body, headers)
+                    body = {**body, "kv_transfer_params": answer["kv_transfer_params"]}
+                    seed = self._seed(trace, request.path, body, answer) if seeded else None
+                out = (await self._decode(request, trace, body, headers) if seed is None else
+                       await self._decode_seeded(request, trace, {**body, **leg_body(request.path, body)}, headers,
+                                                 seed))
             if hashes is not None and trace.status < 400:
                 self.balancer.record(decode, hashes)
             return out
@@ -269,8 +290,8 @@ class Router:
             choices = [decode]
             with self.balancer.hold(decode):
                 if not decision.local:
-                    single["kv_transfer_params"] = await self._prefill_on(trace, choices, path, single, hashes,
-                                                                          headers)
+                    single["kv_transfer_params"] = (await self._prefill_on(trace, choices, path, single, hashes,
+                                                                           headers))["kv_transfer_params"]
                 trace.affinity = trace.affinity or choices
                 out = await self._post_json("decode", decode.url, path, headers, single)
             if not isinstance(out.get("choices"), list):
@@ -353,19 +374,22 @@ class Router:
         return out
 
     async def _prefill_on(self, trace: Trace, choices: list[Choice], path: str, body: dict[str, Any],
-                          hashes: list[int] | None, headers: dict[str, str]) -> dict[str, Any]:
+                          hashes: list[int] | None, headers: dict[str, str],
+                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """``_prefill`` on the prefill backend chosen for the prompt (added to ``choices``)."""
         prefill = self.balancer.pick("prefill", hashes)
         trace.prefill = trace.prefill or prefill.url
         choices.append(prefill)
         with self.balancer.hold(prefill):
-            kv_params = await self._prefill(prefill.url, path, body, headers)
+            answer = await self._prefill(prefill.url, path, body, headers, extra)
         if hashes is not None:
             self.balancer.record(prefill, hashes)
-        return kv_params
+        return answer
 
-    async def _prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-        """Compute the prompt's KV on a prefill backend; return where the decode side finds it."""
+    async def _prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
+                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Compute the prompt's KV on a prefill backend; return its answer, whose
+        ``kv_transfer_params`` say where the decode side finds it (``extra``: fields to add)."""
         prefill_body = {**body, "kv_transfer_params": dict(PREFILL_KV_PARAMS), "max_tokens": 1, "stream": False}
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
@@ -376,12 +400,79 @@ class Router:
         # other samples' prefill requests would stay pinned until their lease ends.
         if "n" in prefill_body:
             prefill_body["n"] = 1
-        kv_params = (await self._post_json("prefill", url, path, headers, prefill_body)).get("kv_transfer_params")
+        answer = await self._post_json("prefill", url, path, headers, {**prefill_body, **(extra or {})})
+        kv_params = answer.get("kv_transfer_params")
         if not isinstance(kv_params, dict) or not kv_params:
             raise BackendError(502, f"prefill backend {url} returned no kv_transfer_params: it does not appear "
                                "to run a KV connector with kv_role kv_producer or kv_both",
                                "no_kv_transfer_params", url)
-        return kv_params
+        return answer
+
+    @staticmethod
+    def _seed(trace: Trace, path: str, body: dict[str, Any], answer: dict[str, Any]) -> Seed | None:
+        """The seeded stream of the prefill's answer, or None (then the request goes unseeded)."""
+        try:
+            return Seed(path, body, answer)
+        except ValueError as e:
+            trace.seed = "fallback"
+            logger.warning("req=%s: not seeding the first token: %s", trace.request_id, e)
+            return None
+
+    async def _decode_seeded(self, request: web.Request, trace: Trace, body: dict[str, Any],
+                             headers: dict[str, str], seed: Seed) -> web.StreamResponse:
+        """Stream token 1 from the prefill's answer at once, then the decode's stream after its token 1."""
+        url = trace.decode
+        assert url is not None
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                      **self._trace_headers(trace)})
+        trace.status = 200
+        await out.prepare(request)
+        await out.write(seed.head())
+        trace.first_ms, t = _since_ms(trace.t0), time.monotonic()
+        if seed.final:  # token 1 ended it; the decode leg still reads the KV, so the prefill frees it
+            with contextlib.suppress(ConnectionResetError):
+                await out.write_eof()
+            # Not awaited here: the client has its answer (and may go, cancelling this handler).
+            task = asyncio.ensure_future(self._release(url, request.path, headers, release_body(body)))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+            return out
+        try:
+            async with self.call("decode", url, "POST", request.path, headers, body) as resp:
+                await self.check_status("decode", url, resp)
+                try:
+                    async for chunk in resp.content.iter_any():
+                        if trace.decode_ttfb_ms is None:
+                            trace.decode_ttfb_ms = _since_ms(t)
+                        if data := seed.feed(chunk):
+                            await out.write(data)
+                    await out.write(seed.close())
+                except ConnectionResetError:
+                    trace.status, trace.error = 499, "client disconnected"
+                    resp.close()  # vLLM aborts a request whose connection closes
+                    return out
+                except (TimeoutError, aiohttp.ClientError) as e:
+                    raise BackendError(504 if isinstance(e, TimeoutError) else 502, f"decode backend {url} broke "
+                                       f"off the stream: {type(e).__name__}: {e}", "backend_stream_error", url) from e
+        except (BackendError, Diverged) as e:
+            # Too late for an error status (token 1 is out): end the stream with an error event.
+            err = e if isinstance(e, BackendError) else BackendError(
+                502, f"decode backend {url} diverged from the first token sent: {e}", "decode_diverged", url)
+            trace.status, trace.error = err.status, err.message
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())
+        trace.decode_ms = _since_ms(t)
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
+        return out
+
+    async def _release(self, url: str, path: str, headers: dict[str, str], body: dict[str, Any]) -> None:
+        """A decode leg whose answer nobody reads: it makes the decode engine read (so the prefill free) the KV."""
+        try:
+            await self._post_json("decode", url, path, headers, body)
+        except BackendError as e:
+            logger.warning("req=%s: the decode leg of a request its first token ended failed: %s",
+                           headers.get("X-Request-Id"), e.message)
 
     @staticmethod
     def _trace_headers(trace: Trace) -> dict[str, str]:
@@ -441,14 +532,16 @@ class Router:
 
 def create_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 300.0, *,
                disagg_threshold: int = 0, prefix_block_size: int = 16, prefix_capacity: int = 100_000,
-               prefix_affinity: bool = False, affinity_max_inflight: int | None = None) -> web.Application:
+               prefix_affinity: bool = False, affinity_max_inflight: int | None = None,
+               first_token_seeding: bool = False) -> web.Application:
     """The router as an aiohttp application (run it with ``web.run_app`` or an ``AppRunner``);
     ``disagg_threshold`` 0 (here the default) sends every request by P/D, ``prefix_affinity``
-    False (the default) picks backends round robin."""
+    False (the default) picks backends round robin, ``first_token_seeding`` (off by default)
+    streams a request's first token from the prefill leg (``kvsm.router_seeding``)."""
     decider = Decider(disagg_threshold, prefix_block_size, prefix_capacity)
     balancer = Balancer([u.rstrip("/") for u in prefill_urls], [u.rstrip("/") for u in decode_urls], decider.index,
                         on=prefix_affinity, max_inflight=affinity_max_inflight)
-    router = Router(prefill_urls, decode_urls, timeout, decider, balancer)
+    router = Router(prefill_urls, decode_urls, timeout, decider, balancer, seeding=first_token_seeding)
     app = web.Application(client_max_size=64 * 2**20)  # long prompts, or images as data URLs
     app.cleanup_ctx.append(router.session_ctx)
     app.router.add_get("/health", router.health)
@@ -484,6 +577,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--affinity-max-inflight", type=int, default=None, metavar="N",
                         help="with --prefix-affinity, a preferred backend with more than N requests in flight gives "
                              "way to the least loaded (default: twice the least loaded backend's count, plus 4)")
+    parser.add_argument("--first-token-seeding", action="store_true",
+                        help="stream a streamed request's first token from the prefill leg's answer at once, the "
+                             "decode engine's stream after it (one choice; see kvsm.router_seeding); default: the "
+                             "first token comes from the decode engine")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.disagg_threshold < 0 or args.prefix_block_size < 1 or (args.affinity_max_inflight or 0) < 0:
@@ -491,10 +588,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(args.prefill, args.decode, args.timeout, disagg_threshold=args.disagg_threshold,
                      prefix_block_size=args.prefix_block_size, prefix_affinity=args.prefix_affinity,
-                     affinity_max_inflight=args.affinity_max_inflight)
+                     affinity_max_inflight=args.affinity_max_inflight, first_token_seeding=args.first_token_seeding)
     logger.info("routing prefill=%s decode=%s on http://%s:%d; disagg threshold %d tokens, prefix blocks of %d, "
-                "prefix affinity %s", args.prefill, args.decode, args.host, args.port, args.disagg_threshold,
-                args.prefix_block_size, "on" if args.prefix_affinity else "off")
+                "prefix affinity %s, first-token seeding %s", args.prefill, args.decode, args.host, args.port,
+                args.disagg_threshold, args.prefix_block_size, "on" if args.prefix_affinity else "off",
+                "on" if args.first_token_seeding else "off")
     # handler_cancellation: a client that goes away cancels its handler at once, which closes
     # the backend connection even while the backend is silent (vLLM then aborts the request).
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
