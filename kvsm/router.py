@@ -60,7 +60,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -68,8 +67,9 @@ from aiohttp import web
 
 from kvsm.router_affinity import Balancer, Choice
 from kvsm.router_decider import Decider, Decision, tokenize_body
+from kvsm.router_http import BackendError, Trace, error_text, since_ms, trace_headers
 from kvsm.router_lists import merge_completions, prompt_list
-from kvsm.router_seeding import Diverged, Seed, leg_body, prefill_extra, release_body, seed_reason
+from kvsm.router_seeding import Seed, decode_seeded, leg_body, prefill_extra, seed_reason
 
 __all__ = ["create_app", "main"]
 
@@ -87,74 +87,6 @@ DEFAULT_DISAGG_THRESHOLD = 0
 PREFILL_KV_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
                                      "remote_engine_id": None, "remote_block_ids": None,
                                      "remote_host": None, "remote_port": None}
-
-class BackendError(Exception):
-    """A failure to be answered to the client as an OpenAI-style JSON error."""
-
-    def __init__(self, status: int, message: str, type_: str, backend: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.backend = status, message, type_, backend
-
-    def payload(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "backend": self.backend,
-                          "code": self.status}}
-
-    def response(self, request_id: str) -> web.Response:
-        return web.json_response(self.payload(), status=self.status, headers={"X-Request-Id": request_id})
-
-
-@dataclass
-class Trace:
-    """What the per-request log line reports."""
-
-    request_id: str
-    path: str
-    stream: bool = False
-    prefill: str | None = None
-    decode: str | None = None
-    prefill_ms: float | None = None
-    decode_ttfb_ms: float | None = None
-    decode_ms: float | None = None
-    status: int = 500
-    error: str | None = None
-    disagg: Decision | None = None  # the first prompt's, for a list
-    affinity: list[Choice] = field(default_factory=list)  # the first prompt's, for a list
-    seed: str | None = None  # with --first-token-seeding: "1", or why not
-    first_ms: float | None = None  # a seeded stream's first chunk written, since t0
-    t0: float = field(default_factory=time.monotonic)
-
-    def line(self) -> str:
-        def ms(v: float | None) -> str:
-            return "-" if v is None else f"{v:.1f}"
-        text = (f"req={self.request_id} {self.path} stream={int(self.stream)} status={self.status} "
-                f"prefill={self.prefill or '-'} prefill_ms={ms(self.prefill_ms)} "
-                f"decode={self.decode or '-'} decode_ttfb_ms={ms(self.decode_ttfb_ms)} "
-                f"decode_ms={ms(self.decode_ms)} total_ms={ms((time.monotonic() - self.t0) * 1e3)}")
-        if self.disagg is not None:
-            text += " " + self.disagg.fields()
-        if self.affinity:
-            text += " affinity=" + ",".join(c.field() for c in self.affinity)
-        if self.seed is not None:
-            text += f" seed={self.seed} first_ms={ms(self.first_ms)}"
-        return f"{text} error={self.error!r}" if self.error else text
-
-
-def _since_ms(t: float) -> float:
-    return (time.monotonic() - t) * 1e3
-
-
-def _error_text(body: bytes) -> tuple[str, str | None]:
-    """The message (and type) of a backend's error body: vLLM's/OpenAI's JSON or plain text."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body.decode(errors="replace").strip()[:2000] or "(empty body)", None
-    err = data.get("error", data) if isinstance(data, dict) else data
-    if isinstance(err, dict):
-        message = err.get("message") or err.get("detail") or json.dumps(err)
-        return str(message), err.get("type") if isinstance(err.get("type"), str) else None
-    return str(err), None
-
 
 class Router:
     """Backends, how they are chosen, and the one client session (connection pool) to them."""
@@ -212,7 +144,7 @@ class Router:
         """Pass a backend's error on with its status, saying which backend it was."""
         if resp.status < 400:
             return
-        message, type_ = _error_text(await resp.read())
+        message, type_ = error_text(await resp.read())
         raise BackendError(resp.status, f"{role} backend {url} returned {resp.status}: {message}",
                            type_ or "backend_error", url)
 
@@ -262,7 +194,7 @@ class Router:
                     t = time.monotonic()
                     answer = await self._prefill_on(trace, trace.affinity, request.path, body, hashes, headers,
                                                     prefill_extra(request.path, body) if seeded else None)
-                    trace.prefill_ms = _since_ms(t)
+                    trace.prefill_ms = since_ms(t)
                     body = {**body, "kv_transfer_params": answer["kv_transfer_params"]}
                     seed = self._seed(trace, request.path, body, answer) if seeded else None
                 out = (await self._decode(request, trace, body, headers) if seed is None else
@@ -303,7 +235,7 @@ class Router:
 
         t = time.monotonic()
         answers = await asyncio.gather(*(one(p) for p in prompts))
-        trace.decode_ms, trace.status = _since_ms(t), 200
+        trace.decode_ms, trace.status = since_ms(t), 200
         return web.json_response(merge_completions(answers), headers=self._trace_headers(trace))
 
     # -- the steps --------------------------------------------------------------------------
@@ -420,69 +352,11 @@ class Router:
 
     async def _decode_seeded(self, request: web.Request, trace: Trace, body: dict[str, Any],
                              headers: dict[str, str], seed: Seed) -> web.StreamResponse:
-        """Stream token 1 from the prefill's answer at once, then the decode's stream after its token 1."""
-        url = trace.decode
-        assert url is not None
-        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                      **self._trace_headers(trace)})
-        trace.status = 200
-        await out.prepare(request)
-        await out.write(seed.head())
-        trace.first_ms, t = _since_ms(trace.t0), time.monotonic()
-        if seed.final:  # token 1 ended it; the decode leg still reads the KV, so the prefill frees it
-            with contextlib.suppress(ConnectionResetError):
-                await out.write_eof()
-            # Not awaited here: the client has its answer (and may go, cancelling this handler).
-            task = asyncio.ensure_future(self._release(url, request.path, headers, release_body(body)))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
-            return out
-        try:
-            async with self.call("decode", url, "POST", request.path, headers, body) as resp:
-                await self.check_status("decode", url, resp)
-                try:
-                    async for chunk in resp.content.iter_any():
-                        if trace.decode_ttfb_ms is None:
-                            trace.decode_ttfb_ms = _since_ms(t)
-                        if data := seed.feed(chunk):
-                            await out.write(data)
-                    await out.write(seed.close())
-                except ConnectionResetError:
-                    trace.status, trace.error = 499, "client disconnected"
-                    resp.close()  # vLLM aborts a request whose connection closes
-                    return out
-                except (TimeoutError, aiohttp.ClientError) as e:
-                    raise BackendError(504 if isinstance(e, TimeoutError) else 502, f"decode backend {url} broke "
-                                       f"off the stream: {type(e).__name__}: {e}", "backend_stream_error", url) from e
-        except (BackendError, Diverged) as e:
-            # Too late for an error status (token 1 is out): end the stream with an error event.
-            err = e if isinstance(e, BackendError) else BackendError(
-                502, f"decode backend {url} diverged from the first token sent: {e}", "decode_diverged", url)
-            trace.status, trace.error = err.status, err.message
-            with contextlib.suppress(ConnectionResetError):
-                await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())
-        trace.decode_ms = _since_ms(t)
-        with contextlib.suppress(ConnectionResetError):
-            await out.write_eof()
-        return out
-
-    async def _release(self, url: str, path: str, headers: dict[str, str], body: dict[str, Any]) -> None:
-        """A decode leg whose answer nobody reads: it makes the decode engine read (so the prefill free) the KV."""
-        try:
-            await self._post_json("decode", url, path, headers, body)
-        except BackendError as e:
-            logger.warning("req=%s: the decode leg of a request its first token ended failed: %s",
-                           headers.get("X-Request-Id"), e.message)
+        return await decode_seeded(self, request, trace, body, headers, seed)
 
     @staticmethod
     def _trace_headers(trace: Trace) -> dict[str, str]:
-        """Where the request went and how long its prefill took, for clients that
-        measure (tools/pd_demo.py splits TTFT into prefill and decode with it)."""
-        headers = {"X-Request-Id": trace.request_id, "X-KVSM-Prefill-Backend": trace.prefill or "",
-                   "X-KVSM-Decode-Backend": trace.decode or ""}
-        if trace.prefill_ms is not None:
-            headers["X-KVSM-Prefill-Ms"] = f"{trace.prefill_ms:.3f}"
-        return headers
+        return trace_headers(trace)
 
     async def _decode(self, request: web.Request, trace: Trace, body: dict[str, Any],
                       headers: dict[str, str]) -> web.StreamResponse:
@@ -494,10 +368,10 @@ class Router:
             await self.check_status("decode", url, resp)
             if not trace.stream:
                 data = await resp.read()
-                trace.decode_ms, trace.status = _since_ms(t), resp.status
+                trace.decode_ms, trace.status = since_ms(t), resp.status
                 return web.Response(body=data, status=resp.status, content_type=resp.content_type,
                                     headers=self._trace_headers(trace))
-            trace.decode_ttfb_ms = _since_ms(t)  # headers are out; refined at the first chunk below
+            trace.decode_ttfb_ms = since_ms(t)  # headers are out; refined at the first chunk below
             out = web.StreamResponse(status=resp.status, headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache", **self._trace_headers(trace)})
@@ -507,7 +381,7 @@ class Router:
                 await out.prepare(request)
                 async for chunk in resp.content.iter_any():
                     if first:
-                        trace.decode_ttfb_ms, first = _since_ms(t), False
+                        trace.decode_ttfb_ms, first = since_ms(t), False
                     await out.write(chunk)
             except ConnectionResetError:
                 # The client went away (aiohttp's reset error on writing is also a ClientError,
@@ -524,7 +398,7 @@ class Router:
                 resp.close()
                 with contextlib.suppress(ConnectionResetError):
                     await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())
-            trace.decode_ms = _since_ms(t)
+            trace.decode_ms = since_ms(t)
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out

@@ -42,10 +42,22 @@ is what lets the prefill engine release the blocks it pinned for it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
+import time
 from typing import Any
 
-__all__ = ["Diverged", "Seed", "leg_body", "prefill_extra", "release_body", "seed_reason"]
+import aiohttp
+from aiohttp import web
+
+from kvsm.router_http import BackendError, Trace, since_ms, trace_headers
+
+__all__ = ["Diverged", "Seed", "decode_seeded", "leg_body", "prefill_extra", "release", "release_body",
+           "seed_reason"]
+
+logger = logging.getLogger("kvsm.router")
 
 CHAT = "/v1/chat/completions"
 
@@ -285,3 +297,63 @@ class Seed:
                 if isinstance(lp.get(f), list):
                     lp[f] = lp[f][n:]
         return len(got) - n
+
+
+# --------------------------------------------------------------- the seeded stream
+
+async def decode_seeded(router: Any, request: web.Request, trace: Trace, body: dict[str, Any],
+                        headers: dict[str, str], seed: Seed) -> web.StreamResponse:
+    """Stream token 1 from the prefill's answer at once, then the decode's stream after its token 1
+    (``router``: the ``kvsm.router.Router`` serving the request: its backend calls)."""
+    url = trace.decode
+    assert url is not None
+    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                  **trace_headers(trace)})
+    trace.status = 200
+    await out.prepare(request)
+    await out.write(seed.head())
+    trace.first_ms, t = since_ms(trace.t0), time.monotonic()
+    if seed.final:  # token 1 ended it; the decode leg still reads the KV, so the prefill frees it
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
+        # Not awaited here: the client has its answer (and may go, cancelling this handler).
+        task = asyncio.ensure_future(release(router, url, request.path, headers, release_body(body)))
+        router._releases.add(task)
+        task.add_done_callback(router._releases.discard)
+        return out
+    try:
+        async with router.call("decode", url, "POST", request.path, headers, body) as resp:
+            await router.check_status("decode", url, resp)
+            try:
+                async for chunk in resp.content.iter_any():
+                    if trace.decode_ttfb_ms is None:
+                        trace.decode_ttfb_ms = since_ms(t)
+                    if data := seed.feed(chunk):
+                        await out.write(data)
+                await out.write(seed.close())
+            except ConnectionResetError:
+                trace.status, trace.error = 499, "client disconnected"
+                resp.close()  # vLLM aborts a request whose connection closes
+                return out
+            except (TimeoutError, aiohttp.ClientError) as e:
+                raise BackendError(504 if isinstance(e, TimeoutError) else 502, f"decode backend {url} broke "
+                                   f"off the stream: {type(e).__name__}: {e}", "backend_stream_error", url) from e
+    except (BackendError, Diverged) as e:
+        # Too late for an error status (token 1 is out): end the stream with an error event.
+        err = e if isinstance(e, BackendError) else BackendError(
+            502, f"decode backend {url} diverged from the first token sent: {e}", "decode_diverged", url)
+        trace.status, trace.error = err.status, err.message
+        with contextlib.suppress(ConnectionResetError):
+            await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())
+    trace.decode_ms = since_ms(t)
+    with contextlib.suppress(ConnectionResetError):
+        await out.write_eof()
+    return out
+
+async def release(router: Any, url: str, path: str, headers: dict[str, str], body: dict[str, Any]) -> None:
+    """A decode leg whose answer nobody reads: it makes the decode engine read (so the prefill free) the KV."""
+    try:
+        await router._post_json("decode", url, path, headers, body)
+    except BackendError as e:
+        logger.warning("req=%s: the decode leg of a request its first token ended failed: %s",
+                       headers.get("X-Request-Id"), e.message)
