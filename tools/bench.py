@@ -1039,6 +1039,50 @@ def bench_e2e(sizes: Sizes, repeat: int, tmp: Path) -> Section:
 # --------------------------------------------------------------------------- 7. handshake
 
 
+class _LoopClient:
+    """A fresh ``HandshakeClient`` driven on a kvsm ``EventLoop`` the way the worker
+    drives its own: a reader per socket, a timer at its next deadline, every
+    result handed to ``on_results``. Loop thread only."""
+
+    def __init__(self, loop: Any, on_results: Callable[[list[Any]], None]) -> None:
+        self.loop, self.on_results = loop, on_results
+        self.client: Any = None
+        self.timer: Any = None
+
+    def open(self, compat: Any, keys: Any = None) -> Any:
+        from kvsm.handshake import HandshakeClient
+
+        self.client = HandshakeClient(compat, "bench-decode/tp0", context=self.loop.context,
+                                      on_socket_added=self._watch, on_socket_removed=self.loop.remove_reader,
+                                      keys=keys)
+        return self.client
+
+    def arm(self) -> None:
+        """A timer for the client's next deadline (none while nothing is pending)."""
+        self.loop.cancel(self.timer)
+        self.timer = None
+        deadline = self.client.next_deadline_ns()
+        if deadline is not None:
+            self.timer = self.loop.call_at(deadline, self._expire, label="bench handshake deadlines")
+
+    def _expire(self) -> None:
+        self.timer = None
+        self.on_results(self.client.expire(self.loop.now_ns()))
+        self.arm()
+
+    def _watch(self, sock: Any) -> None:
+        def readable() -> None:
+            self.on_results(self.client.on_readable(sock))
+            self.arm()
+
+        self.loop.add_reader(sock, readable, label="bench handshake client")
+
+    def close(self) -> None:
+        self.loop.cancel(self.timer)
+        if self.client is not None:
+            self.client.close()
+
+
 class HandshakeBench:
     """Prefill peers (HandshakeServers on one kvsm EventLoop) and a decode side
     (a fresh HandshakeClient per trial on another EventLoop, so every trial
@@ -1110,14 +1154,11 @@ class HandshakeBench:
         """Send one metadata request (with a claim) to each of ``peers`` at once,
         in that order, from a fresh client; return ``{peer: (ms from its send to
         its result, outcome type)}`` for every peer in ``wait_for``."""
-        from kvsm.handshake import HandshakeClient
-
         loop = self.client_loop
         done = threading.Event()
         got: dict[str, tuple[float, str]] = {}
         sent_at: dict[str, int] = {}
         by_id: dict[int, str] = {}
-        state: dict[str, Any] = {"timer": None}
         wanted = set(wait_for)
 
         def on_results(results: list[Any]) -> None:
@@ -1129,48 +1170,21 @@ class HandshakeBench:
             if wanted <= got.keys():
                 done.set()
 
-        def arm() -> None:
-            client = state["client"]
-            loop.cancel(state["timer"])
-            state["timer"] = None
-            deadline = client.next_deadline_ns()
-            if deadline is not None:
-                state["timer"] = loop.call_at(deadline, expire, label="bench handshake deadlines")
-
-        def expire() -> None:
-            state["timer"] = None
-            on_results(state["client"].expire(loop.now_ns()))
-            arm()
-
-        def watch(sock: Any) -> None:
-            def readable() -> None:
-                on_results(state["client"].on_readable(sock))
-                arm()
-
-            loop.add_reader(sock, readable, label="bench handshake client")
+        driver = _LoopClient(loop, on_results)
 
         def start() -> None:
-            client = HandshakeClient(self.compat, "bench-decode/tp0", context=loop.context,
-                                     on_socket_added=watch,
-                                     on_socket_removed=loop.remove_reader)
-            state["client"] = client
+            client = driver.open(self.compat)
             for i, peer in enumerate(peers):
                 sent_at[peer] = time.perf_counter_ns()
                 rid = client.fetch_metadata(peer, 0, claims=[f"p-{i}"],
                                             deadline_ns=loop.now_ns() + deadline_ms * 1_000_000)
                 by_id[rid] = peer
             on_results(client.poll_results())
-            arm()
-
-        def finish() -> None:
-            loop.cancel(state["timer"])
-            client = state.get("client")
-            if client is not None:
-                client.close()
+            driver.arm()
 
         loop.call(start, 10)
         ok = done.wait(timeout_s)
-        loop.call(finish, 10)
+        loop.call(driver.close, 10)
         if not ok:
             raise RuntimeError(f"handshake trial: no result from {sorted(wanted - got.keys())} in {timeout_s} s")
         return {p: got[p] for p in wait_for}
@@ -1183,18 +1197,16 @@ class HandshakeBench:
         one at a time on that connection. Milliseconds from each send to its
         result on the client's loop thread, by kind ("first", "heartbeat",
         "metadata")."""
-        from kvsm.handshake import HandshakeClient
-
         loop = self.client_loop
         peer = self.compared[variant].address
         keys = self.keys if variant == "curve" else None
         plan = ["first", *(["heartbeat", "metadata"] * round_trips)]
         got: dict[str, list[float]] = {"first": [], "heartbeat": [], "metadata": []}
-        state: dict[str, Any] = {"at": 0, "rid": None, "t0": 0, "timer": None, "error": None}
+        state: dict[str, Any] = {"at": 0, "rid": None, "t0": 0, "error": None}
         done = threading.Event()
 
         def send_next() -> None:
-            client, at = state["client"], state["at"]
+            client, at = driver.client, state["at"]
             deadline_ns = loop.now_ns() + 5_000_000_000
             state["t0"] = time.perf_counter_ns()
             if plan[at] == "heartbeat":
@@ -1219,45 +1231,19 @@ class HandshakeBench:
                     done.set()
                     return
                 send_next()
-                results = state["client"].poll_results()
+                results = driver.client.poll_results()
 
-        def arm() -> None:
-            client = state["client"]
-            loop.cancel(state["timer"])
-            state["timer"] = None
-            deadline = client.next_deadline_ns()
-            if deadline is not None:
-                state["timer"] = loop.call_at(deadline, expire, label="bench handshake deadlines")
-
-        def expire() -> None:
-            state["timer"] = None
-            on_results(state["client"].expire(loop.now_ns()))
-            arm()
-
-        def watch(sock: Any) -> None:
-            def readable() -> None:
-                on_results(state["client"].on_readable(sock))
-                arm()
-
-            loop.add_reader(sock, readable, label="bench handshake client")
+        driver = _LoopClient(loop, on_results)
 
         def start() -> None:
-            state["client"] = HandshakeClient(self.compat, "bench-decode/tp0", context=loop.context,
-                                              on_socket_added=watch, on_socket_removed=loop.remove_reader,
-                                              keys=keys)
+            driver.open(self.compat, keys)
             send_next()
-            on_results(state["client"].poll_results())
-            arm()
-
-        def finish() -> None:
-            loop.cancel(state["timer"])
-            client = state.get("client")
-            if client is not None:
-                client.close()
+            on_results(driver.client.poll_results())
+            driver.arm()
 
         loop.call(start, 10)
         ok = done.wait(timeout_s)
-        loop.call(finish, 10)
+        loop.call(driver.close, 10)
         if state["error"] is not None or not ok:
             raise RuntimeError(f"handshake session ({variant}): {state['error'] or 'no result'} "
                                f"after {state['at']} of {len(plan)} requests")
