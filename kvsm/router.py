@@ -67,7 +67,7 @@ from aiohttp import web
 
 from kvsm.router_affinity import Balancer, Choice
 from kvsm.router_decider import Decider, Decision, tokenize_body
-from kvsm.router_http import BackendError, Trace, error_text, since_ms, trace_headers
+from kvsm.router_http import BackendError, Trace, end_with_error, error_text, since_ms, stream_broken, trace_headers
 from kvsm.router_lists import merge_completions, prompt_list
 from kvsm.router_seeding import Seed, decode_seeded, leg_body, prefill_extra, seed_reason
 
@@ -390,14 +390,9 @@ class Router:
                 resp.close()  # vLLM aborts a request whose connection closes
                 return out
             except (TimeoutError, aiohttp.ClientError) as e:
-                # Too late for an error status: end the stream with an error event.
-                trace.status = 504 if isinstance(e, TimeoutError) else 502
-                err = BackendError(trace.status, f"decode backend {url} broke off the stream: "
-                                   f"{type(e).__name__}: {e}", "backend_stream_error", url)
-                trace.error = err.message
+                err = stream_broken(url, e)
                 resp.close()
-                with contextlib.suppress(ConnectionResetError):
-                    await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())
+                await end_with_error(out, trace, err)
             trace.decode_ms = since_ms(t)
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()

@@ -3,6 +3,7 @@ per-request trace its log line reports, and small helpers on both."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from aiohttp import web
 from kvsm.router_affinity import Choice
 from kvsm.router_decider import Decision
 
-__all__ = ["BackendError", "Trace", "error_text", "since_ms", "trace_headers"]
+__all__ = ["BackendError", "Trace", "end_with_error", "error_text", "since_ms", "stream_broken", "trace_headers"]
 
 
 class BackendError(Exception):
@@ -92,3 +93,16 @@ def trace_headers(trace: Trace) -> dict[str, str]:
     if trace.prefill_ms is not None:
         headers["X-KVSM-Prefill-Ms"] = f"{trace.prefill_ms:.3f}"
     return headers
+
+
+def stream_broken(url: str, e: BaseException) -> BackendError:
+    """A decode stream that broke off after its headers were out: 504 for a timeout, else 502."""
+    return BackendError(504 if isinstance(e, TimeoutError) else 502, f"decode backend {url} broke off the stream: "
+                        f"{type(e).__name__}: {e}", "backend_stream_error", url)
+
+
+async def end_with_error(out: web.StreamResponse, trace: Trace, err: BackendError) -> None:
+    """Too late for an error status: record ``err`` and end the stream with an error event."""
+    trace.status, trace.error = err.status, err.message
+    with contextlib.suppress(ConnectionResetError):
+        await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())

@@ -52,7 +52,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvsm.router_http import BackendError, Trace, since_ms, trace_headers
+from kvsm.router_http import BackendError, Trace, end_with_error, since_ms, stream_broken, trace_headers
 
 __all__ = ["Diverged", "Seed", "decode_seeded", "leg_body", "prefill_extra", "release", "release_body",
            "seed_reason"]
@@ -336,15 +336,12 @@ async def decode_seeded(router: Any, request: web.Request, trace: Trace, body: d
                 resp.close()  # vLLM aborts a request whose connection closes
                 return out
             except (TimeoutError, aiohttp.ClientError) as e:
-                raise BackendError(504 if isinstance(e, TimeoutError) else 502, f"decode backend {url} broke "
-                                   f"off the stream: {type(e).__name__}: {e}", "backend_stream_error", url) from e
+                raise stream_broken(url, e) from e
     except (BackendError, Diverged) as e:
         # Too late for an error status (token 1 is out): end the stream with an error event.
         err = e if isinstance(e, BackendError) else BackendError(
             502, f"decode backend {url} diverged from the first token sent: {e}", "decode_diverged", url)
-        trace.status, trace.error = err.status, err.message
-        with contextlib.suppress(ConnectionResetError):
-            await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())
+        await end_with_error(out, trace, err)
     trace.decode_ms = since_ms(t)
     with contextlib.suppress(ConnectionResetError):
         await out.write_eof()
