@@ -20,7 +20,6 @@ same case for the router.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import json
@@ -28,7 +27,6 @@ import random
 import re
 import socket
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from conftest import LlamaServers, require
 
@@ -49,6 +46,7 @@ require("vllm")
 
 from kvsm.lifecycle.table import LIFECYCLES
 from kvsm.router import create_app
+from kvsm_testing.http_app import serve_app
 from kvsm_testing.servers import RouterProcess, VLLMServer, free_port
 
 pytestmark = pytest.mark.slow
@@ -97,24 +95,8 @@ def _router(prefill: list[str], decode: list[str], timeout: float = 60.0, cancel
 
     ``cancel``: aiohttp's handler_cancellation, as the CLI sets it (without it, the
     router notices a client gone only when its next write fails)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = web.AppRunner(create_app(prefill, decode, timeout), handler_cancellation=cancel, access_log=None)
-    port = free_port()
-
-    async def start() -> None:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-
-    try:
-        asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with serve_app(create_app(prefill, decode, timeout), cancel) as url:
+        yield url
 
 
 def _closed_port_url() -> str:

@@ -16,7 +16,6 @@ import contextlib
 import http.client
 import json
 import re
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,7 +30,8 @@ from conftest import LlamaServers, require
 require("vllm")
 
 from kvsm.router import create_app
-from kvsm_testing.servers import RouterProcess, free_port
+from kvsm_testing.http_app import serve_app
+from kvsm_testing.servers import RouterProcess
 
 pytestmark = pytest.mark.slow
 
@@ -305,30 +305,8 @@ def test_a_decode_leg_failing_after_the_first_chunk_ends_the_stream_with_an_erro
 
 
 @contextlib.contextmanager
-def _serve(app: web.Application, cancel: bool = True) -> Iterator[str]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = web.AppRunner(app, handler_cancellation=cancel, access_log=None)
-    port = free_port()
-
-    async def start() -> None:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-
-    try:
-        asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
-@contextlib.contextmanager
 def _in_process_router(prefill: str, decode: str) -> Iterator[str]:
-    with _serve(create_app([prefill], [decode], 60.0, first_token_seeding=True)) as url:
+    with serve_app(create_app([prefill], [decode], 60.0, first_token_seeding=True)) as url:
         yield url
 
 
@@ -354,5 +332,5 @@ def _fake_decode(target: str | None, delay: float = 0.0) -> Iterator[str]:
 
     app = web.Application()
     app.router.add_post("/{tail:.*}", handle)
-    with _serve(app) as url:
+    with serve_app(app) as url:
         yield url
