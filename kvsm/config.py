@@ -39,6 +39,13 @@ EXTRA_KEYS: dict[str, str] = {
                          "KVSM_SIDE_CHANNEL_KEYS): only engines holding one get an answer; unset: the side "
                          "channel answers any host that reaches it (docs: security)",
     "side_channel_keys_reload": "seconds between checks of that directory for rotated keys (2)",
+    "bidirectional_kv_xfer": "decode-to-prefill reuse (upstream's key; needs kv_role 'kv_both' on both engines): a "
+                             "finished decode request's blocks are held and its params let the next turn's prefill "
+                             "read them (false)",
+    "decoder_kv_blocks_ttl": "seconds a decode engine holds a finished request's blocks for the next turn (480, "
+                             "upstream's key)",
+    "decoder_kv_hold_blocks": "decode side: at most this many blocks held for next turns; beyond it the oldest "
+                              "unclaimed holds are released (a quarter of the engine's KV cache)",
     "early_reads": "decode side: post a request's reads right behind its claims when every prefill worker it "
                    "reads from is known, instead of after the claims' answers (true)",
 }
@@ -95,6 +102,12 @@ class KVSMConfig:
     # side_channel_keys_reload_s for a rotation; None: the side channel is open.
     side_channel_keys: str | None = None
     side_channel_keys_reload_s: float = 2.0
+    # Decode-to-prefill reuse (bidirectional_kv_xfer): a finished decode request's
+    # blocks are held (at most hold_ttl_s, and at most hold_budget_blocks blocks of
+    # all holds; 0: a quarter of the engine's KV cache, set by the adapter).
+    bidirectional: bool = False
+    hold_ttl_s: float = 480.0
+    hold_budget_blocks: int = 0
 
     @property
     def produces(self) -> bool:
@@ -105,6 +118,10 @@ class KVSMConfig:
     def consumes(self) -> bool:
         """This engine may read a prefill engine's blocks (do_remote_prefill)."""
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def hold_ttl_ns(self) -> int:
+        return int(self.hold_ttl_s * 1e9)
 
     @property
     def lease_ns(self) -> int:

@@ -49,6 +49,7 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "heartbeat": ev.Heartbeat(req="r", lease_ns=1_000),
     "read_notif": ev.ReadNotif(req="r", reader="d0"),
     "lease_expired": ev.LeaseExpired(req="r"),
+    "release_asked": ev.ReleaseAsked(req="r", reason="budget", lease_ns=1_000_000_000),
     "remote_abandoned": ev.RemoteAbandoned(req="r"),
     "abandon_expired": ev.AbandonExpired(req="r"),
     "agent_added": ev.AgentAdded(req="p", agent="a1"),
@@ -71,8 +72,8 @@ def test_every_trigger_has_a_typed_event() -> None:
 
 def test_lifecycles_of_design() -> None:
     assert RECV.initial == "new" and RECV.terminal == {"done", "failed", "aborted", "closed_at_shutdown"}
-    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired", "forgotten", "refused_early",
-                                                              "closed_at_shutdown"}
+    assert SEND.initial == "prefilling" and SEND.terminal == {"released", "expired", "hold_expired", "forgotten",
+                                                              "refused_early", "closed_at_shutdown"}
     # The happy paths of docs/design.md.
     t = LifecycleTracker(RECV, VirtualClock(), policy=IllegalEventPolicy.RAISE)
     t.create("r")

@@ -35,7 +35,7 @@ from kvsm.replay import analyse
 
 def test_the_scheduler_lifecycle_is_declared_beside_the_others() -> None:
     assert LIFECYCLES["sched"] is SCHED
-    assert SCHED.entry_states == {"new", "prefill_queued"}
+    assert SCHED.entry_states == {"new", "prefill_queued", "running_to_hold"}
     for state in SCHED.states:  # every live state ends at a clean stop
         if state not in SCHED.terminal:
             assert SCHED.rules[(state, "scheduler_stopped")][0].dest == "closed_at_shutdown"

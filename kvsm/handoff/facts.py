@@ -115,6 +115,13 @@ class SendFinish(msgspec.Struct, frozen=True):
     block_ids: tuple[int, ...] = ()
     reason: str = ""
     pinned_ns: int = 0
+    # A decode engine's hold for a next turn (bidirectional_kv_xfer): pinned for
+    # ``lease_ns`` (its time to live; 0: the engine's lease); ``release``: the
+    # scheduler releases that hold (``reason`` why), ``lease_ns`` then the lease
+    # a claim granted before may still read in.
+    lease_ns: int = 0
+    hold: bool = False
+    release: bool = False
 
 
 class HeartbeatTarget(msgspec.Struct, frozen=True):

@@ -44,6 +44,7 @@ class RequestMachine:
         "reads_done_ns",
         "failure",
         "num_events",
+        "hold",
     )
 
     def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
@@ -76,6 +77,7 @@ class RequestMachine:
         self.reads_done_ns = 0  # decode side: when the reads completed (0: not yet)
         self.failure = ""
         self.num_events = 0
+        self.hold = False  # prefill side: a decode engine's hold for a next turn, not a prefill
 
     def snapshot(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in RequestMachine.__slots__}

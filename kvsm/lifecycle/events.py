@@ -157,6 +157,9 @@ class FinishedOk(Event, frozen=True, tag="finished_ok"):
     lease_ns: int = 30_000_000_000
     pinned_ns: int = 0
     via: str = ""
+    # A decode engine's finished request held for its conversation's next turn
+    # (bidirectional_kv_xfer): its lease is the hold's time to live.
+    hold: bool = False
 
 
 class FinishedAbnormally(Event, frozen=True, tag="finished_abnormally"):
@@ -195,6 +198,16 @@ class RemoteAbandoned(Event, frozen=True, tag="remote_abandoned"):
     reader: str = ""
     readers: int = 1
     early_waiting: int = 0  # as ReadNotif's
+
+
+class ReleaseAsked(Event, frozen=True, tag="release_asked"):
+    """The decode engine's scheduler releases a hold (its holds went over their
+    budget: the oldest go first). A hold no reader claimed is freed at once; a
+    claimed one once its read is in, or its last claim's lease is over.
+    ``lease_ns``: how long a claim granted before now may still read."""
+
+    reason: str = ""
+    lease_ns: int = 30_000_000_000
 
 
 class AbandonExpired(Event, frozen=True, tag="abandon_expired"):
@@ -286,6 +299,7 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     LeaseExpired,
     RemoteAbandoned,
     AbandonExpired,
+    ReleaseAsked,
     AgentAdded,
     Answered,
     Died,

@@ -39,6 +39,14 @@ def _pin_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
     # that hears of the pin late must not hold the blocks longer than promised.
     start = min(ev.pinned_ns, now_ns) if ev.pinned_ns > 0 else now_ns
     m.lease_deadline_ns = start + ev.lease_ns
+    m.hold = ev.hold
+
+
+def _end_lease_soon(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    """A claimed hold asked to release: no claim extends it any more, and it ends
+    once the last claim's read can no longer come (a claim granted before now reads
+    within a lease of it)."""
+    m.lease_deadline_ns = min(m.lease_deadline_ns, now_ns + ev.lease_ns)
 
 
 def _extend_lease(m: RequestMachine, ev: Any, now_ns: int) -> None:
@@ -172,6 +180,7 @@ PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
     "hold_blocks": _hold_blocks,
     "pin_blocks_data": _pin_blocks,
     "extend_lease_data": _extend_lease,
+    "end_lease_soon": _end_lease_soon,
     "count_read": _count_read,
     "note_read": _note_read,
     "note_claimant": _note_claimant,

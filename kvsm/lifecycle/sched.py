@@ -73,9 +73,40 @@ class LoadReported(Event, frozen=True, tag="load_reported"):
 
 class RequestFinished(Event, frozen=True, tag="request_finished"):
     """vLLM finished a decode request (``request_finished``): ``status`` its
-    RequestStatus name."""
+    RequestStatus name. With ``bidirectional_kv_xfer``, a normal finish would
+    hold its ``hold_blocks`` blocks for the next turn, against ``hold_budget``
+    (blocks all holds may keep; 0: nothing is held)."""
 
     status: str = ""
+    hold_blocks: int = 0
+    hold_budget: int = 0
+
+
+class HoldOffered(Event, frozen=True, tag="hold_offered"):
+    """A prefill request's params name a decode engine's hold of the conversation
+    so far (``bidirectional_kv_xfer``): ``tokens`` of its prompt match the held
+    ones. ``reader``: the request of this engine that reads that hold already."""
+
+    remote_engine: str
+    remote_req: str
+    remote_host: str = ""
+    remote_port: int = 0
+    remote_tp_size: int = 1
+    remote_pp_size: int = 1
+    tokens: int = 0
+    reader: str = ""
+
+
+class ReleaseDecided(Event, frozen=True, tag="release_decided"):
+    """The holds went over their budget: this one, the oldest, is released
+    (``reason`` says by how much)."""
+
+    reason: str = ""
+
+
+class HoldEnded(Event, frozen=True, tag="hold_ended"):
+    """The workers reported the hold's blocks free (``finished_sending``): read by
+    the next turn, expired, or released."""
 
 
 class PrefillFinished(Event, frozen=True, tag="prefill_finished"):
@@ -95,7 +126,8 @@ class SchedulerStopped(Event, frozen=True, tag="scheduler_stopped"):
 
 
 SCHED_EVENTS: tuple[type[Event], ...] = (ParamsIgnored, ParamsRead, RemoteTokensCounted, BlocksAllocated,
-                                         LoadReported, RequestFinished, PrefillFinished, SchedulerStopped)
+                                         LoadReported, RequestFinished, PrefillFinished, SchedulerStopped,
+                                         HoldOffered, ReleaseDecided, HoldEnded)
 
 
 # --- the data ----------------------------------------------------------------
@@ -139,6 +171,28 @@ def _note_params(m: SchedMachine, ev: ParamsRead, now_ns: int) -> None:
                 ev.remote_req)
 
 
+def _note_hold(m: SchedMachine, ev: HoldOffered, now_ns: int) -> None:
+    m.remote_engine = ev.remote_engine
+    m.remote_req = ev.remote_req
+    m.num_tokens = ev.tokens
+    m.source = (ev.remote_engine, ev.remote_host, ev.remote_port, ev.remote_tp_size, ev.remote_pp_size,
+                ev.remote_req)
+
+
+def _note_held(m: SchedMachine, ev: RequestFinished, now_ns: int) -> None:
+    m.num_tokens = ev.hold_blocks
+
+
+def _note_not_held(m: SchedMachine, ev: RequestFinished, now_ns: int) -> None:
+    if ev.hold_blocks > ev.hold_budget > 0:
+        m.why = (f"not held for a next turn: its {ev.hold_blocks} blocks exceed decoder_kv_hold_blocks "
+                 f"({ev.hold_budget})")
+
+
+def _note_release(m: SchedMachine, ev: ReleaseDecided, now_ns: int) -> None:
+    m.why = ev.reason
+
+
 def _note_ignored(m: SchedMachine, ev: ParamsIgnored, now_ns: int) -> None:
     m.why = ev.reason
 
@@ -171,6 +225,10 @@ def _note_refusal(m: SchedMachine, ev: PrefillFinished, now_ns: int) -> None:
 
 SCHED_PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
     "note_params": _note_params,
+    "note_hold": _note_hold,
+    "note_held": _note_held,
+    "note_not_held": _note_not_held,
+    "note_release": _note_release,
     "note_ignored": _note_ignored,
     "note_second_reader": _note_second_reader,
     "note_recompute": _note_recompute,
@@ -197,6 +255,11 @@ def _below_recompute_threshold(m: SchedMachine, ev: RemoteTokensCounted) -> bool
     return 0 < ev.tokens < ev.threshold
 
 
+def _hold_fits(m: SchedMachine, ev: RequestFinished) -> bool:
+    """A normal finish with blocks to hold, within the holds' budget."""
+    return 0 < ev.hold_blocks <= ev.hold_budget
+
+
 def _tokens_to_load(m: SchedMachine, ev: BlocksAllocated) -> bool:
     return ev.num_external_tokens > 0
 
@@ -215,6 +278,7 @@ SCHED_CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "rejected_upstream": _rejected_upstream,
     "read_by_another": _read_by_another,
     "below_recompute_threshold": _below_recompute_threshold,
+    "hold_fits": _hold_fits,
     "tokens_to_load": _tokens_to_load,
     "kv_complete": _kv_complete,
     "prompt_state_only": _prompt_state_only,
@@ -238,6 +302,12 @@ SCHED_EFFECTS: Mapping[str, str] = {
     "start_send": "relay the prefill request's start to the workers (SendStart)",
     "queue_pin": "pin its blocks: hand the finish to the workers with the step's batch, return the params",
     "refuse_pin": "tell the workers nothing is pinned (why), at once",
+    "hold_blocks": ("hold its blocks for the conversation's next turn (pinned with the holds' time to live) and "
+                    "return params naming them"),
+    "make_room": "release the oldest holds until all fit the budget again (each a release_decided)",
+    "release_hold": "tell the workers to release the hold (freed at once unless a reader claimed it)",
+    "note_not_held": "log why a finished decode request is not held",
+    "forget_hold": "take the hold out of the budget's count (its blocks are free)",
 }
 
 
@@ -257,6 +327,7 @@ _register_events()
 SCHED_STATES = [
     # decode side
     "new",
+    "running_to_hold",
     "ignored",
     "claiming",
     "recomputing",
@@ -264,8 +335,13 @@ SCHED_STATES = [
     "rejected",
     "loading",
     "loaded",
+    "held",
+    "hold_releasing",
     # prefill side
     "prefill_queued",
+    "reuse_claiming",
+    "reuse_declined",
+    "reuse_loading",
     "prefilling",
     # ends
     "done",
@@ -275,12 +351,14 @@ SCHED_STATES = [
     "left_to_reader",
     "pinned",
     "not_pinned",
+    "hold_released",
     "closed_at_shutdown",
 ]
 SCHED_TERMINAL = frozenset({"done", "ran_locally", "abandoned", "aborted_loading", "left_to_reader", "pinned",
-                            "not_pinned", "closed_at_shutdown"})
+                            "not_pinned", "hold_released", "closed_at_shutdown"})
 _LIVE = [s for s in SCHED_STATES if s not in SCHED_TERMINAL]
 _PREFILL = ["prefill_queued", "prefilling"]
+_REUSE_UNALLOCATED = ["reuse_claiming", "reuse_declined"]
 
 SCHED_TRANSITIONS: list[dict[str, Any]] = [
     # -- decode: judging the params (on_new_request)
@@ -320,13 +398,52 @@ SCHED_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "request_finished", "source": "rejected", "dest": "abandoned", "after": "abandon_remote"},
     {"trigger": "request_finished", "source": "recomputing", "dest": "abandoned",
      "after": ["stop_heartbeat", "drop_reader", "abandon_remote"]},
-    {"trigger": "request_finished", "source": "computing_locally", "dest": "ran_locally", "after": "drop_reader"},
+    {"trigger": "request_finished", "source": "computing_locally", "dest": "held", "prepare": "note_held",
+     "conditions": "hold_fits", "after": ["drop_reader", "hold_blocks", "make_room"]},
+    {"trigger": "request_finished", "source": "computing_locally", "dest": "ran_locally", "prepare": "note_not_held",
+     "after": ["drop_reader", "note_not_held"]},
     # vLLM keeps the blocks until a worker reports the request in finished_recving.
     {"trigger": "request_finished", "source": "loading", "dest": "aborted_loading",
      "after": ["drop_reader", "abort_load"]},
-    {"trigger": "request_finished", "source": "loaded", "dest": "done", "after": "drop_reader"},
+    # bidirectional_kv_xfer: a normal finish is held for the conversation's next turn,
+    # within the holds' budget (the oldest holds make room); its params name it.
+    {"trigger": "request_finished", "source": "loaded", "dest": "held", "prepare": "note_held",
+     "conditions": "hold_fits", "after": ["drop_reader", "hold_blocks", "make_room"]},
+    {"trigger": "request_finished", "source": "loaded", "dest": "done", "prepare": "note_not_held",
+     "after": ["drop_reader", "note_not_held"]},
+    # A request that asked only to be held at its finish (kvsm_hold: a router that
+    # learns a streamed turn's hold this way, or a prompt it sent a decode engine alone).
+    {"trigger": "request_finished", "source": "running_to_hold", "dest": "held", "prepare": "note_held",
+     "conditions": "hold_fits", "after": ["hold_blocks", "make_room"]},
+    {"trigger": "request_finished", "source": "running_to_hold", "dest": "ran_locally", "prepare": "note_not_held",
+     "after": "note_not_held"},
+    {"trigger": "release_decided", "source": "held", "dest": "hold_releasing", "prepare": "note_release",
+     "after": "release_hold"},
+    {"trigger": "hold_ended", "source": "held", "dest": "hold_released", "after": "forget_hold"},
+    {"trigger": "hold_ended", "source": "hold_releasing", "dest": "hold_released"},
     # -- prefill
     {"trigger": "blocks_allocated", "source": "prefill_queued", "dest": "prefilling", "after": "start_send"},
+    # -- prefill of a next turn whose conversation a decode engine holds (bidirectional_kv_xfer):
+    # it reads the held blocks it lacks, like a decode request, then prefills the new tokens.
+    {"trigger": "params_ignored", "source": "prefill_queued", "dest": "=", "prepare": "note_ignored",
+     "after": "warn_ignored"},
+    {"trigger": "hold_offered", "source": "prefill_queued", "dest": "=", "prepare": "note_second_reader",
+     "conditions": "read_by_another", "after": "warn_ignored"},
+    {"trigger": "hold_offered", "source": "prefill_queued", "dest": "reuse_claiming", "prepare": "note_hold",
+     "after": ["keep_params", "take_reader", "start_heartbeat"]},
+    {"trigger": "remote_tokens_counted", "source": "reuse_claiming", "dest": "reuse_declined",
+     "prepare": "note_recompute", "conditions": "below_recompute_threshold", "after": "recompute_locally"},
+    {"trigger": "remote_tokens_counted", "source": "reuse_claiming", "dest": "reuse_claiming"},
+    {"trigger": "blocks_allocated", "source": "reuse_claiming", "dest": "reuse_loading", "prepare": "note_load",
+     "conditions": "tokens_to_load", "after": ["stop_heartbeat", "start_send", "start_load"]},
+    {"trigger": "blocks_allocated", "source": _REUSE_UNALLOCATED, "dest": "prefilling",
+     "after": ["stop_heartbeat", "drop_reader", "start_send", "start_notify_only"]},
+    {"trigger": "load_reported", "source": "reuse_loading", "dest": "prefilling", "after": "drop_reader"},
+    {"trigger": "prefill_finished", "source": _REUSE_UNALLOCATED, "dest": "not_pinned", "prepare": "note_refusal",
+     "after": ["stop_heartbeat", "drop_reader", "abandon_remote", "refuse_pin"]},
+    # vLLM keeps the blocks until a worker reports the load in finished_recving.
+    {"trigger": "prefill_finished", "source": "reuse_loading", "dest": "not_pinned", "prepare": "note_refusal",
+     "after": ["drop_reader", "abort_load", "refuse_pin"]},
     {"trigger": "prefill_finished", "source": _PREFILL, "dest": "pinned",
      "conditions": ["kv_complete", "prompt_state_only"], "after": "queue_pin"},
     {"trigger": "prefill_finished", "source": _PREFILL, "dest": "not_pinned", "prepare": "note_refusal",
@@ -338,9 +455,13 @@ SCHED_TRANSITIONS: list[dict[str, Any]] = [
 SCHED_STALE: list[dict[str, Any]] = [
     {"trigger": "blocks_allocated", "source": ["loading", "loaded", "prefilling", "computing_locally"],
      "why": "vLLM allocates again after the load or a preemption: one transfer, one start per request"},
-    {"trigger": "blocks_allocated", "source": "ignored", "why": "it runs as a local request"},
-    {"trigger": "remote_tokens_counted", "source": ["recomputing", "computing_locally", "loading", "loaded"],
+    {"trigger": "blocks_allocated", "source": ["ignored", "running_to_hold"], "why": "it runs as a local request"},
+    {"trigger": "remote_tokens_counted", "source": ["recomputing", "computing_locally", "loading", "loaded",
+                                                    "reuse_declined", "reuse_loading", "prefilling"],
      "why": "vLLM asks again (a preemption, or blocks not free yet): counted once"},
+    {"trigger": "blocks_allocated", "source": "reuse_loading",
+     "why": "vLLM allocates again after the load or a preemption: one transfer, one start per request"},
+
 ]
 
 # ``LifecycleSpec``'s arguments: ``table.py`` compiles them into ``SCHED``.
@@ -350,7 +471,7 @@ SCHED_DECLARATION: Mapping[str, Any] = {
     "initial": "new",
     "terminal": SCHED_TERMINAL,
     "transitions": tuple(SCHED_TRANSITIONS),
-    "entry_states": frozenset({"new", "prefill_queued"}),
+    "entry_states": frozenset({"new", "prefill_queued", "running_to_hold"}),
     "stale_inputs": tuple(SCHED_STALE),
     "machine_cls": SchedMachine,
 }

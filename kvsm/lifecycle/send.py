@@ -10,8 +10,8 @@ from typing import Any
 from kvsm.lifecycle.spec import LifecycleSpec
 from kvsm.lifecycle.spec import each as _each
 
-SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "released", "expired", "forgotten",
-               "refused_early", "closed_at_shutdown"]
+SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "releasing", "released", "expired",
+               "hold_expired", "forgotten", "refused_early", "closed_at_shutdown"]
 
 # States of the early inputs that wait for their prefill's finish: their number
 # (``ReadNotif``/``RemoteAbandoned.early_waiting``) is what ``early_inputs_full``
@@ -36,8 +36,27 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "released", "prepare": "count_read",
      "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
     {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "="},
+    # A decode engine's hold for a next turn ends unread at its time to live: the
+    # conversation did not come back (no warning: that is what holds are for).
+    {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "hold_expired", "conditions": "is_hold",
+     "after": ["count_hold_ended", "free_blocks"]},
     {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "expired",
      "after": ["count_expired_lease", "free_blocks"]},
+    # The decode engine's holds went over their budget: one nobody claimed goes at
+    # once; a claimed one is not extended any more and goes once its read is in, or
+    # when a read its last claim allowed can no longer come (never while one may).
+    {"trigger": "release_asked", "source": "awaiting_pull", "dest": "released", "conditions": "unclaimed",
+     "after": ["cancel_lease", "count_hold_ended", "free_blocks"]},
+    {"trigger": "release_asked", "source": "awaiting_pull", "dest": "releasing", "prepare": "end_lease_soon",
+     "after": "arm_lease"},
+    {"trigger": "read_notif", "source": "releasing", "dest": "released", "prepare": "note_read",
+     "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "read_notif", "source": "releasing", "dest": "=", "prepare": "note_read"},
+    {"trigger": "remote_abandoned", "source": "releasing", "dest": "released", "prepare": "count_read",
+     "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
+    {"trigger": "remote_abandoned", "source": "releasing", "dest": "="},
+    {"trigger": "lease_expired", "source": "releasing", "dest": "hold_expired",
+     "after": ["count_hold_ended", "free_blocks"]},
     # The decode side gave up before this worker heard of the prefill's end
     # (its abandon overtook the scheduler's finish): the finish frees at once.
     # Early inputs wait in machines, at most MAX_EARLY_INPUTS of them (a bound on
@@ -69,7 +88,7 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "abandon_expired", "source": "read_early", "dest": "forgotten"},
     # A clean stop: pinned blocks are freed (finished_sending, so the block ledger
     # balances); a request not pinned yet holds nothing, its timers stop.
-    {"trigger": "shutdown", "source": "awaiting_pull", "dest": "closed_at_shutdown",
+    {"trigger": "shutdown", "source": ["awaiting_pull", "releasing"], "dest": "closed_at_shutdown",
      "after": ["cancel_lease", "free_blocks"]},
     {"trigger": "shutdown", "source": "prefilling", "dest": "closed_at_shutdown"},
     {"trigger": "shutdown", "source": ["abandoned_early", "read_early"], "dest": "closed_at_shutdown",
@@ -77,7 +96,7 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     # A draining engine's time is up: only what is pinned closes (a request still
     # prefilling, or known only by an early input, is pinned by its finish and closed
     # at the next step that says so).
-    {"trigger": "drain_over", "source": "awaiting_pull", "dest": "closed_at_shutdown",
+    {"trigger": "drain_over", "source": ["awaiting_pull", "releasing"], "dest": "closed_at_shutdown",
      "after": ["cancel_lease", "free_blocks"]},
 ]
 
@@ -87,8 +106,14 @@ SEND_STALE: list[dict[str, Any]] = [
     # worker asks again), so the log holds each answer of a live request.
     {"trigger": "heartbeat", "source": ["prefilling", "abandoned_early", "read_early"],
      "why": "the finish has not come here yet: the claim is answered unknown and asked again"},
-    {"trigger": ["finished_ok", "finished_abnormally", "abort"], "source": ["awaiting_pull", "released", "expired"],
+    {"trigger": ["finished_ok", "finished_abnormally", "abort"],
+     "source": ["awaiting_pull", "releasing", "released", "expired", "hold_expired"],
      "why": "told twice (a direct hand-off that partly failed also goes with the next step)"},
+    {"trigger": "heartbeat", "source": "releasing",
+     "why": "the hold is being released (over its budget): no claim extends it; the claim is answered unknown"},
+    {"trigger": "release_asked", "source": ["releasing", "released", "expired", "hold_expired", "closed_at_shutdown"],
+     "why": "the hold ended already, or is ending (read, expired, released before)"},
+    {"trigger": "remote_abandoned", "source": "hold_expired", "why": "nothing is held for it any more"},
     {"trigger": ["finished_ok", "finished_abnormally", "abort", "remote_abandoned", "read_notif", "heartbeat"],
      "source": "closed_at_shutdown", "why": "the worker was shutting down: it had let the request go"},
     {"trigger": "remote_abandoned", "source": ["abandoned_early", "released", "expired", "forgotten"],
@@ -122,8 +147,10 @@ CLAIM_ANSWERS: Mapping[str | None, str] = {
     "abandoned_early": "unknown",
     "read_early": "unknown",
     "awaiting_pull": "ok",
+    "releasing": "unknown",
     "released": "expired",
     "expired": "expired",
+    "hold_expired": "expired",
     "forgotten": "unknown",
     "refused_early": "unknown",
     "closed_at_shutdown": "expired",
@@ -134,12 +161,14 @@ SEND = LifecycleSpec(
     name="send",
     states=tuple(SEND_STATES),
     initial="prefilling",
-    terminal=frozenset({"released", "expired", "forgotten", "refused_early", "closed_at_shutdown"}),
+    terminal=frozenset({"released", "expired", "hold_expired", "forgotten", "refused_early", "closed_at_shutdown"}),
     transitions=tuple(SEND_TRANSITIONS),
     entry_states=frozenset({"prefilling"}),
     named_violations={
         ("expired", "read_notif"): "read_after_lease_expiry",
         ("expired", "heartbeat"): "heartbeat_after_lease_expiry",
+        ("hold_expired", "read_notif"): "read_after_lease_expiry",
+        ("hold_expired", "heartbeat"): "heartbeat_after_lease_expiry",
     },
     stale_inputs=tuple(SEND_STALE),
     new_after_end=SEND_NEW_AFTER_END,

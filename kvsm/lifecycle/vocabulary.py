@@ -40,6 +40,7 @@ EFFECTS: Mapping[str, str] = {
     "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
     "free_blocks": "report finished_sending: the blocks may be reused",
     "count_expired_lease": "count a lease that expired unread (metrics, rate-limited warning)",
+    "count_hold_ended": "count a hold for a next turn that ended unread (expired, or released under its budget)",
     "arm_lease": "start the lease timer for the pinned blocks",
     "extend_lease": "move the lease deadline (a heartbeat came)",
     "cancel_lease": "stop the lease timer",
@@ -116,6 +117,15 @@ def _early_inputs_full(m: RequestMachine, ev: Any) -> bool:
     return bool(ev.early_waiting >= MAX_EARLY_INPUTS)
 
 
+def _unclaimed(m: RequestMachine, ev: Any) -> bool:
+    """No decode rank claimed it: nobody may be reading it."""
+    return not m.claimants
+
+
+def _is_hold(m: RequestMachine, ev: Any) -> bool:
+    return m.hold
+
+
 def _outdated(m: PeerMachine, ev: Any) -> bool:
     """Sent before the last news about the peer: part of an outage already
     handled, or older than an answer."""
@@ -132,6 +142,8 @@ CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "answers_a_claim": _answers_a_claim,
     "early_inputs_full": _early_inputs_full,
     "outdated": _outdated,
+    "unclaimed": _unclaimed,
+    "is_hold": _is_hold,
 }
 
 

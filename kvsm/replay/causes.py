@@ -38,6 +38,7 @@ from kvsm.replay.evidence import (
     CLOSED_AT_SHUTDOWN,
     FAILURES,
     HANDOFF_FAILED,
+    HELD,
     NOTE_EVENTS,
     PEER_DEAD_LOGGING,
     PIN_LOGGING,
@@ -99,6 +100,10 @@ def _scheduler_said(ctx: Context, engine: str, req: str) -> str:
     notes = [r for r in ctx.notes.get((engine, req), ()) if r.role == "scheduler"]
     parts: list[str] = []
     for r in notes:
+        if r.event == HELD:
+            f = ctx.lines.fields(r)
+            return (f"the decode engine held it for a next turn at {ctx.at(r)} ({f.get('blocks', '?')} blocks, "
+                    f"{f.get('held_blocks', '?')} held of decoder_kv_hold_blocks {f.get('budget', '?')})")
         if r.event == PINNED:
             f = ctx.lines.fields(r)
             pinned = f.get("pinned_ns")
@@ -137,6 +142,11 @@ def _send_said(ctx: Context, m: Machine, who: str) -> str:
         return f"{who} released it unpinned at {ctx.at(last)} ({last.event}{why})"
     via = inp(got, "via", "") or ""
     text = f"{who} received it at {ctx.at(got)}" + (f" (via {via})" if via else "")
+    released = next((r for r in m.records if r.kind == "transition" and r.event == "release_asked"), None)
+    if released is not None:  # a hold, released over its budget
+        return text + f", {clip(inp(released, 'reason', '') or 'released', 200)} (at {ctx.at(released)})"
+    if state == "hold_expired":
+        return text + f", its hold's time to live ran out at {ctx.at(last)}"
     if state == "expired":
         return text + f", its lease expired at {ctx.at(last)}"
     if state == "released":
@@ -240,7 +250,12 @@ def _error(ctx: Context, m: Machine, fail: Record | None) -> str:
     detail = inp(fail, "detail", "")
     line = f"error {kind}" + (f": {clip(detail)}" if detail else "")
     if kind == "lease_expired":
-        line += f"; {_prefill_said(ctx, m.remote)}"
+        said = _prefill_said(ctx, m.remote)
+        if said.startswith("the decode engine held it"):  # a next turn's read of a decode engine's hold
+            matched = next((r for r in m.records if r.kind == "transition" and r.event == "matched"), None)
+            tokens = inp(matched, "num_tokens", 0) if matched is not None else 0
+            return f"{tokens:,} held tokens recomputed here (kv_load_failure_policy recompute): {said}"
+        line += f"; {said}"
     return line
 
 

@@ -27,6 +27,7 @@ CLAIM_FAILED = "worker.claim_failed"
 PEER_DEAD = "worker.peer_dead"
 NOTE_EVENTS = frozenset({CLAIMS_ANSWERED, CLAIM_FAILED, PEER_DEAD})
 PINNED = "sched.pinned"
+HELD = "sched.held"  # a decode engine's hold for a next turn (bidirectional_kv_xfer)
 HANDOFF_FAILED = "sched.pin_handoff_failed"
 PREFILL_FINISHED = "sched.prefill_finished"
 # A scheduler log that writes either has the pin records (a newer scheduler).

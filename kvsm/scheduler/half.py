@@ -46,9 +46,12 @@ from kvsm.lifecycle.clock import SYSTEM_CLOCK, Clock
 from kvsm.lifecycle.events import Event
 from kvsm.lifecycle.machine import LifecycleTracker, Outcome
 from kvsm.lifecycle.sched import (
+    NORMAL_FINISH,
     BlocksAllocated,
+    HoldEnded,
     LoadReported,
     PrefillFinished,
+    ReleaseDecided,
     RemoteTokensCounted,
     RequestFinished,
     SchedMachine,
@@ -57,6 +60,7 @@ from kvsm.lifecycle.sched import (
 from kvsm.lifecycle.table import SCHED
 from kvsm.scheduler.block_pairing import NULL_BLOCK, pair_blocks
 from kvsm.scheduler.block_pairing import pair_segments as _pair_segments
+from kvsm.scheduler.holds import HOLD_ASKED_KEY, HoldIndex, held_blocks, hold_offer, judge_hold_params
 from kvsm.scheduler.params import (
     HELD_BACK_KEY,
     Source,
@@ -115,6 +119,7 @@ class SchedulerHalf:
         # worker group, and the one request of this engine reading each prefill request.
         self._claims: dict[Group, set[str]] = defaultdict(set)
         self._reader_of: dict[Source, str] = {}
+        self._holds = HoldIndex()  # a decode engine's holds for next turns, oldest first
         self._next_heartbeat = time.monotonic() + cfg.heartbeat_interval_s
         self._step = 0
         self._meta = step_facts(0)
@@ -129,6 +134,8 @@ class SchedulerHalf:
             "start_load": self._start_load, "start_notify_only": self._start_notify_only,
             "abandon_remote": self._abandon_remote, "abort_load": self._abort_load,
             "start_send": self._start_send, "queue_pin": self._queue_pin, "refuse_pin": self._refuse_pin,
+            "hold_blocks": self._hold_blocks, "make_room": self._make_room, "release_hold": self._release_hold,
+            "note_not_held": self._note_not_held, "forget_hold": self._forget_hold,
         }
         missing = {e for rules in SCHED.rules.values() for r in rules for e in r.effects} - set(self._effects)
         if missing:
@@ -176,6 +183,13 @@ class SchedulerHalf:
             if self._hold_back and hold_back_last_tokens(request, params, self._hold_back):
                 self._note("sched.held_back", req, tokens=self._hold_back, prompt_tokens=request.num_prompt_tokens)
             self.requests.create(req, "prefill_queued")
+            m = self._machine(req)
+            if params.get("remote_block_ids") and m is not None:  # a decode engine holds the conversation
+                judged = judge_hold_params(request, params, self.cfg, self._group_block_sizes, self._reader_of)
+                self._apply(m, judged.event, judged.remote)
+            return
+        if params.get(HOLD_ASKED_KEY) and self.cfg.bidirectional and not params.get("do_remote_prefill"):
+            self.requests.create(req, "running_to_hold")  # computed here, held at its finish
             return
         if not params.get("do_remote_prefill") or not self.requests.create(req).ok:
             return
@@ -233,6 +247,11 @@ class SchedulerHalf:
             m = self._machine(req)
             if m is not None:
                 self._apply(m, LoadReported(req=req))
+        if self._holds:
+            for req in connector_output.finished_sending or ():
+                m = self._machine(req)
+                if m is not None:  # (a finished prefill's machine ended at its pin)
+                    self._apply(m, HoldEnded(req=req))
 
     # -- finishing ------------------------------------------------------------
 
@@ -249,8 +268,15 @@ class SchedulerHalf:
         status = request.status.name
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_decode") and self.cfg.produces):
-            self._apply(m, RequestFinished(req=req, status=status))
-            return False, None
+            hold, budget = 0, 0
+            if self.cfg.bidirectional and status in NORMAL_FINISH:
+                offered, m.why = held_blocks(request, self._group_block_sizes)
+                # What the hold keeps out of the pool: every block of the request.
+                hold = len({b for ids in block_ids for b in ids if b != NULL_BLOCK}) if offered else 0
+                budget = self.cfg.hold_budget_blocks
+            offer = self._apply(m, RequestFinished(req=req, status=status, hold_blocks=hold, hold_budget=budget),
+                                (request, block_ids))
+            return (True, offer) if offer is not None else (False, None)
         # What is pinned: every block of every group, each once, never the null block.
         blocks = tuple(dict.fromkeys(b for ids in block_ids for b in ids if b != NULL_BLOCK))
         event = PrefillFinished(req=req, status=status, blocks=len(blocks),
@@ -290,6 +316,9 @@ class SchedulerHalf:
 
     def _start_heartbeat(self, m: SchedMachine, ev: Any, context: Any) -> None:
         self._claims[m.group].add(m.remote_req)
+
+    def _forget_hold(self, m: SchedMachine, ev: Any, context: Any) -> None:
+        self._holds.remove(m.req)
 
     def _stop_heartbeat(self, m: SchedMachine, ev: Any, context: Any) -> None:
         claims = self._claims.get(m.group)
@@ -375,6 +404,41 @@ class SchedulerHalf:
         self._meta.send_finish += self._pins.hand([SendFinish(req=m.req, ok=False, reason=m.why)])
         self._note("sched.prefill_finished", m.req, ok=False, status=ev.status, via=self._pins.path(),
                    **({} if m.why == ev.status else {"why": m.why}))
+
+    def _hold_blocks(self, m: SchedMachine, ev: Any, context: Any) -> dict[str, Any]:
+        """Keep the blocks for the next turn: pinned like a finished prefill's, with
+        the holds' time to live for a lease (a claim then reads within its own)."""
+        request, block_ids = context
+        blocks = tuple(dict.fromkeys(b for ids in block_ids for b in ids if b != NULL_BLOCK))
+        pinned_ns = self.requests.clock.monotonic_ns()
+        self._pins.pending.append(SendFinish(req=m.req, ok=True, block_ids=blocks, pinned_ns=pinned_ns,
+                                             lease_ns=self.cfg.hold_ttl_ns, hold=True))
+        self._holds.add(m.req, len(blocks))
+        offered, _ = held_blocks(request, self._group_block_sizes)
+        self._note("sched.held", m.req, blocks=len(blocks), tokens=offered * self._group_block_sizes[0],
+                   holds=len(self._holds), held_blocks=self._holds.total, budget=self.cfg.hold_budget_blocks,
+                   ttl_s=self.cfg.hold_ttl_s)
+        return hold_offer(self.cfg, request, block_ids[0], offered, self._group_block_sizes[0])
+
+    def _make_room(self, m: SchedMachine, ev: Any, context: Any) -> None:
+        """Release the oldest holds until every hold fits the budget again."""
+        budget = self.cfg.hold_budget_blocks
+        for victim, total in self._holds.oldest_over(budget, keep=m.req):
+            held = self._machine(victim)
+            if held is not None:
+                self._apply(held, ReleaseDecided(req=victim, reason=(
+                    f"released under memory pressure: {total} blocks held for next turns, over "
+                    f"decoder_kv_hold_blocks ({budget}); the oldest hold goes first")))
+
+    def _release_hold(self, m: SchedMachine, ev: Any, context: Any) -> None:
+        """In the pin hand-off's order: never ahead of the hold's own pin."""
+        self._holds.remove(m.req)
+        self._pins.pending.append(SendFinish(req=m.req, ok=False, reason=m.why, release=True,
+                                             lease_ns=self.cfg.lease_ns))
+
+    def _note_not_held(self, m: SchedMachine, ev: Any, context: Any) -> None:
+        if m.why and ev.status in NORMAL_FINISH and self.cfg.bidirectional:
+            self._note("sched.not_held", m.req, why=m.why)
 
     # -- per step -------------------------------------------------------------
 

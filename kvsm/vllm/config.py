@@ -99,6 +99,15 @@ def kvsm_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMC
             raise ValueError(f"kv_connector_extra_config['side_channel_keys'] must be a directory path, "
                              f"got {keys_dir!r:.80}")
         load_keys(keys_dir)  # raises SideChannelKeysError (a ValueError) naming what is wrong
+    bidirectional = _flag("bidirectional_kv_xfer", extra.get("bidirectional_kv_xfer", False))
+    if bidirectional and role != "kv_both":
+        raise ValueError(f"kv_connector_extra_config['bidirectional_kv_xfer'] needs kv_role 'kv_both' (got {role!r}): "
+                         f"the decode engine serves the blocks it holds and the prefill engine reads them, so both "
+                         f"engines serve and read")
+    if bidirectional and str(getattr(kvt, "kv_load_failure_policy", "fail")) != "recompute":
+        raise ValueError("kv_connector_extra_config['bidirectional_kv_xfer'] needs kv_load_failure_policy "
+                         "'recompute': a next turn whose held blocks are gone (expired, or released under memory "
+                         "pressure) must compute its prompt, not fail")
     backends = extra.get("backends", ["UCX"])
     if isinstance(backends, str) or not all(isinstance(b, str) for b in backends):
         raise ValueError(f"kv_connector_extra_config['backends'] must be a list of names, got {backends!r}")
@@ -131,6 +140,9 @@ def kvsm_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMC
         recompute_threshold=_count("kv_recompute_threshold", extra.get("kv_recompute_threshold", 0)),
         side_channel_keys=os.path.abspath(keys_dir) if keys_dir else None,
         side_channel_keys_reload_s=_positive("side_channel_keys_reload", extra.get("side_channel_keys_reload", 2.0)),
+        bidirectional=bidirectional,
+        hold_ttl_s=_positive("decoder_kv_blocks_ttl", extra.get("decoder_kv_blocks_ttl", 480.0)),
+        hold_budget_blocks=_count("decoder_kv_hold_blocks", extra.get("decoder_kv_hold_blocks", 0)),
     )
 
 def _count(key: str, value: Any) -> int:

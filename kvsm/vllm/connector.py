@@ -191,6 +191,10 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         if any(g.kind.startswith("mamba") for g in self.kv_groups):
             # Its conv and recurrent state are split over heads inside one page, not heads-major.
             cfg = dataclasses.replace(cfg, tp_share="none: Mamba/GDN state pages are not laid out by heads")
+        if cfg.bidirectional and not cfg.hold_budget_blocks:
+            # Holds for next turns take at most a quarter of the KV cache by default.
+            num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+            cfg = dataclasses.replace(cfg, hold_budget_blocks=max(1, num_blocks // 4))
         self.cfg = cfg
         unknown = unknown_extra_keys(vllm_config)
         if unknown:

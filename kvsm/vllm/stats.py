@@ -174,6 +174,12 @@ class KVSMPromMetrics(KVConnectorPromMetrics):
                           "code: malformed, too_large, unknown_rank, ...) (kvsm).",
             labelnames=[*labels, "outcome"],
         )
+        self._holds_parent = counter(
+            name="vllm:kvsm_holds_ended",
+            documentation="Decode side (bidirectional_kv_xfer): holds for next turns that ended unread, by how "
+                          "(expired: their time to live; released: over the holds' budget) (kvsm).",
+            labelnames=[*labels, "how"],
+        )
         self._states_parent = self._gauge_cls(
             name="vllm:kvsm_requests",
             documentation="Requests per kvsm lifecycle and state, summed over the engine's workers.",
@@ -200,6 +206,7 @@ class KVSMPromMetrics(KVConnectorPromMetrics):
             gauge.set(1 if keyed else 0)
         self._failure_children: dict[tuple[int, str], Any] = {}
         self._side_channel_children: dict[tuple[int, str], Any] = {}
+        self._holds_children: dict[tuple[int, str], Any] = {}
         self._state_children: dict[tuple[int, str, str], Any] = {}
         self._states_by_source: dict[int, dict[str, StateCounts]] = {}
 
@@ -235,6 +242,9 @@ class KVSMPromMetrics(KVConnectorPromMetrics):
             if n:
                 self._labelled_child(self._side_channel_parent, self._side_channel_children, engine_idx,
                                      outcome).inc(n)
+        for how, n in d.get("holds_ended", {}).items():
+            if n:
+                self._labelled_child(self._holds_parent, self._holds_children, engine_idx, how).inc(n)
         if states := d.get("states"):
             self._observe_states(engine_idx, states)
 

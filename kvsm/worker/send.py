@@ -94,6 +94,7 @@ class Sender:
             "cancel_lease": self._cancel_lease,
             "free_blocks": self._free_blocks,
             "count_expired_lease": self._count_expired_lease,
+            "count_hold_ended": self._count_hold_ended,
             "arm_abandon_timer": self._arm_abandon_timer,
             "cancel_abandon_timer": self._cancel_abandon_timer,
             "count_refused_abandon": self._count_refused_abandon,
@@ -191,13 +192,21 @@ class Sender:
     def _on_send_finish(self, item: tuple[SendFinish, str]) -> None:
         finish, via = item
         req = finish.req
+        if finish.release:  # the scheduler releases a hold: only a live one has anything to release
+            if req in self.send:
+                self._apply_send(ev.ReleaseAsked(req=req, reason=finish.reason,
+                                                 lease_ns=finish.lease_ns or self.cfg.lease_ns))
+            else:
+                self._note("worker.release_after_end", req, reason=finish.reason)
+            return
         if self.send.may_begin(req):  # (a finish after a forgotten early abandon begins anew)
             self.send.create(req)
         # A finish told twice (a direct hand-off that partly failed also goes with a
         # step) is a declared stale input.
         if finish.ok:
             self._apply_send(ev.FinishedOk(req=req, block_ids=finish.block_ids, expected_reads=1,
-                                           lease_ns=self.cfg.lease_ns, pinned_ns=finish.pinned_ns, via=via))
+                                           lease_ns=finish.lease_ns or self.cfg.lease_ns, pinned_ns=finish.pinned_ns,
+                                           via=via, hold=finish.hold))
         elif finish.reason == "FINISHED_ABORTED":
             self._apply_send(ev.Abort(req=req))
         else:
@@ -268,6 +277,9 @@ class Sender:
         self.stats.lease_expired()
         self.warn.warning("lease_expired", "lease of request %s expired unread; its %d blocks are freed",
                           req, len(o.block_ids))
+
+    def _count_hold_ended(self, req: str, o: Outcome) -> None:
+        self.stats.hold_ended("expired" if o.trigger == "lease_expired" else "released")
 
     def _count_refused_abandon(self, req: str, o: Outcome) -> None:
         self.stats.failure("early_abandon_dropped")

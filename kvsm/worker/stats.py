@@ -68,7 +68,7 @@ _COUNTER_KEYS: Final = (
     "reads_served",
     "dropped_samples",
 )
-_KEYED_KEYS: Final = ("failures", "side_channel")
+_KEYED_KEYS: Final = ("failures", "side_channel", "holds_ended")
 """Counters broken down by a label: ``{key: {label value: count}}``."""
 
 StateCounts: TypeAlias = dict[str, dict[str, int]]
@@ -96,6 +96,9 @@ def empty_data() -> StatsData:
         "failures": {},  # kind -> count
         # Prefill side: side-channel messages by outcome ("served", or the refusal's error code).
         "side_channel": {},
+        # Decode side (bidirectional_kv_xfer): holds for next turns ended unread, by how
+        # ("expired": their time to live; "released": over the holds' budget).
+        "holds_ended": {},
         "leases_expired": 0,  # prefill side
         "reads_served": 0,  # prefill side: requests whose blocks a decode peer read and released
         "states": {},  # source -> StateCounts (a gauge: latest snapshot per source)
@@ -176,6 +179,8 @@ def summary(data: StatsData) -> dict[str, int | float]:
     out["Reads served"] = d["reads_served"]
     for outcome in sorted(d["side_channel"]):
         out[f"Side channel {outcome}"] = d["side_channel"][outcome]
+    for how in sorted(d["holds_ended"]):
+        out[f"Holds ended {how}"] = d["holds_ended"][how]
     if d["dropped_samples"]:
         out["Dropped samples"] = d["dropped_samples"]
     for lifecycle, counts in sorted(sum_states(d["states"]).items()):
@@ -256,6 +261,7 @@ class StatsRecorder:
         self._dropped = 0
         self._failures: dict[str, int] = {}
         self._side_channel: dict[str, int] = {}
+        self._holds_ended: dict[str, int] = {}
         self._leases_expired = 0
         self._reads_served = 0
         # The gauge: replaced (never mutated) on change, so ``take`` may share it.
@@ -301,6 +307,11 @@ class StatsRecorder:
         with self._lock:
             self._leases_expired += 1
 
+    def hold_ended(self, how: str) -> None:
+        """Decode side: a hold for a next turn ended unread (``how``: expired, released)."""
+        with self._lock:
+            self._holds_ended[how] = self._holds_ended.get(how, 0) + 1
+
     def read_served(self) -> None:
         """Prefill side: a decode peer read a request's blocks and they were released."""
         with self._lock:
@@ -339,6 +350,7 @@ class StatsRecorder:
                 or self._num_handshakes
                 or self._failures
                 or self._side_channel
+                or self._holds_ended
                 or self._leases_expired
                 or self._reads_served
                 or self._states_changed
@@ -357,6 +369,7 @@ class StatsRecorder:
             self._num_xfers = self._bytes = self._descs = self._num_handshakes = self._dropped = 0
             self._failures = {}
             self._side_channel = {}
+            self._holds_ended = {}
             self._leases_expired = self._reads_served = 0
             self._states_changed = False
             _add_counts(self._taken, data)
@@ -374,6 +387,7 @@ class StatsRecorder:
             "dropped_samples": self._dropped,
             "failures": self._failures,
             "side_channel": self._side_channel,
+            "holds_ended": self._holds_ended,
             "leases_expired": self._leases_expired,
             "reads_served": self._reads_served,
         }

@@ -49,17 +49,20 @@ MARKER = "KVSM-RESULT "
 
 def kvsm_transfer_config(role: str, *, port: int, log_dir: str | None, engine_id: str,
                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A ``kv_transfer_config`` dict loading KVSMConnector on this machine."""
+    """A ``kv_transfer_config`` dict loading KVSMConnector on this machine (``extra``'s
+    ``kv_load_failure_policy``, vLLM's key, goes beside kvsm's)."""
     cfg: dict[str, Any] = {"side_channel_host": "127.0.0.1", "side_channel_port": port}
     if log_dir:
         cfg["event_log_dir"] = log_dir
     cfg.update(extra or {})
+    policy = cfg.pop("kv_load_failure_policy", None)
     return {
         "kv_connector": "KVSMConnector",
         "kv_connector_module_path": "kvsm.connector",
         "kv_role": role,
         "engine_id": engine_id,
         "kv_buffer_device": "cpu",
+        **({"kv_load_failure_policy": policy} if policy else {}),
         "kv_connector_extra_config": cfg,
     }
 

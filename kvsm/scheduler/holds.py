@@ -1,0 +1,173 @@
+"""Decode-to-prefill reuse (``bidirectional_kv_xfer``): what a decode engine
+offers of a finished request for its conversation's next turn, how a prefill
+engine judges such an offer, and the holds' budget.
+
+Pure functions of the params, the request and the config, and one ordered
+index: which holds there are, oldest first. Whether a request is held,
+released or read is the ``sched`` lifecycle's decision
+(``kvsm.lifecycle.sched``).
+
+Why digests: the next turn's prompt is the client's (a chat template renders
+the previous answer again; a client may edit it), so the prefill engine reads
+only the held blocks its prompt really starts with. Each held block carries a
+chained digest of the tokens up to its end, and the prefill engine matches
+them against its own prompt, block by block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec.structs
+
+from kvsm.config import KVSMConfig
+from kvsm.handoff.facts import PRODUCER_KEY, BadTransferParams, parse_remote_params
+from kvsm.handshake.messages import PROTOCOL_VERSION
+from kvsm.lifecycle.sched import HoldOffered, ParamsIgnored
+from kvsm.scheduler.params import Judged, Source, remote_block_sizes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.request import Request
+
+# kv_transfer_params key of a hold's offer: the chained digest of each held block's tokens.
+HOLD_DIGESTS_KEY = "kvsm_hold_digests"
+# kv_transfer_params key of a request run on a decode engine alone that asks to be
+# held at its finish (its answer then carries the hold's params, as a P/D one's).
+HOLD_ASKED_KEY = "kvsm_hold"
+_MASK = 0xFFFFFFFFFFFFFFFF
+
+
+def block_digests(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[str]:
+    """The chained digest of the first ``num_blocks`` blocks of ``token_ids``:
+    digest ``i`` covers every token up to the end of block ``i``. CPython's tuple
+    hash of ints is the same in every process (no hash seed), and ~0.3 µs a block."""
+    out: list[str] = []
+    h = 0
+    for i in range(num_blocks):
+        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size]))) & _MASK
+        out.append(f"{h:016x}")
+    return out
+
+
+def matched_blocks(digests: Sequence[str], token_ids: Sequence[int], block_size: int) -> int:
+    """How many of the held blocks ``token_ids`` start with (their digests agree)."""
+    n = min(len(digests), len(token_ids) // block_size)
+    h = 0
+    for i in range(n):
+        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size]))) & _MASK
+        if f"{h:016x}" != digests[i]:
+            return i
+    return n
+
+
+def hold_offer(cfg: KVSMConfig, request: Request, block_ids: list[int], num_blocks: int,
+               block_size: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a held decode request returns, in upstream's shape
+    (``do_remote_decode``, ``remote_*`` naming this decode engine): a router passes
+    them to the next turn's prefill leg."""
+    tokens = request.all_token_ids
+    return {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": [list(block_ids[:num_blocks])],
+        "remote_engine_id": cfg.engine_id,
+        "remote_request_id": request.request_id,
+        "remote_host": cfg.side_channel_host,
+        "remote_port": cfg.side_channel_port,
+        "tp_size": cfg.tp_size,
+        "dcp_size": cfg.dcp_size,
+        "pp_size": cfg.pp_size,
+        "remote_num_tokens": num_blocks * block_size,
+        "remote_block_size": block_size,
+        HOLD_DIGESTS_KEY: block_digests(tokens, block_size, num_blocks),
+        PRODUCER_KEY: PROTOCOL_VERSION,
+        "remote_blocks_expiry_time": time.time() + cfg.hold_ttl_s,
+        "transfer_mode": "pull",
+    }
+
+
+def held_blocks(request: Request, group_block_sizes: tuple[int, ...]) -> tuple[int, str]:
+    """How many blocks of a finished decode request a next turn could read (its
+    computed tokens' full blocks), or 0 and why none."""
+    if len(group_block_sizes) != 1:
+        return 0, (f"not held: {len(group_block_sizes)} KV cache groups (a sliding window's or a Mamba/GDN "
+                   f"state is not a prefix a next turn can read); holds need one group")
+    return request.num_computed_tokens // group_block_sizes[0], ""
+
+
+def judge_hold_params(request: Request, params: Mapping[str, Any], cfg: KVSMConfig,
+                      group_block_sizes: tuple[int, ...], readers: Mapping[Source, str]) -> Judged:
+    """What a prefill request's params offering a decode engine's hold say: the
+    tokens of its prompt that match the held blocks (``HoldOffered``), or why
+    none are read (``ParamsIgnored``: the prompt is computed here, as without)."""
+    req = request.request_id
+    if not cfg.bidirectional:
+        return Judged(ParamsIgnored(req=req, reason="the params offer a decode engine's held blocks, and "
+                                                    "bidirectional_kv_xfer is off on this engine"))
+    try:
+        remote = parse_remote_params(params)
+    except BadTransferParams as e:
+        return Judged(ParamsIgnored(req=req, reason=f"held blocks offered: {e}"))
+    digests = params.get(HOLD_DIGESTS_KEY)
+    if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
+        return Judged(ParamsIgnored(req=req, reason=(
+            f"held blocks offered without {HOLD_DIGESTS_KEY!r} (another connector's decode engine?): the prompt "
+            f"cannot be matched against them")))
+    if len(group_block_sizes) != 1 or len(remote.remote_block_ids) != 1:
+        return Judged(ParamsIgnored(req=req, reason="held blocks need one KV cache group on both engines"))
+    theirs, ours = remote_block_sizes(remote, group_block_sizes)[0], group_block_sizes[0]
+    if max(theirs, ours) % min(theirs, ours):
+        return Judged(ParamsIgnored(req=req, reason=(
+            f"the decode engine's blocks hold {theirs} tokens, this engine's {ours}: one size must divide "
+            f"the other")))
+    prompt = request.prompt_token_ids or []
+    blocks = min(matched_blocks(digests, prompt, theirs), len(remote.remote_block_ids[0]))
+    # At least the prompt's last token is computed here: it gives the first token.
+    tokens = min(blocks * theirs, max(0, request.num_prompt_tokens - 1))
+    if tokens <= 0:
+        return Judged(ParamsIgnored(req=req, reason=(
+            f"the prompt does not start with the decode engine's held tokens (0 of {len(digests)} blocks "
+            f"match): computed here")))
+    remote = msgspec.structs.replace(remote, remote_num_tokens=tokens)
+    source = (remote.remote_engine, remote.remote_host, remote.remote_port, remote.remote_tp_size,
+              remote.remote_pp_size, remote.remote_req)
+    return Judged(HoldOffered(req=req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
+                              remote_host=remote.remote_host, remote_port=remote.remote_port,
+                              remote_tp_size=remote.remote_tp_size, remote_pp_size=remote.remote_pp_size,
+                              tokens=tokens, reader=readers.get(source, "")), remote)
+
+
+class HoldIndex:
+    """The holds of a decode engine, oldest first, with their blocks: what the
+    budget is checked against (kept by the ``hold_blocks`` and ``release_hold``
+    effects and the holds' end)."""
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[str, int] = OrderedDict()
+        self.total = 0
+
+    def add(self, req: str, blocks: int) -> None:
+        self._blocks[req] = blocks
+        self.total += blocks
+
+    def remove(self, req: str) -> None:
+        self.total -= self._blocks.pop(req, 0)
+
+    def oldest_over(self, budget: int, keep: str) -> list[tuple[str, int]]:
+        """The oldest holds (but ``keep``) whose release brings the total within
+        ``budget``, with the total each was released at."""
+        out: list[tuple[str, int]] = []
+        total = self.total
+        for req, blocks in self._blocks.items():
+            if total <= budget:
+                break
+            if req != keep:
+                out.append((req, total))
+                total -= blocks
+        return out
+
+    def __len__(self) -> int:
+        return len(self._blocks)
