@@ -254,7 +254,9 @@ def _error(ctx: Context, m: Machine, fail: Record | None) -> str:
         if said.startswith("the decode engine held it"):  # a next turn's read of a decode engine's hold
             matched = next((r for r in m.records if r.kind == "transition" and r.event == "matched"), None)
             tokens = inp(matched, "num_tokens", 0) if matched is not None else 0
-            return f"{tokens:,} held tokens recomputed here (kv_load_failure_policy recompute): {said}"
+            engine, req = m.remote or ("?", "?")
+            return (f"{tokens:,} held tokens recomputed here (kv_load_failure_policy recompute): the hold of "
+                    f"request {req} on {engine} was gone: {said}")
         line += f"; {said}"
     return line
 
