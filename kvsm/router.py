@@ -48,6 +48,10 @@ First-token seeding (``--first-token-seeding``, ``kvsm.router_seeding``): a
 streamed request of one choice gets its first token from the prefill leg's
 answer, sent at once, and the decode's stream goes on after it (its token 1,
 checked against the one sent, taken out).
+
+Decode-to-prefill reuse (``kvsm.router_holds``; ``--reuse-holds`` learns them):
+a decode engine's hold offered in the client's ``kv_transfer_params`` goes to
+the prefill leg, which reads the blocks; the decode leg goes to their holder.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from aiohttp import web
 
 from kvsm.router_affinity import Balancer, Choice
 from kvsm.router_decider import Decider, Decision, tokenize_body
+from kvsm.router_holds import HoldStore, StreamTap, client_hold, learn_later
 from kvsm.router_http import BackendError, Trace, end_with_error, error_text, since_ms, stream_broken, trace_headers
 from kvsm.router_lists import merge_completions, prompt_list
 from kvsm.router_seeding import Seed, decode_seeded, leg_body, prefill_extra, seed_reason
@@ -92,7 +97,8 @@ class Router:
     """Backends, how they are chosen, and the one client session (connection pool) to them."""
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float,
-                 decider: Decider | None = None, balancer: Balancer | None = None, seeding: bool = False) -> None:
+                 decider: Decider | None = None, balancer: Balancer | None = None, seeding: bool = False,
+                 holds: HoldStore | None = None) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode backend")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -101,6 +107,7 @@ class Router:
         self.balancer = balancer or Balancer(self.prefill_urls, self.decode_urls, self.decider.index)
         self.timeout_s = timeout
         self.seeding = seeding
+        self.holds = holds if holds is not None else HoldStore()
         self._releases: set[asyncio.Task[None]] = set()
         # No total limit: a long stream is fine as long as the backend keeps talking.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
@@ -156,8 +163,8 @@ class Router:
 
     async def metrics(self, request: web.Request) -> web.Response:
         """The router's counters (Prometheus text): prompts by path taken, backend choices."""
-        return web.Response(text=self.decider.prometheus() + self.balancer.prometheus(), content_type="text/plain",
-                            charset="utf-8")
+        return web.Response(text=self.decider.prometheus() + self.balancer.prometheus() + self.holds.prometheus(),
+                            content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
         """What the decode engines serve (the first one answers for all)."""
@@ -175,15 +182,17 @@ class Router:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         trace = Trace(rid, request.path)
         try:
-            body = await self._client_body(request)
+            body, offer = client_hold(await self._client_body(request))
             trace.stream = bool(body.get("stream"))
             headers = self._headers(request, rid)
             prompts = prompt_list(request.path, body)
             if prompts is not None and not trace.stream:
                 return await self._generate_each(request.path, trace, body, prompts, headers)
             # A streamed list goes whole, by P/D (see the module's docstring).
-            decode, trace.disagg, hashes = await self._route(request.path, body, body.get("prompt"), headers,
-                                                             countable=prompts is None)
+            decode, trace.disagg, hashes, tokens = await self._route(request.path, body, body.get("prompt"), headers,
+                                                                     countable=prompts is None)
+            hold, decode = ((None, decode) if trace.disagg.local else  # a list's prompts: no one offer fits all
+                            self._hold(trace, None if prompts else offer, tokens, decode))
             trace.decode, trace.affinity = decode.url, [decode]
             if self.seeding:
                 trace.seed = "local" if trace.disagg.local else seed_reason(request.path, body) or "1"
@@ -193,11 +202,14 @@ class Router:
                 if not trace.disagg.local:
                     t = time.monotonic()
                     answer = await self._prefill_on(trace, trace.affinity, request.path, body, hashes, headers,
-                                                    prefill_extra(request.path, body) if seeded else None)
+                                                    prefill_extra(request.path, body) if seeded else None, hold)
                     trace.prefill_ms = since_ms(t)
                     body = {**body, "kv_transfer_params": answer["kv_transfer_params"]}
                     seed = self._seed(trace, request.path, body, answer) if seeded else None
-                out = (await self._decode(request, trace, body, headers) if seed is None else
+                learn = self.holds.on and seed is None and prompts is None and not trace.disagg.local
+                tap = StreamTap.of(learn, request.path, body)
+                out = (await self._decode(request, trace, {**body, **(tap.leg_fields() if tap else {})}, headers,
+                                          tap) if seed is None else
                        await self._decode_seeded(request, trace, {**body, **leg_body(request.path, body)}, headers,
                                                  seed))
             if hashes is not None and trace.status < 400:
@@ -217,15 +229,18 @@ class Router:
         """One prefill/decode pair per prompt of a list, answered as one response."""
         async def one(prompt: Any) -> dict[str, Any]:
             single = {**body, "prompt": prompt}
-            decode, decision, hashes = await self._route(path, single, prompt, headers)
+            decode, decision, hashes, tokens = await self._route(path, single, prompt, headers)
+            hold, decode = (None, decode) if decision.local else self._hold(trace, None, tokens, decode)
             trace.decode, trace.disagg = trace.decode or decode.url, trace.disagg or decision
             choices = [decode]
             with self.balancer.hold(decode):
                 if not decision.local:
                     single["kv_transfer_params"] = (await self._prefill_on(trace, choices, path, single, hashes,
-                                                                           headers))["kv_transfer_params"]
+                                                                           headers, None, hold))["kv_transfer_params"]
                 trace.affinity = trace.affinity or choices
                 out = await self._post_json("decode", decode.url, path, headers, single)
+            if self.holds.on:
+                self.holds.learn_answer(decode.url, out)
             if not isinstance(out.get("choices"), list):
                 raise BackendError(502, f"decode backend {decode.url} returned no choices: {str(out)[:200]}",
                                    "backend_error", decode.url)
@@ -241,10 +256,21 @@ class Router:
     # -- the steps --------------------------------------------------------------------------
 
     async def _route(self, path: str, body: dict[str, Any], prompt: Any, headers: dict[str, str],
-                     countable: bool = True) -> tuple[Choice, Decision, list[int] | None]:
-        """One prompt's decode backend, P/D or that backend alone, and its block hashes (``Balancer.route``)."""
+                     countable: bool = True) -> tuple[Choice, Decision, list[int] | None, list[int] | None]:
+        """One prompt's decode backend, P/D or that backend alone, its block hashes and token ids
+        (``Balancer.route``; counted with ``--reuse-holds`` too, for the holds' match)."""
         return await self.balancer.route(self.decider, str(body.get("model")), countable,
-                                         lambda url: self._tokens(url, path, body, prompt, headers))
+                                         lambda url: self._tokens(url, path, body, prompt, headers),
+                                         want_tokens=self.holds.on)
+
+    def _hold(self, trace: Trace, offer: dict[str, Any] | None, tokens: list[int] | None,
+              decode: Choice) -> tuple[dict[str, Any] | None, Choice]:
+        """The hold a P/D prompt's prefill leg reads (``HoldStore.pick``), and the decode backend
+        holding it in place of ``decode`` when known (a conversation's turns meet its blocks)."""
+        hold, note = self.holds.pick(offer, tokens)
+        trace.hold = trace.hold or note
+        url = self.holds.backend_of(hold, self.decode_urls) if hold else None
+        return hold, decode if url is None or url == decode.url else self.balancer.replace(decode, url, "hold")
 
     async def _tokens(self, url: str, path: str, body: dict[str, Any], prompt: Any,
                       headers: dict[str, str]) -> tuple[list[int] | None, str | None]:
@@ -306,23 +332,24 @@ class Router:
         return out
 
     async def _prefill_on(self, trace: Trace, choices: list[Choice], path: str, body: dict[str, Any],
-                          hashes: list[int] | None, headers: dict[str, str],
-                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                          hashes: list[int] | None, headers: dict[str, str], extra: dict[str, Any] | None = None,
+                          kv: dict[str, Any] | None = None) -> dict[str, Any]:
         """``_prefill`` on the prefill backend chosen for the prompt (added to ``choices``)."""
         prefill = self.balancer.pick("prefill", hashes)
         trace.prefill = trace.prefill or prefill.url
         choices.append(prefill)
         with self.balancer.hold(prefill):
-            answer = await self._prefill(prefill.url, path, body, headers, extra)
+            answer = await self._prefill(prefill.url, path, body, headers, extra, kv)
         if hashes is not None:
             self.balancer.record(prefill, hashes)
         return answer
 
     async def _prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
-                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                       extra: dict[str, Any] | None = None, kv: dict[str, Any] | None = None) -> dict[str, Any]:
         """Compute the prompt's KV on a prefill backend; return its answer, whose
-        ``kv_transfer_params`` say where the decode side finds it (``extra``: fields to add)."""
-        prefill_body = {**body, "kv_transfer_params": dict(PREFILL_KV_PARAMS), "max_tokens": 1, "stream": False}
+        ``kv_transfer_params`` say where the decode side finds it (``extra``: fields to add;
+        ``kv``: a decode engine's hold to read, in place of ``PREFILL_KV_PARAMS``)."""
+        prefill_body = {**body, "kv_transfer_params": dict(kv or PREFILL_KV_PARAMS), "max_tokens": 1, "stream": False}
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         # Meaningless for a one-token, non-streamed answer (min_tokens > 1 would be refused).
@@ -359,8 +386,9 @@ class Router:
         return trace_headers(trace)
 
     async def _decode(self, request: web.Request, trace: Trace, body: dict[str, Any],
-                      headers: dict[str, str]) -> web.StreamResponse:
-        """Generate on a decode backend and hand its answer to the client as it comes."""
+                      headers: dict[str, str], tap: StreamTap | None = None) -> web.StreamResponse:
+        """Generate on a decode backend and hand its answer to the client as it comes
+        (``tap``: a stream read for its token ids, ``--reuse-holds``)."""
         url = trace.decode
         assert url is not None
         t = time.monotonic()
@@ -369,6 +397,8 @@ class Router:
             if not trace.stream:
                 data = await resp.read()
                 trace.decode_ms, trace.status = since_ms(t), resp.status
+                if self.holds.on:
+                    self.holds.learn_answer(url, data)
                 return web.Response(body=data, status=resp.status, content_type=resp.content_type,
                                     headers=self._trace_headers(trace))
             trace.decode_ttfb_ms = since_ms(t)  # headers are out; refined at the first chunk below
@@ -382,7 +412,10 @@ class Router:
                 async for chunk in resp.content.iter_any():
                     if first:
                         trace.decode_ttfb_ms, first = since_ms(t), False
-                    await out.write(chunk)
+                    await out.write(tap.feed(chunk) if tap else chunk)
+                if tap:
+                    await out.write(tap.close())
+                    learn_later(self, url, headers, body.get("model"), tap.token_ids())
             except ConnectionResetError:
                 # The client went away (aiohttp's reset error on writing is also a ClientError,
                 # so this comes first, and the backend is not blamed for it).
@@ -402,15 +435,17 @@ class Router:
 def create_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 300.0, *,
                disagg_threshold: int = 0, prefix_block_size: int = 16, prefix_capacity: int = 100_000,
                prefix_affinity: bool = False, affinity_max_inflight: int | None = None,
-               first_token_seeding: bool = False) -> web.Application:
+               first_token_seeding: bool = False, reuse_holds: bool = False) -> web.Application:
     """The router as an aiohttp application (run it with ``web.run_app`` or an ``AppRunner``);
     ``disagg_threshold`` 0 (here the default) sends every request by P/D, ``prefix_affinity``
     False (the default) picks backends round robin, ``first_token_seeding`` (off by default)
-    streams a request's first token from the prefill leg (``kvsm.router_seeding``)."""
+    streams a request's first token from the prefill leg (``kvsm.router_seeding``), ``reuse_holds``
+    (off by default) learns decode engines' holds for the next turns (``kvsm.router_holds``)."""
     decider = Decider(disagg_threshold, prefix_block_size, prefix_capacity)
     balancer = Balancer([u.rstrip("/") for u in prefill_urls], [u.rstrip("/") for u in decode_urls], decider.index,
                         on=prefix_affinity, max_inflight=affinity_max_inflight)
-    router = Router(prefill_urls, decode_urls, timeout, decider, balancer, seeding=first_token_seeding)
+    router = Router(prefill_urls, decode_urls, timeout, decider, balancer, seeding=first_token_seeding,
+                    holds=HoldStore(on=reuse_holds))
     app = web.Application(client_max_size=64 * 2**20)  # long prompts, or images as data URLs
     app.cleanup_ctx.append(router.session_ctx)
     app.router.add_get("/health", router.health)
@@ -450,6 +485,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="stream a streamed request's first token from the prefill leg's answer at once, the "
                              "decode engine's stream after it (one choice; see kvsm.router_seeding); default: the "
                              "first token comes from the decode engine")
+    parser.add_argument("--reuse-holds", action="store_true",
+                        help="learn the blocks decode engines hold for a conversation's next turn (bidirectional_kv_"
+                             "xfer) and have each P/D prompt's prefill leg read the longest it starts with (see "
+                             "kvsm.router_holds); default: only holds the client passes in kv_transfer_params")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.disagg_threshold < 0 or args.prefix_block_size < 1 or (args.affinity_max_inflight or 0) < 0:
@@ -457,11 +496,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(args.prefill, args.decode, args.timeout, disagg_threshold=args.disagg_threshold,
                      prefix_block_size=args.prefix_block_size, prefix_affinity=args.prefix_affinity,
-                     affinity_max_inflight=args.affinity_max_inflight, first_token_seeding=args.first_token_seeding)
+                     affinity_max_inflight=args.affinity_max_inflight, first_token_seeding=args.first_token_seeding,
+                     reuse_holds=args.reuse_holds)
     logger.info("routing prefill=%s decode=%s on http://%s:%d; disagg threshold %d tokens, prefix blocks of %d, "
-                "prefix affinity %s, first-token seeding %s", args.prefill, args.decode, args.host, args.port,
-                args.disagg_threshold, args.prefix_block_size, "on" if args.prefix_affinity else "off",
-                "on" if args.first_token_seeding else "off")
+                "prefix affinity %s, first-token seeding %s, hold reuse %s", args.prefill, args.decode, args.host,
+                args.port, args.disagg_threshold, args.prefix_block_size, "on" if args.prefix_affinity else "off",
+                "on" if args.first_token_seeding else "off", "on" if args.reuse_holds else "off")
     # handler_cancellation: a client that goes away cancels its handler at once, which closes
     # the backend connection even while the backend is silent (vLLM then aborts the request).
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)

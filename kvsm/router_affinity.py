@@ -46,7 +46,7 @@ class Choice:
 
     role: str
     url: str
-    reason: str  # off | no_tokens | miss | prefix | tie | overloaded
+    reason: str  # off | no_tokens | miss | prefix | tie | overloaded | hold
     blocks: int = 0  # leading blocks of the prompt the chosen backend's index holds
 
     def field(self) -> str:
@@ -56,7 +56,7 @@ class Choice:
 class Balancer:
     """Per role: the backends, their round robin, their prefix index and requests in flight."""
 
-    REASONS = ("off", "no_tokens", "miss", "prefix", "tie", "overloaded")
+    REASONS = ("off", "no_tokens", "miss", "prefix", "tie", "overloaded", "hold")
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], decode_index: PrefixIndex, *,
                  on: bool = False, max_inflight: int | None = None) -> None:
@@ -75,23 +75,24 @@ class Balancer:
     # -- choosing -------------------------------------------------------------------------
 
     async def route(self, decider: Decider, model: str, countable: bool,
-                    tokens_on: Callable[[str], Awaitable[tuple[list[int] | None, str | None]]]
-                    ) -> tuple[Choice, Decision, list[int] | None]:
-        """One prompt's decode backend, P/D or that backend alone (``decider``), and the prompt's
-        block hashes (None: token ids unknown). ``tokens_on(url)`` counts the prompt's tokens (a
+                    tokens_on: Callable[[str], Awaitable[tuple[list[int] | None, str | None]]],
+                    want_tokens: bool = False) -> tuple[Choice, Decision, list[int] | None, list[int] | None]:
+        """One prompt's decode backend, P/D or that backend alone (``decider``), the prompt's
+        block hashes and its token ids (None: unknown). ``tokens_on(url)`` counts the prompt's tokens (a
         decode backend's ``/tokenize`` for text): with affinity before the choice, on the next
-        decode backend in turn; without it on the backend chosen, as the threshold alone did."""
-        if not countable or not (decider.on or self.on):
-            return self.pick("decode", None), decider.pd("off" if countable else "streamed_list"), None
+        decode backend in turn; without it on the backend chosen, as the threshold alone did.
+        ``want_tokens``: count them even with neither on (the router's hold reuse matches them)."""
+        if not countable or not (decider.on or self.on or want_tokens):
+            return self.pick("decode", None), decider.pd("off" if countable else "streamed_list"), None, None
         choice = None if self.on else self.pick("decode", None)
         tokens, note = await tokens_on(choice.url if choice else next(self._tokenizers))
         hashes = None if tokens is None else block_hashes(model, tokens, self.indexes["decode"].block_size)
         choice = choice or self.pick("decode", hashes)
         if not decider.on:
-            return choice, decider.pd("off"), hashes
+            return choice, decider.pd("off"), hashes, tokens
         if tokens is None or hashes is None:
-            return choice, decider.pd("tokenize_failed", note), hashes
-        return choice, decider.decide(choice.url, model, tokens, hashes), hashes
+            return choice, decider.pd("tokenize_failed", note), hashes, tokens
+        return choice, decider.decide(choice.url, model, tokens, hashes), hashes, tokens
 
     def pick(self, role: str, hashes: Sequence[int] | None) -> Choice:
         """The backend for a prompt (its ``block_hashes``; None: token ids unknown)."""
@@ -113,6 +114,12 @@ class Balancer:
             url = self._round_robin(role, [u for u, n in load.items() if n == least])
             return self._count(Choice(role, url, "overloaded", scores[url]))
         return self._count(Choice(role, url, "tie" if len(held) > 1 else "prefix", best))
+
+    def replace(self, choice: Choice, url: str, reason: str) -> Choice:
+        """``url`` in place of a choice made (counted as ``reason``, the choice made uncounted):
+        the router's hold reuse sends a decode leg to the backend holding its conversation."""
+        self.counts[(choice.role, choice.reason)] -= 1
+        return self._count(Choice(choice.role, url, reason, choice.blocks if url == choice.url else 0))
 
     def _round_robin(self, role: str, among: Sequence[str]) -> str:
         """The next of ``among`` in the role's round robin."""
@@ -152,7 +159,8 @@ class Balancer:
         lines = ["# HELP kvsm_router_affinity_total Backend choices by role and why: off (round robin, affinity "
                  "off), no_tokens (round robin, token ids unknown), miss (round robin, no backend holds a block of "
                  "the prompt), prefix (the longest prefix's holder), tie (round robin among the holders of the "
-                 "longest prefix), overloaded (the least loaded backend, the preferred one over the limit).",
+                 "longest prefix), overloaded (the least loaded backend, the preferred one over the limit), hold "
+                 "(the decode backend holding the conversation's blocks, --reuse-holds).",
                  "# TYPE kvsm_router_affinity_total counter"]
         lines += [f'kvsm_router_affinity_total{{role="{role}",reason="{r}"}} {self.counts.get((role, r), 0)}'
                   for role in ROLES for r in self.REASONS]

@@ -50,6 +50,7 @@ class Trace:
     affinity: list[Choice] = field(default_factory=list)  # the first prompt's, for a list
     seed: str | None = None  # with --first-token-seeding: "1", or why not
     first_ms: float | None = None  # a seeded stream's first chunk written, since t0
+    hold: str | None = None  # a decode hold read by the prefill leg: client:N, store:N, or miss
     t0: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
@@ -65,6 +66,8 @@ class Trace:
             text += " affinity=" + ",".join(c.field() for c in self.affinity)
         if self.seed is not None:
             text += f" seed={self.seed} first_ms={ms(self.first_ms)}"
+        if self.hold is not None:
+            text += f" hold={self.hold}"
         return f"{text} error={self.error!r}" if self.error else text
 
 

@@ -38,6 +38,13 @@ router finishes the stream from the prefill's answer (its usage when
 ``stream_options.include_usage``) and still sends the decode leg, with
 ``max_tokens`` 1 and not streamed, and discards it: the decode reading the KV
 is what lets the prefill engine release the blocks it pinned for it.
+
+With ``--reuse-holds`` (``kvsm.router_holds``) a seeded stream's token ids
+(the prefill's prompt ids and token 1, the decode's ids after it) are kept and,
+once the stream has finished, the decode backend is asked to hold the turn, as
+for an unseeded stream; a stream whose ids the legs do not return (completions'
+``echo`` without ``return_token_ids``) is not learned. The release leg of a
+request token 1 ended is not streamed: its answer's hold is learned as it is.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvsm.router_holds import learn_later
 from kvsm.router_http import BackendError, Trace, end_with_error, since_ms, stream_broken, trace_headers
 
 __all__ = ["Diverged", "Seed", "decode_seeded", "leg_body", "prefill_extra", "release", "release_body",
@@ -164,12 +172,20 @@ class Seed:
             text = text[:max(0, len(text) - _hold_back(body))].rstrip("\ufffd")
         self.text_left = text
         self.ids_left = list(choice.get("token_ids") or [])
+        self.generated = list(self.ids_left)  # token 1's, then the decode's (--reuse-holds learns them)
+        self.finished = False
         self.logprobs = choice.get("logprobs")
         self.lp_left = _lp_tokens(path, self.logprobs)
         self.role_left = self.chat
         self.prompt_ids = answer.get("prompt_token_ids") if self.chat else choice.get("prompt_token_ids")
         self.answer, self.choice, self.sent_text = answer, choice, text
         self._buf = b""
+
+    def token_ids(self) -> list[int] | None:
+        """The conversation so far (prompt, then generated), once the stream finished; else None."""
+        if not self.finished or not isinstance(self.prompt_ids, list) or not self.prompt_ids or not self.generated:
+            return None
+        return [*self.prompt_ids, *self.generated]
 
     @property
     def final(self) -> bool:
@@ -272,6 +288,9 @@ class Seed:
                 raise Diverged(f"the decode's token ids {ids[:n]} are not the {self.ids_left[:n]} sent")
             ids, self.ids_left = ids[n:], self.ids_left[n:]
             c["token_ids"] = ids
+        if isinstance(ids, list):
+            self.generated += ids
+        self.finished = self.finished or c.get("finish_reason") is not None
         if self.our_ids:
             c["token_ids"] = ids = None
         lp_count = self._drop_logprobs(c)
@@ -331,6 +350,7 @@ async def decode_seeded(router: Any, request: web.Request, trace: Trace, body: d
                     if data := seed.feed(chunk):
                         await out.write(data)
                 await out.write(seed.close())
+                learn_later(router, url, headers, body.get("model"), seed.token_ids())
             except ConnectionResetError:
                 trace.status, trace.error = 499, "client disconnected"
                 resp.close()  # vLLM aborts a request whose connection closes
@@ -350,7 +370,9 @@ async def decode_seeded(router: Any, request: web.Request, trace: Trace, body: d
 async def release(router: Any, url: str, path: str, headers: dict[str, str], body: dict[str, Any]) -> None:
     """A decode leg whose answer nobody reads: it makes the decode engine read (so the prefill free) the KV."""
     try:
-        await router._post_json("decode", url, path, headers, body)
+        answer = await router._post_json("decode", url, path, headers, body)
+        if router.holds.on:
+            router.holds.learn_answer(url, answer)
     except BackendError as e:
         logger.warning("req=%s: the decode leg of a request its first token ended failed: %s",
                        headers.get("X-Request-Id"), e.message)

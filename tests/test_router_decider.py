@@ -257,12 +257,13 @@ def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(router.logging, "basicConfig", lambda **kw: None)
     urls = ["--prefill", "http://p", "--decode", "http://d"]
     router.main([*urls, "--disagg-threshold", "7", "--prefix-block-size", "128", "--prefix-affinity",
-                 "--affinity-max-inflight", "3", "--first-token-seeding"])
+                 "--affinity-max-inflight", "3", "--first-token-seeding", "--reuse-holds"])
     assert seen == {"disagg_threshold": 7, "prefix_block_size": 128, "prefix_affinity": True,
-                    "affinity_max_inflight": 3, "first_token_seeding": True}
+                    "affinity_max_inflight": 3, "first_token_seeding": True, "reuse_holds": True}
     router.main(urls)
     assert seen == {"disagg_threshold": router.DEFAULT_DISAGG_THRESHOLD, "prefix_block_size": 16,
-                    "prefix_affinity": False, "affinity_max_inflight": None, "first_token_seeding": False}
+                    "prefix_affinity": False, "affinity_max_inflight": None, "first_token_seeding": False,
+                    "reuse_holds": False}
     with pytest.raises(SystemExit):
         router.main([*urls, "--disagg-threshold", "-1"])
     with pytest.raises(SystemExit):

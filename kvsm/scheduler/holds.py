@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec.structs
@@ -26,6 +26,7 @@ import msgspec.structs
 from kvsm.config import KVSMConfig
 from kvsm.handoff.facts import PRODUCER_KEY, BadTransferParams, parse_remote_params
 from kvsm.handshake.messages import PROTOCOL_VERSION
+from kvsm.hold_digests import block_digests, matched_blocks
 from kvsm.lifecycle.sched import HoldOffered, ParamsIgnored
 from kvsm.scheduler.params import Judged, Source, remote_block_sizes
 
@@ -37,30 +38,6 @@ HOLD_DIGESTS_KEY = "kvsm_hold_digests"
 # kv_transfer_params key of a request run on a decode engine alone that asks to be
 # held at its finish (its answer then carries the hold's params, as a P/D one's).
 HOLD_ASKED_KEY = "kvsm_hold"
-_MASK = 0xFFFFFFFFFFFFFFFF
-
-
-def block_digests(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[str]:
-    """The chained digest of the first ``num_blocks`` blocks of ``token_ids``:
-    digest ``i`` covers every token up to the end of block ``i``. CPython's tuple
-    hash of ints is the same in every process (no hash seed), and ~0.3 µs a block."""
-    out: list[str] = []
-    h = 0
-    for i in range(num_blocks):
-        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size]))) & _MASK
-        out.append(f"{h:016x}")
-    return out
-
-
-def matched_blocks(digests: Sequence[str], token_ids: Sequence[int], block_size: int) -> int:
-    """How many of the held blocks ``token_ids`` start with (their digests agree)."""
-    n = min(len(digests), len(token_ids) // block_size)
-    h = 0
-    for i in range(n):
-        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size]))) & _MASK
-        if f"{h:016x}" != digests[i]:
-            return i
-    return n
 
 
 def hold_offer(cfg: KVSMConfig, request: Request, block_ids: list[int], num_blocks: int,
