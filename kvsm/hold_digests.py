@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["block_digests", "matched_blocks"]
+__all__ = ["block_digests", "matched_blocks", "prefix_digest"]
 
 _MASK = 0xFFFFFFFFFFFFFFFF
 
@@ -36,3 +36,14 @@ def matched_blocks(digests: Sequence[str], token_ids: Sequence[int], block_size:
         if f"{h:016x}" != digests[i]:
             return i
     return n
+
+
+def prefix_digest(token_ids: Sequence[int], block_size: int, num_tokens: int) -> str:
+    """The digest of the first ``num_tokens`` tokens: the chain of their full blocks,
+    then their partial last block (a hold offers it too, as upstream's does)."""
+    full, h = num_tokens // block_size, 0
+    for i in range(full):
+        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size]))) & _MASK
+    if num_tokens % block_size:
+        h = hash((h, tuple(token_ids[full * block_size:num_tokens]))) & _MASK
+    return f"{h:016x}"

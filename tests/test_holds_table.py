@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 
 from conftest import require
+from kvsm.hold_digests import block_digests, matched_blocks, prefix_digest
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import IllegalEventPolicy, LifecycleTracker
 from kvsm.lifecycle.table import SEND
 from kvsm.replay import analyse
-from kvsm.scheduler.holds import HOLD_DIGESTS_KEY, HoldIndex, block_digests, matched_blocks
+from kvsm.scheduler.holds import HOLD_DIGESTS_KEY, HOLD_TAIL_KEY, HoldIndex
 
 S = 1_000_000_000
 BLOCK = 16
@@ -131,12 +132,13 @@ def test_finished_decode_requests_are_held_and_the_budget_releases_the_oldest(tm
     h = _harness(tmp_path, decoder_kv_hold_blocks=8)
     half = h.connector.scheduler_half
     prompt = h.make_prompt(40)
-    offer = _decode_turn(h, "d1", prompt, 10)  # 49 tokens computed: 3 full blocks offered, 4 pinned
+    offer = _decode_turn(h, "d1", prompt, 10)  # 49 tokens computed: 4 blocks, the last partial
     assert offer is not None and offer["do_remote_decode"] and not offer["do_remote_prefill"]
     assert offer["remote_engine_id"] == "dec" and offer["remote_request_id"] == "d1"
-    assert offer["remote_num_tokens"] == 3 * BLOCK and len(offer["remote_block_ids"][0]) == 3
+    assert offer["remote_num_tokens"] == 49 and len(offer["remote_block_ids"][0]) == 4
     tokens = prompt + [h.sampled_token_id] * 10
     assert offer[HOLD_DIGESTS_KEY] == block_digests(tokens, BLOCK, 3)
+    assert offer[HOLD_TAIL_KEY] == prefix_digest(tokens, BLOCK, 49)
     assert half.pending_counts()["held_blocks"] == 4
     # A second hold of 4 blocks fits (8); a third pushes the oldest out, never itself.
     assert _decode_turn(h, "d2", h.make_prompt(40), 10) is not None
@@ -193,6 +195,12 @@ def test_a_prefill_reads_the_held_blocks_its_prompt_starts_with(tmp_path: Path) 
     edited = held[:35] + [9] + held[36:]  # differs in block 2: blocks 0-1 match
     h.add_request(edited + [1], kv_transfer_params={**offer, "remote_request_id": "d10"}, max_tokens=1,
                   request_id="edited")
+    # A partial last block held: read when the prompt has all of it.
+    tailed = {**offer, "remote_request_id": "d11", "remote_num_tokens": 75,
+              HOLD_DIGESTS_KEY: offer[HOLD_DIGESTS_KEY][:4], HOLD_TAIL_KEY: prefix_digest(held, BLOCK, 75)}
+    h.add_request(held[:75] + [1, 2], kv_transfer_params=tailed, max_tokens=1, request_id="tail")
+    h.add_request(held[:74] + [1, 2], kv_transfer_params={**tailed, "remote_request_id": "d12"}, max_tokens=1,
+                  request_id="short")
     # One reader per hold (its blocks go after one read): a second one computes.
     h.add_request(held + [4], kv_transfer_params=offer, max_tokens=1, request_id="twice")
     stranger = {k: v for k, v in offer.items() if k != HOLD_DIGESTS_KEY}
@@ -201,20 +209,23 @@ def test_a_prefill_reads_the_held_blocks_its_prompt_starts_with(tmp_path: Path) 
     starts = {s.req: s for s in step.connector_metadata.recv_start}
     assert starts["next"].num_tokens == 80 and starts["next"].remote_req == "d9"
     assert starts["edited"].num_tokens == 2 * BLOCK
+    assert starts["tail"].num_tokens == 75 and len(starts["tail"].remote_block_ids) == 5
+    assert starts["short"].num_tokens == 4 * BLOCK  # its 75th token differs: the full blocks only
     assert "stranger" not in starts and "twice" not in starts
-    assert {s.req for s in step.connector_metadata.send_start} == {"next", "edited", "stranger", "twice"}
+    assert {s.req for s in step.connector_metadata.send_start} == {"next", "edited", "tail", "short", "stranger",
+                                                                   "twice"}
     states = {m.req: m.state for m in half.requests.live()}
-    assert states == {"next": "reuse_loading", "edited": "reuse_loading"}  # the others prefilled at once
+    assert states == {r: "reuse_loading" for r in ("next", "edited", "tail", "short")}  # the others prefilled at once
     finished: dict[str, Any] = dict(step.finished)
     for i in range(6):
-        finished.update(h.step(finished_recving={"next", "edited"} if i == 0 else ()).finished)
-    assert set(finished) == {"next", "edited", "stranger", "twice"}
+        finished.update(h.step(finished_recving={"next", "edited", "tail", "short"} if i == 0 else ()).finished)
+    assert set(finished) == {"next", "edited", "tail", "short", "stranger", "twice"}
     assert all(o.kv_transfer_params and o.kv_transfer_params["do_remote_prefill"] for o in finished.values())
     h.close()  # a clean stop: the holds left end closed_at_shutdown
     report = analyse(sorted(tmp_path.glob("*.jsonl")))
     assert not report.findings, [str(f) for f in report.findings]
     finals = {m.req: m.final_state for m in report.machines if m.lifecycle == "sched"}
-    assert finals == {"next": "pinned", "edited": "pinned", "stranger": "pinned", "twice": "pinned"}
+    assert set(finals.values()) == {"pinned"} and len(finals) == 6, finals
 
 
 @pytest.mark.parametrize(("role", "policy", "needle"), [

@@ -99,6 +99,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from bench_disagg import bench_disagg  # tools/bench_disagg.py: section 9
+from bench_multiturn import bench_multiturn  # tools/bench_multiturn.py: section 10
 from bench_scale import bench_scale  # tools/bench_scale.py: section 8
 from bench_serve import (  # tools/bench_serve.py: 6.'s client
     serve_all_rates,
@@ -1574,6 +1575,8 @@ SECTIONS = (
     SectionSpec(8, "scale", "per-request cost at 1k to 100k requests, memory after every round",
                 lambda s, r, t: bench_scale(s, r, t, sched_run=sched_run)),
     SectionSpec(9, "disagg", "selective disaggregation: TTFT by P/D against the decode engine alone", bench_disagg),
+    SectionSpec(10, "multiturn", "multi-turn conversations: decode-to-prefill reuse, kvsm vs off vs upstream",
+                bench_multiturn),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 

@@ -60,7 +60,7 @@ from kvsm.lifecycle.sched import (
 from kvsm.lifecycle.table import SCHED
 from kvsm.scheduler.block_pairing import NULL_BLOCK, pair_blocks
 from kvsm.scheduler.block_pairing import pair_segments as _pair_segments
-from kvsm.scheduler.holds import HOLD_ASKED_KEY, HoldIndex, held_blocks, hold_offer, judge_hold_params
+from kvsm.scheduler.holds import HOLD_ASKED_KEY, HoldIndex, held_tokens, hold_offer, judge_hold_params
 from kvsm.scheduler.params import (
     HELD_BACK_KEY,
     Source,
@@ -270,7 +270,7 @@ class SchedulerHalf:
         if not (params and params.get("do_remote_decode") and self.cfg.produces):
             hold, budget = 0, 0
             if self.cfg.bidirectional and status in NORMAL_FINISH:
-                offered, m.why = held_blocks(request, self._group_block_sizes)
+                offered, m.why = held_tokens(request, self._group_block_sizes)
                 # What the hold keeps out of the pool: every block of the request.
                 hold = len({b for ids in block_ids for b in ids if b != NULL_BLOCK}) if offered else 0
                 budget = self.cfg.hold_budget_blocks
@@ -414,8 +414,8 @@ class SchedulerHalf:
         self._pins.pending.append(SendFinish(req=m.req, ok=True, block_ids=blocks, pinned_ns=pinned_ns,
                                              lease_ns=self.cfg.hold_ttl_ns, hold=True))
         self._holds.add(m.req, len(blocks))
-        offered, _ = held_blocks(request, self._group_block_sizes)
-        self._note("sched.held", m.req, blocks=len(blocks), tokens=offered * self._group_block_sizes[0],
+        offered, _ = held_tokens(request, self._group_block_sizes)
+        self._note("sched.held", m.req, blocks=len(blocks), tokens=offered,
                    holds=len(self._holds), held_blocks=self._holds.total, budget=self.cfg.hold_budget_blocks,
                    ttl_s=self.cfg.hold_ttl_s)
         return hold_offer(self.cfg, request, block_ids[0], offered, self._group_block_sizes[0])

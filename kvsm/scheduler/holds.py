@@ -26,7 +26,7 @@ import msgspec.structs
 from kvsm.config import KVSMConfig
 from kvsm.handoff.facts import PRODUCER_KEY, BadTransferParams, parse_remote_params
 from kvsm.handshake.messages import PROTOCOL_VERSION
-from kvsm.hold_digests import block_digests, matched_blocks
+from kvsm.hold_digests import block_digests, matched_blocks, prefix_digest
 from kvsm.lifecycle.sched import HoldOffered, ParamsIgnored
 from kvsm.scheduler.params import Judged, Source, remote_block_sizes
 
@@ -35,21 +35,25 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # kv_transfer_params key of a hold's offer: the chained digest of each held block's tokens.
 HOLD_DIGESTS_KEY = "kvsm_hold_digests"
+# ... and the digest of every held token, the partial last block's included (absent: none).
+HOLD_TAIL_KEY = "kvsm_hold_tail_digest"
 # kv_transfer_params key of a request run on a decode engine alone that asks to be
 # held at its finish (its answer then carries the hold's params, as a P/D one's).
 HOLD_ASKED_KEY = "kvsm_hold"
 
 
-def hold_offer(cfg: KVSMConfig, request: Request, block_ids: list[int], num_blocks: int,
+def hold_offer(cfg: KVSMConfig, request: Request, block_ids: list[int], num_tokens: int,
                block_size: int) -> dict[str, Any]:
     """The ``kv_transfer_params`` a held decode request returns, in upstream's shape
-    (``do_remote_decode``, ``remote_*`` naming this decode engine): a router passes
-    them to the next turn's prefill leg."""
+    (``do_remote_decode``, ``remote_*`` naming this decode engine, ``num_tokens``
+    its computed tokens, the partial last block's included): a router passes them
+    to the next turn's prefill leg."""
     tokens = request.all_token_ids
+    full = num_tokens // block_size
     return {
         "do_remote_prefill": False,
         "do_remote_decode": True,
-        "remote_block_ids": [list(block_ids[:num_blocks])],
+        "remote_block_ids": [list(block_ids[:-(-num_tokens // block_size)])],
         "remote_engine_id": cfg.engine_id,
         "remote_request_id": request.request_id,
         "remote_host": cfg.side_channel_host,
@@ -57,22 +61,23 @@ def hold_offer(cfg: KVSMConfig, request: Request, block_ids: list[int], num_bloc
         "tp_size": cfg.tp_size,
         "dcp_size": cfg.dcp_size,
         "pp_size": cfg.pp_size,
-        "remote_num_tokens": num_blocks * block_size,
+        "remote_num_tokens": num_tokens,
         "remote_block_size": block_size,
-        HOLD_DIGESTS_KEY: block_digests(tokens, block_size, num_blocks),
+        HOLD_DIGESTS_KEY: block_digests(tokens, block_size, full),
+        **({HOLD_TAIL_KEY: prefix_digest(tokens, block_size, num_tokens)} if num_tokens % block_size else {}),
         PRODUCER_KEY: PROTOCOL_VERSION,
         "remote_blocks_expiry_time": time.time() + cfg.hold_ttl_s,
         "transfer_mode": "pull",
     }
 
 
-def held_blocks(request: Request, group_block_sizes: tuple[int, ...]) -> tuple[int, str]:
-    """How many blocks of a finished decode request a next turn could read (its
-    computed tokens' full blocks), or 0 and why none."""
+def held_tokens(request: Request, group_block_sizes: tuple[int, ...]) -> tuple[int, str]:
+    """How many tokens of a finished decode request a next turn could read (those
+    whose KV it computed), or 0 and why none."""
     if len(group_block_sizes) != 1:
         return 0, (f"not held: {len(group_block_sizes)} KV cache groups (a sliding window's or a Mamba/GDN "
                    f"state is not a prefix a next turn can read); holds need one group")
-    return request.num_computed_tokens // group_block_sizes[0], ""
+    return request.num_computed_tokens, ""
 
 
 def judge_hold_params(request: Request, params: Mapping[str, Any], cfg: KVSMConfig,
@@ -102,8 +107,13 @@ def judge_hold_params(request: Request, params: Mapping[str, Any], cfg: KVSMConf
             f"the other")))
     prompt = request.prompt_token_ids or []
     blocks = min(matched_blocks(digests, prompt, theirs), len(remote.remote_block_ids[0]))
+    tokens = blocks * theirs
+    offered, tail = remote.remote_num_tokens or 0, params.get(HOLD_TAIL_KEY)
+    if (blocks == len(digests) and offered > tokens and isinstance(tail, str) and len(prompt) >= offered
+            and len(remote.remote_block_ids[0]) * theirs >= offered and prefix_digest(prompt, theirs, offered) == tail):
+        tokens = offered  # the partial last block matches too
     # At least the prompt's last token is computed here: it gives the first token.
-    tokens = min(blocks * theirs, max(0, request.num_prompt_tokens - 1))
+    tokens = min(tokens, max(0, request.num_prompt_tokens - 1))
     if tokens <= 0:
         return Judged(ParamsIgnored(req=req, reason=(
             f"the prompt does not start with the decode engine's held tokens (0 of {len(digests)} blocks "
