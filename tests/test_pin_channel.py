@@ -67,8 +67,15 @@ def _wait_received(p: PeerProcess, n: int, timeout: float = 5.0) -> dict:
 
 def test_codec_round_trip_and_bounds() -> None:
     pins = [SendFinish(req="r-1", ok=True, block_ids=(3, 4, 5), pinned_ns=123),
-            SendFinish(req="r-2", ok=False, reason="FINISHED_ABORTED")]
+            SendFinish(req="r-2", ok=False, reason="FINISHED_ABORTED"),
+            # A decode engine's hold (its time to live for a lease) and its release, with a long why.
+            SendFinish(req="h-1", ok=True, block_ids=(7,), pinned_ns=5, lease_ns=480_000_000_000, hold=True),
+            SendFinish(req="h-1", ok=False, reason="released under memory pressure: " + "x" * 200, release=True,
+                       lease_ns=30_000_000_000)]
     assert decode_pins(encode_pins(pins)) == pins
+    # An older scheduler's five-field pins still decode.
+    assert decode_pins(msgspec.msgpack.encode([["r", True, [1], "", 0]])) == [
+        SendFinish(req="r", ok=True, block_ids=(1,))]
     with pytest.raises(msgspec.ValidationError, match="length"):
         decode_pins(encode_pins([SendFinish(req=f"r{i}", ok=True) for i in range(MAX_PINS_PER_MESSAGE + 1)]))
     with pytest.raises(msgspec.ValidationError):

@@ -72,8 +72,12 @@ class _WirePin(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fiel
     req: Id
     ok: bool
     block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS_PER_PIN)]
-    reason: Annotated[str, msgspec.Meta(max_length=64)]
+    reason: Annotated[str, msgspec.Meta(max_length=512)]
     pinned_ns: Annotated[int, msgspec.Meta(ge=0)]
+    # A decode engine's hold for a next turn (SendFinish's): its lease, and a release.
+    lease_ns: Annotated[int, msgspec.Meta(ge=0)] = 0
+    hold: bool = False
+    release: bool = False
 
 
 _Pins = Annotated[list[_WirePin], msgspec.Meta(max_length=MAX_PINS_PER_MESSAGE)]
@@ -82,13 +86,14 @@ _decoder = msgspec.msgpack.Decoder(_Pins)
 
 
 def encode_pins(pins: list[SendFinish]) -> bytes:
-    return _encoder.encode([_WirePin(p.req, p.ok, list(p.block_ids), p.reason, p.pinned_ns) for p in pins])
+    return _encoder.encode([_WirePin(p.req, p.ok, list(p.block_ids), p.reason, p.pinned_ns, p.lease_ns, p.hold,
+                                     p.release) for p in pins])
 
 
 def decode_pins(data: bytes | memoryview) -> list[SendFinish]:
     """Raises ``msgspec.DecodeError`` / ``ValidationError`` naming what was wrong."""
-    return [SendFinish(req=w.req, ok=w.ok, block_ids=tuple(w.block_ids), reason=w.reason, pinned_ns=w.pinned_ns)
-            for w in _decoder.decode(data)]
+    return [SendFinish(req=w.req, ok=w.ok, block_ids=tuple(w.block_ids), reason=w.reason, pinned_ns=w.pinned_ns,
+                       lease_ns=w.lease_ns, hold=w.hold, release=w.release) for w in _decoder.decode(data)]
 
 
 # --------------------------------------------------------------- in process
