@@ -430,6 +430,12 @@ class SchedulerHalf:
                     f"released under memory pressure: {total} blocks held for next turns, over "
                     f"decoder_kv_hold_blocks ({budget}); the oldest hold goes first")))
 
+    def _release_all_holds(self, reason: str) -> None:
+        for victim, _ in self._holds.oldest_over(-1, keep=""):
+            held = self._machine(victim)
+            if held is not None:
+                self._apply(held, ReleaseDecided(req=victim, reason=reason))
+
     def _release_hold(self, m: SchedMachine, ev: Any, context: Any) -> None:
         """In the pin hand-off's order: never ahead of the hold's own pin."""
         self._holds.remove(m.req)
@@ -461,8 +467,12 @@ class SchedulerHalf:
                     HeartbeatTarget(remote_engine=engine, remote_host=host, remote_port=port,
                                     remote_tp_size=tp, claims=tuple(claims), remote_pp_size=pp)
                     for (engine, host, port, tp, pp), claims in self._claims.items()]
-        if self._close_pins_at is not None and time.monotonic() >= self._close_pins_at:
-            meta.stopping = True
+        if self._close_pins_at is not None:
+            if self._holds:  # a stopping engine serves no next turn: its holds go now, not at its drain's end
+                self._release_all_holds("released: the engine is stopping")
+                self._flush_pins()
+            if time.monotonic() >= self._close_pins_at:
+                meta.stopping = True
         return meta
 
     def request_stop(self, drain_s: float = 0.0) -> None:
