@@ -25,6 +25,10 @@ Two runs per pair:
 For every turn, the prefill engine's prompt tokens by source
 (``vllm:prompt_tokens_by_source``: computed there, read from its prefix cache,
 transferred), from its ``/metrics`` before and after the turn.
+
+Then issue 32's TTFT target: ``vllm bench serve`` (section 6's client and
+workload) at rate 8 against a kvsm pair behind the router with and without
+``--first-token-seeding``, and against a single engine with no connector.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchlib import Row, Section, Sizes
+from bench_serve import vllm_bench_serve
+
+from benchlib import Row, Section, Sizes, Target
 
 CONFIGS = ("kvsm reuse", "kvsm off", "upstream")
 FIRST = 200  # tokens of a conversation's first prompt
@@ -47,6 +53,7 @@ ANSWER = 200  # tokens generated per turn (ignore_eos)
 NEW = 24  # the client's new tokens per turn
 THINK_S = 0.3  # between an answer and the next turn
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+SEEDING_GOAL_MS = 5.0  # issue 32: P/D TTFT p50 over a single engine's, rate 8, first-token seeding
 
 
 def _pair(config: str, model: str, workdir: Path) -> tuple[Any, Any, Any]:
@@ -136,6 +143,41 @@ def _conversations(router: str, prefill: str, model: str, rng: random.Random, *,
     return out
 
 
+def _serve_ttft(model: str, workdir: Path, repeat: int, num_prompts: int) -> dict[str, list[float]]:
+    """TTFT p50 at rate 8 under ``vllm bench serve``: one kvsm pair behind a seeding and
+    a plain router (alternated), then a single engine; one value per repetition."""
+    from kvsm_testing.servers import RouterProcess, ServerSpec, VLLMServer, pd_specs, running_pair
+
+    p_spec, d_spec = pd_specs()
+    d_spec.kv_load_failure_policy = "recompute"
+    prefill, decode = VLLMServer(p_spec, model, workdir), VLLMServer(d_spec, model, workdir)
+    routers = {"seeded": RouterProcess([prefill.url], [decode.url], workdir, extra_args=["--first-token-seeding"]),
+               "plain": RouterProcess([prefill.url], [decode.url], workdir)}
+    out: dict[str, list[float]] = {"seeded": [], "plain": [], "single": []}
+    with running_pair(prefill, decode, ready_timeout=600):
+        for r in routers.values():
+            r.start()
+        try:
+            for rep in range(repeat):
+                for name in (("seeded", "plain") if rep % 2 == 0 else ("plain", "seeded")):
+                    res = vllm_bench_serve(routers[name].url, model, workdir / name, rate="8",
+                                           num_prompts=num_prompts, seed=rep)
+                    out[name].append(float(res["median_ttft_ms"]))
+        finally:
+            for r in routers.values():
+                r.stop()
+    single = VLLMServer(ServerSpec("single", "kv_both", connector="", cpu=1), model, workdir)
+    single.start()
+    try:
+        single.wait_ready(timeout=600)
+        for rep in range(repeat):
+            res = vllm_bench_serve(single.url, model, workdir / "single", rate="8", num_prompts=num_prompts, seed=rep)
+            out["single"].append(float(res["median_ttft_ms"]))
+    finally:
+        single.stop(timeout=20)
+    return out
+
+
 def bench_multiturn(sizes: Sizes, repeat: int, tmp: Path) -> Section:
     from kvsm_testing import build_tiny_model
     from kvsm_testing.servers import running_pair
@@ -181,9 +223,16 @@ def bench_multiturn(sizes: Sizes, repeat: int, tmp: Path) -> Section:
                                     share("upstream", mode, turn, source)))
             sec.rows.append(Row(f"{label}: prefill engine's prompt tokens computed, {mode}, kvsm without reuse", "%",
                                 share("kvsm off", mode, turn, "local_compute")))
+    serve = _serve_ttft(model, workdir / "serve", repeat, max(20, sizes.serve_prompts // 2))
+    sec.rows.append(Row("TTFT p50 at rate 8 (vllm bench serve), P/D with first-token seeding", "ms", serve["seeded"]))
+    sec.rows.append(Row("TTFT p50 at rate 8, P/D without seeding", "ms", serve["plain"]))
+    sec.rows.append(Row("TTFT p50 at rate 8, a single engine", "ms", serve["single"]))
+    over = [a - b for a, b in zip(serve["seeded"], serve["single"], strict=True)]
+    sec.rows.append(Row("TTFT p50 over the single engine, with seeding", "ms", over,
+                        target=Target("max", SEEDING_GOAL_MS, f"<= {SEEDING_GOAL_MS:g} ms (issue 32)")))
     sec.notes.append(f"{n} conversations at once, {turns} turns, {FIRST} tokens first, {ANSWER} generated and "
                      f"{NEW} new per turn, {THINK_S} s think time; TTFT rows pool every request of the turn")
     sec.notes.append("streamed: upstream's reuse needs the decode answer's kv_transfer_params, which vLLM returns "
                      "only in non-streamed answers (kvsm's router learns a streamed turn's hold itself)")
-    sec.extra = {"runs": runs, "conversations": n, "turns": turns}
+    sec.extra = {"runs": runs, "conversations": n, "turns": turns, "serve_ttft_p50_ms": serve}
     return sec
