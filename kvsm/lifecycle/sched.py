@@ -164,7 +164,7 @@ class SchedMachine(RequestMachine):
 # --- prepare: fold an event's inputs into the data ---------------------------
 
 
-def _note_params(m: SchedMachine, ev: ParamsRead, now_ns: int) -> None:
+def _note_params(m: SchedMachine, ev: ParamsRead | HoldOffered, now_ns: int) -> None:
     m.remote_engine = ev.remote_engine
     m.remote_req = ev.remote_req
     m.source = (ev.remote_engine, ev.remote_host, ev.remote_port, ev.remote_tp_size, ev.remote_pp_size,
@@ -172,11 +172,8 @@ def _note_params(m: SchedMachine, ev: ParamsRead, now_ns: int) -> None:
 
 
 def _note_hold(m: SchedMachine, ev: HoldOffered, now_ns: int) -> None:
-    m.remote_engine = ev.remote_engine
-    m.remote_req = ev.remote_req
+    _note_params(m, ev, now_ns)  # (the same coordinates: the decode engine's, for its hold)
     m.num_tokens = ev.tokens
-    m.source = (ev.remote_engine, ev.remote_host, ev.remote_port, ev.remote_tp_size, ev.remote_pp_size,
-                ev.remote_req)
 
 
 def _note_held(m: SchedMachine, ev: RequestFinished, now_ns: int) -> None:

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec.structs
 
 from kvsm.config import KVSMConfig
-from kvsm.handoff.facts import PRODUCER_KEY, BadTransferParams, parse_remote_params
-from kvsm.handshake.messages import PROTOCOL_VERSION
+from kvsm.handoff.facts import BadTransferParams, parse_remote_params
 from kvsm.hold_digests import block_digests, matched_blocks, prefix_digest
 from kvsm.lifecycle.sched import HoldOffered, ParamsIgnored
-from kvsm.scheduler.params import Judged, Source, remote_block_sizes
+from kvsm.scheduler.params import Judged, Source, offered_by, remote_block_sizes
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
@@ -54,18 +53,11 @@ def hold_offer(cfg: KVSMConfig, request: Request, block_ids: list[int], num_toke
         "do_remote_prefill": False,
         "do_remote_decode": True,
         "remote_block_ids": [list(block_ids[:-(-num_tokens // block_size)])],
-        "remote_engine_id": cfg.engine_id,
-        "remote_request_id": request.request_id,
-        "remote_host": cfg.side_channel_host,
-        "remote_port": cfg.side_channel_port,
-        "tp_size": cfg.tp_size,
-        "dcp_size": cfg.dcp_size,
-        "pp_size": cfg.pp_size,
+        **offered_by(cfg, request),
         "remote_num_tokens": num_tokens,
         "remote_block_size": block_size,
         HOLD_DIGESTS_KEY: block_digests(tokens, block_size, full),
         **({HOLD_TAIL_KEY: prefix_digest(tokens, block_size, num_tokens)} if num_tokens % block_size else {}),
-        PRODUCER_KEY: PROTOCOL_VERSION,
         "remote_blocks_expiry_time": time.time() + cfg.hold_ttl_s,
         "transfer_mode": "pull",
     }

@@ -106,13 +106,9 @@ def hold_back_last_tokens(request: Request, params: dict[str, Any], n: int) -> b
     return True
 
 
-def prefill_offer(cfg: KVSMConfig, request: Request, block_ids: tuple[list[int], ...], num_tokens: int,
-                  group_block_sizes: tuple[int, ...]) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a finished prefill hands the decode side."""
+def offered_by(cfg: KVSMConfig, request: Request) -> dict[str, Any]:
+    """Where an offer's blocks are read from (upstream's keys): this engine, this request."""
     return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": [list(ids) for ids in block_ids],  # one list per group, by position
         "remote_engine_id": cfg.engine_id,
         "remote_request_id": request.request_id,
         "remote_host": cfg.side_channel_host,
@@ -120,8 +116,19 @@ def prefill_offer(cfg: KVSMConfig, request: Request, block_ids: tuple[list[int],
         "tp_size": cfg.tp_size,
         "dcp_size": cfg.dcp_size,
         "pp_size": cfg.pp_size,
-        "remote_num_tokens": num_tokens,
         PRODUCER_KEY: PROTOCOL_VERSION,
+    }
+
+
+def prefill_offer(cfg: KVSMConfig, request: Request, block_ids: tuple[list[int], ...], num_tokens: int,
+                  group_block_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a finished prefill hands the decode side."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(ids) for ids in block_ids],  # one list per group, by position
+        **offered_by(cfg, request),
+        "remote_num_tokens": num_tokens,
         # One group: its tokens per block, so a decode engine of another block size pairs them
         # (several groups move block for block, each side's sizes equal: the compatibility check).
         **({"remote_block_size": group_block_sizes[0]} if len(group_block_sizes) == 1 else {}),
