@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 
 from kvsm.hold_digests import block_digests
-from kvsm.router_http import BackendError
+from kvsm.router_http import BackendError, stream_chunk
 
 __all__ = ["HOLD_CAPACITY", "Hold", "HoldStore", "StreamTap", "client_hold", "hold_body", "hold_offer",
            "learn_later"]
@@ -253,15 +253,8 @@ class StreamTap:
         return self.prompt_ids + self.generated
 
     def _event(self, raw: bytes) -> bytes:
-        lines = [ln for ln in raw.split(b"\n") if ln.startswith(b"data:")]
-        data = b"\n".join(ln[5:].strip() for ln in lines)
-        if not lines or data == b"[DONE]":
-            return raw + b"\n\n"
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return raw + b"\n\n"
-        if not isinstance(chunk, dict) or "error" in chunk:
+        chunk = stream_chunk(raw)
+        if chunk is None:
             return raw + b"\n\n"
         self._read(chunk)
         if not self.ours:

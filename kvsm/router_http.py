@@ -109,3 +109,17 @@ async def end_with_error(out: web.StreamResponse, trace: Trace, err: BackendErro
     trace.status, trace.error = err.status, err.message
     with contextlib.suppress(ConnectionResetError):
         await out.write(f"data: {json.dumps(err.payload())}\n\n".encode())
+
+
+def stream_chunk(raw: bytes) -> dict[str, Any] | None:
+    """The JSON chunk of one server-sent event of a backend's stream, or None for an
+    event that goes on as it is (``[DONE]``, not JSON, the backend's own error)."""
+    lines = [ln for ln in raw.split(b"\n") if ln.startswith(b"data:")]
+    data = b"\n".join(ln[5:].strip() for ln in lines)
+    if not lines or data == b"[DONE]":
+        return None
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return None
+    return chunk if isinstance(chunk, dict) and "error" not in chunk else None

@@ -60,7 +60,7 @@ import aiohttp
 from aiohttp import web
 
 from kvsm.router_holds import learn_later
-from kvsm.router_http import BackendError, Trace, end_with_error, since_ms, stream_broken, trace_headers
+from kvsm.router_http import BackendError, Trace, end_with_error, since_ms, stream_broken, stream_chunk, trace_headers
 
 __all__ = ["Diverged", "Seed", "decode_seeded", "leg_body", "prefill_extra", "release", "release_body",
            "seed_reason"]
@@ -242,16 +242,9 @@ class Seed:
         return out
 
     def _event(self, raw: bytes) -> bytes:
-        lines = [ln for ln in raw.split(b"\n") if ln.startswith(b"data:")]
-        data = b"\n".join(ln[5:].strip() for ln in lines)
-        if not lines or data == b"[DONE]":
-            return raw + b"\n\n"
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return raw + b"\n\n"
-        if not isinstance(chunk, dict) or "error" in chunk:
-            return raw + b"\n\n"  # the decode engine's own error event goes on as it is
+        chunk = stream_chunk(raw)
+        if chunk is None:
+            return raw + b"\n\n"  # [DONE], or the decode engine's own error event, goes on as it is
         chunk = self._filter(chunk)
         return b"" if chunk is None else _event(chunk)
 
