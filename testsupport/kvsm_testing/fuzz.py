@@ -1009,7 +1009,7 @@ class PinChannelFuzzer:
         elif shape == 3:
             value = [good[:4]]  # a field short
         elif shape == 4:
-            value = [good + [7]]  # a field too many
+            value = [good + [0, False, False, 7]]  # a field too many (past the hold's optional three)
         elif shape == 5:
             value = r.choice([None, 7, -1, "pins", 1.5, True, b"\x01\x02"])
         elif shape == 6:
@@ -1027,14 +1027,17 @@ class PinChannelFuzzer:
         """One pin with one field of the wrong type or out of its range."""
         r = self.rng
         tok = self._token_for_garbage()
-        pin: list[Any] = [self._fake_id(), True, [1, 2, 3], "", 12345]
-        field_ = r.randrange(5)
+        pin: list[Any] = [self._fake_id(), True, [1, 2, 3], "", 12345, 0, False, False]
+        field_ = r.randrange(8)
         wrong: list[list[Any]] = [
             [7, None, "", "x" * 257, b"r", ["r"]],  # req: not a 1..256-character string
             ["yes", 1, 0, None, 1.0, []],  # ok: not a bool
             [["a"], [-1], [1 << 40], "1,2", {"0": 1}, [1.5], None, [True]],  # block_ids
-            [None, 5, "x" * 65, ["r"], b""],  # reason: not a string of at most 64 characters
+            [None, 5, "x" * 513, ["r"], b""],  # reason: not a string of at most 512 characters
             [-1, "0", 1.5, None, [0], -(2**63)],  # pinned_ns: not an int >= 0
+            [-1, "0", 1.5, None],  # lease_ns (a hold's): not an int >= 0
+            ["yes", 1, None],  # hold: not a bool
+            ["no", 0, []],  # release: not a bool
         ]
         pin[field_] = r.choice(wrong[field_])
         pins = [pin] if r.random() < 0.7 else [["ok-1", True, [], "", 0], pin]  # behind a good pin, too
