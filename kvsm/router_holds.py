@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 
 from kvsm.hold_digests import block_digests
-from kvsm.router_http import BackendError, stream_chunk
+from kvsm.router_http import BackendError, EventFeed, stream_chunk
 
 __all__ = ["HOLD_CAPACITY", "Hold", "HoldStore", "StreamTap", "client_hold", "hold_body", "hold_offer",
            "learn_later"]
@@ -208,7 +208,7 @@ def _ids(value: Any) -> list[int] | None:
     return value if isinstance(value, list) and all(isinstance(t, int) for t in value) else None
 
 
-class StreamTap:
+class StreamTap(EventFeed):
     """A streamed P/D request's decode stream, read for its prompt and generated token ids
     (asked with ``return_token_ids``, and taken out again where the client did not ask)."""
 
@@ -229,22 +229,13 @@ class StreamTap:
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
         self.finished = False
-        self._buf = b""
 
     def leg_fields(self) -> dict[str, Any]:
         """What the decode leg gets on top of the client's body."""
         return {"return_token_ids": True} if self.ours else {}
 
-    def feed(self, data: bytes) -> bytes:
-        """The bytes to pass on, of those just read (whole events only)."""
-        self._buf += data.replace(b"\r\n", b"\n")
-        *events, self._buf = self._buf.split(b"\n\n")
-        return b"".join(self._event(e) for e in events if e.strip())
-
     def close(self) -> bytes:
-        out = self._event(self._buf) if self._buf.strip() else b""
-        self._buf = b""
-        return out
+        return self.rest()
 
     def token_ids(self) -> list[int] | None:
         """The conversation so far (prompt, then generated), once the stream finished; else None."""

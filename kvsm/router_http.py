@@ -123,3 +123,26 @@ def stream_chunk(raw: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return chunk if isinstance(chunk, dict) and "error" not in chunk else None
+
+
+class EventFeed:
+    """A backend's stream cut into whole server-sent events, each passed through
+    ``_event`` (what to send on for it); what a read leaves of an event waits for
+    the next read."""
+
+    _buf = b""
+
+    def _event(self, raw: bytes) -> bytes:
+        raise NotImplementedError
+
+    def feed(self, data: bytes) -> bytes:
+        """The bytes to pass on, of those just read (whole events only)."""
+        self._buf += data.replace(b"\r\n", b"\n")
+        *events, self._buf = self._buf.split(b"\n\n")
+        return b"".join(self._event(e) for e in events if e.strip())
+
+    def rest(self) -> bytes:
+        """The last event, once the stream has ended."""
+        out = self._event(self._buf) if self._buf.strip() else b""
+        self._buf = b""
+        return out

@@ -60,7 +60,16 @@ import aiohttp
 from aiohttp import web
 
 from kvsm.router_holds import learn_later
-from kvsm.router_http import BackendError, Trace, end_with_error, since_ms, stream_broken, stream_chunk, trace_headers
+from kvsm.router_http import (
+    BackendError,
+    EventFeed,
+    Trace,
+    end_with_error,
+    since_ms,
+    stream_broken,
+    stream_chunk,
+    trace_headers,
+)
 
 __all__ = ["Diverged", "Seed", "decode_seeded", "leg_body", "prefill_extra", "release", "release_body",
            "seed_reason"]
@@ -146,7 +155,7 @@ def _lp_tokens(path: str, logprobs: Any) -> list[Any]:
     return list(logprobs.get("tokens") or [])
 
 
-class Seed:
+class Seed(EventFeed):
     """One seeded request: its first chunks, built from the prefill's answer, and the
     filter the decode's stream goes through (``feed``, then ``close``)."""
 
@@ -179,7 +188,6 @@ class Seed:
         self.role_left = self.chat
         self.prompt_ids = answer.get("prompt_token_ids") if self.chat else choice.get("prompt_token_ids")
         self.answer, self.choice, self.sent_text = answer, choice, text
-        self._buf = b""
 
     def token_ids(self) -> list[int] | None:
         """The conversation so far (prompt, then generated), once the stream finished; else None."""
@@ -226,16 +234,9 @@ class Seed:
 
     # -- the decode's stream ----------------------------------------------------------------
 
-    def feed(self, data: bytes) -> bytes:
-        """The part of the decode's stream to pass on, of the bytes just read (whole events only)."""
-        self._buf += data.replace(b"\r\n", b"\n")
-        *events, self._buf = self._buf.split(b"\n\n")
-        return b"".join(self._event(e) for e in events if e.strip())
-
     def close(self) -> bytes:
         """The end of the decode's stream: what is left, checking token 1 was all there."""
-        out = self._event(self._buf) if self._buf.strip() else b""
-        self._buf = b""
+        out = self.rest()
         if self.text_left or self.ids_left or self.lp_left or self.role_left:
             raise Diverged(f"the decode stream ended before repeating token 1 (left: text {self.text_left!r}, "
                            f"ids {self.ids_left}, logprobs {self.lp_left})")
