@@ -34,11 +34,10 @@ class ParamsIgnored(Event, frozen=True, tag="params_ignored"):
     reason: str
 
 
-class ParamsRead(Event, frozen=True, tag="params_read"):
-    """A decode request's ``kv_transfer_params`` parsed: the prefill request it
-    reads. ``reader``: the request of this engine that reads that prefill request
-    already ("" : none); ``rejected``: vLLM's stand-in for a request its API server
-    rejected (aborted at once: nothing is read)."""
+class _RemoteRead(Event, frozen=True):
+    """Where a request reads blocks from (the engine and request that hold them,
+    its side channel, its parallel sizes), and ``reader``: the request of this
+    engine that reads them already ("" : none)."""
 
     remote_engine: str
     remote_req: str
@@ -47,6 +46,13 @@ class ParamsRead(Event, frozen=True, tag="params_read"):
     remote_tp_size: int = 1
     remote_pp_size: int = 1
     reader: str = ""
+
+
+class ParamsRead(_RemoteRead, frozen=True, tag="params_read"):
+    """A decode request's ``kv_transfer_params`` parsed: the prefill request it
+    reads. ``rejected``: vLLM's stand-in for a request its API server rejected
+    (aborted at once: nothing is read)."""
+
     rejected: bool = False
 
 
@@ -82,19 +88,12 @@ class RequestFinished(Event, frozen=True, tag="request_finished"):
     hold_budget: int = 0
 
 
-class HoldOffered(Event, frozen=True, tag="hold_offered"):
+class HoldOffered(_RemoteRead, frozen=True, tag="hold_offered"):
     """A prefill request's params name a decode engine's hold of the conversation
     so far (``bidirectional_kv_xfer``): ``tokens`` of its prompt match the held
-    ones. ``reader``: the request of this engine that reads that hold already."""
+    ones."""
 
-    remote_engine: str
-    remote_req: str
-    remote_host: str = ""
-    remote_port: int = 0
-    remote_tp_size: int = 1
-    remote_pp_size: int = 1
     tokens: int = 0
-    reader: str = ""
 
 
 class ReleaseDecided(Event, frozen=True, tag="release_decided"):
@@ -164,7 +163,7 @@ class SchedMachine(RequestMachine):
 # --- prepare: fold an event's inputs into the data ---------------------------
 
 
-def _note_params(m: SchedMachine, ev: ParamsRead | HoldOffered, now_ns: int) -> None:
+def _note_params(m: SchedMachine, ev: _RemoteRead, now_ns: int) -> None:
     m.remote_engine = ev.remote_engine
     m.remote_req = ev.remote_req
     m.source = (ev.remote_engine, ev.remote_host, ev.remote_port, ev.remote_tp_size, ev.remote_pp_size,
