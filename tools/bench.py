@@ -35,6 +35,13 @@ Sections (the default runs those that are implemented):
    router by P/D against the decode engine alone, by prompt length
    (``tools/bench_disagg.py``): what ``kvsm.router --disagg-threshold``'s
    default is chosen from.
+10. ``multiturn`` multi-turn conversations, decode-to-prefill reuse
+   (``tools/bench_multiturn.py``).
+11. ``push``      push against pull (``tools/bench_push.py``): kvsm and upstream
+   (``NixlConnector`` / ``NixlPushConnector``) on real servers, one host and two
+   hosts (network namespaces, UCX on TCP, the KV link rate-capped), by prompt
+   length: the handover tail (prefill's end of compute to the decode worker
+   holding the KV), decode TTFT, and the decode server's CPU per transfer.
 
 This machine is noisy (2 cores, shared): every measurement is repeated
 (``--repeat``, default 5), kvsm and upstream runs alternate (the order rotates
@@ -100,6 +107,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from bench_disagg import bench_disagg  # tools/bench_disagg.py: section 9
 from bench_multiturn import bench_multiturn  # tools/bench_multiturn.py: section 10
+from bench_push import bench_push  # tools/bench_push.py: section 11
 from bench_scale import bench_scale  # tools/bench_scale.py: section 8
 from bench_serve import (  # tools/bench_serve.py: 6.'s client
     serve_all_rates,
@@ -1577,6 +1585,8 @@ SECTIONS = (
     SectionSpec(9, "disagg", "selective disaggregation: TTFT by P/D against the decode engine alone", bench_disagg),
     SectionSpec(10, "multiturn", "multi-turn conversations: decode-to-prefill reuse, kvsm vs off vs upstream",
                 bench_multiturn),
+    SectionSpec(11, "push", "push against pull: the handover tail, decode TTFT and decode CPU by prompt length, "
+                "one host and two hosts", bench_push),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 
