@@ -26,7 +26,8 @@ A P/D request is played by this client itself, no router: the prefill leg
 random prompt of token ids each (nothing in any prefix cache), ``max_tokens``
 2 on the decode leg. Every pair is warmed up first (its first handshake, one
 request of every length). Each repetition sends ``per_rep`` requests of every
-length (the order of the lengths alternates repetition by repetition); each
+length (the order of the lengths alternates repetition by repetition; a pair
+stops at ``PAIR_BUDGET_S`` of measuring, between batches, and says so); each
 repetition's value is the median of its requests, the rows give the median over
 the repetitions and their spread. The prefill's answer must echo the setup's
 ``transfer_mode`` (``pull`` / ``push``): a setup whose answers say otherwise is
@@ -119,6 +120,10 @@ QUICK_LENGTHS = (200, MAX_MODEL_LEN - 48)
 MAX_TOKENS = 2  # the decode leg's
 RATE = "300mbit"  # the two-host KV link's cap (see the module docstring)
 LEG_TIMEOUT_S = 90.0
+# Most seconds of measuring (after the warm-up) per pair: upstream's stalls here (a
+# handshake or a prefill answer waiting seconds, up to its 30 s lease) must not
+# cost the other setups their turn. Whole batches only; what was cut is noted.
+PAIR_BUDGET_S = 240.0
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 NIXL_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
@@ -381,6 +386,7 @@ class PairRun:
     times: dict[str, dict[str, float]] = field(default_factory=dict)  # rid -> tail_ms, prefill_ms
     error: str | None = None
     transports: list[str] = field(default_factory=list)
+    cut: str | None = None  # what the time budget left out
 
     def ok(self) -> list[Result]:
         return [r for r in self.results if r.error is None]
@@ -428,7 +434,8 @@ def _specs(config: str, workdir: Path, hosts: Any) -> tuple[Any, Any]:
 
 
 def run_pair(config: str, topology: str, hosts: Any, model: str, workdir: Path, lengths: Sequence[int],
-             repeat: int, per_rep: int, rng: random.Random, progress: bool = True) -> PairRun:
+             repeat: int, per_rep: int, rng: random.Random, progress: bool = True,
+             budget_s: float = PAIR_BUDGET_S) -> PairRun:
     from kvsm_testing.servers import VLLMServer, running_pair, server_pids
 
     run = PairRun(config, topology)
@@ -450,15 +457,20 @@ def run_pair(config: str, topology: str, hosts: Any, model: str, workdir: Path, 
                 if warm.error is not None and progress:
                     print(f"  [{topology}, {config}] warm-up error: {warm.error}", file=sys.stderr, flush=True)
             pids = server_pids(decode)
-            for rep in range(repeat):
-                for n in (lengths if rep % 2 == 0 else lengths[::-1]):
-                    c0 = cpu_seconds(pids)
-                    batch = [one(n, rep) for _ in range(per_rep)]
-                    c1 = cpu_seconds(pids)
-                    run.results += batch
-                    done = sum(r.error is None for r in batch)
-                    if done:
-                        run.cpu_ms.setdefault(n, []).append((c1 - c0) * 1e3 / done)
+            deadline = time.monotonic() + budget_s
+            batches = [(rep, n) for rep in range(repeat) for n in (lengths if rep % 2 == 0 else lengths[::-1])]
+            for i, (rep, n) in enumerate(batches):
+                if time.monotonic() > deadline:
+                    run.cut = (f"stopped by the {budget_s:.0f} s budget after {i} of {len(batches)} batches "
+                               f"({per_rep} requests each)")
+                    break
+                c0 = cpu_seconds(pids)
+                batch = [one(n, rep) for _ in range(per_rep)]
+                c1 = cpu_seconds(pids)
+                run.results += batch
+                done = sum(r.error is None for r in batch)
+                if done:
+                    run.cpu_ms.setdefault(n, []).append((c1 - c0) * 1e3 / done)
     except Exception as e:  # noqa: BLE001 - one setup that cannot run must not cost the others
         run.error = f"{type(e).__name__}: {e}"[:600]
         tail = (prefill.tail(1500) + "\n" + decode.tail(1500)).strip()
@@ -490,7 +502,7 @@ def _two_hosts_unavailable() -> str | None:
 
 def bench_push(sizes: Sizes, repeat: int, tmp: Path, *, configs: Sequence[str] = CONFIGS,
                topologies: Sequence[str] = TOPOLOGIES, rate: str = RATE,
-               lengths: Sequence[int] | None = None) -> Section:
+               lengths: Sequence[int] | None = None, budget_s: float = PAIR_BUDGET_S) -> Section:
     from kvsm_testing import build_tiny_model
 
     sec = Section(11, "push", "push against pull: the handover tail, decode TTFT and decode CPU by prompt length, "
@@ -519,7 +531,7 @@ def bench_push(sizes: Sizes, repeat: int, tmp: Path, *, configs: Sequence[str] =
             for config in configs:
                 workdir = tmp / "push" / re.sub(r"\W+", "_", f"{topology}_{config}")
                 runs[topology, config] = run_pair(config, topology, hosts, model, workdir, lengths, repeat,
-                                                  per_rep, rng)
+                                                  per_rep, rng, budget_s=budget_s)
     _rows(sec, runs, lengths, configs, topologies)
     sec.notes.append(f"{per_rep} requests per length and repetition, one at a time, {repeat} repetition(s); "
                      f"decode leg max_tokens {MAX_TOKENS}; max_model_len {MAX_MODEL_LEN}; each pair measured "
@@ -536,7 +548,7 @@ def bench_push(sizes: Sizes, repeat: int, tmp: Path, *, configs: Sequence[str] =
                      "round trip of the prefill leg; CPU: decode server's utime+stime per request, 10 ms ticks")
     sec.extra = {
         "lengths": list(lengths), "per_repetition": per_rep, "repeat": repeat, "rate": rate,
-        "runs": {f"{t}/{c}": {"error": r.error, "cpu_ms": {str(k): v for k, v in r.cpu_ms.items()},
+        "runs": {f"{t}/{c}": {"error": r.error, "cut": r.cut, "cpu_ms": {str(k): v for k, v in r.cpu_ms.items()},
                               "transports": r.transports,
                               "requests": [{**r.times.get(x.rid, {}), **dataclasses.asdict(x)} for x in r.results]}
                  for (t, c), r in runs.items()},
@@ -585,6 +597,8 @@ def _rows(sec: Section, runs: dict[tuple[str, str], PairRun], lengths: Sequence[
         if r.error is not None:
             line = f"{topology}, {config}: did not run: {r.error}"
             (sec.failures if config.startswith("kvsm") else sec.notes).append(line)
+        if r.cut:
+            sec.notes.append(f"{topology}, {config}: {r.cut}")
         if errs:
             sec.notes.append(f"{topology}, {config}: {len(errs)} of {len(r.results)} requests failed, "
                              f"first: {errs[0].error}")
@@ -631,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated, of: {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths (default: by --quick)")
     ap.add_argument("--rate", default=RATE, help=f"the two-host KV link's cap (default {RATE})")
+    ap.add_argument("--pair-budget", type=float, default=PAIR_BUDGET_S,
+                    help=f"most seconds of measuring per pair (default {PAIR_BUDGET_S:.0f})")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="work in this directory and keep it (logs)")
     args = ap.parse_args(argv)
@@ -645,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvsm-bench-push-")))
         t0 = time.perf_counter()
         sec = bench_push(sizes, args.repeat, tmp, configs=configs, topologies=topologies, rate=args.rate,
-                         lengths=lengths)
+                         lengths=lengths, budget_s=args.pair_budget)
         sec.seconds = time.perf_counter() - t0
     print(render_section(sec), flush=True)
     if args.json is not None:
