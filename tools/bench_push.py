@@ -624,8 +624,9 @@ def _rows(sec: Section, runs: dict[tuple[str, str], PairRun], lengths: Sequence[
             if parts:
                 sec.notes.append(f"{topology}, {side}: push minus pull handover tail, ms by prompt length "
                                  f"(negative: push hands over sooner): {', '.join(parts)}")
-    sec.notes.append("FAILED cells: the pair did not run, no request got through, or the prefill's answers did "
-                     "not echo the mode the row names")
+    if any(r.failed for r in sec.rows):
+        sec.notes.append("FAILED cells: the pair did not run, no request got through, or the prefill's answers "
+                         "did not echo the mode the row names")
 
 
 # --------------------------------------------------------------------------- standalone
