@@ -31,6 +31,7 @@ from kvsm.handshake.messages import (
     MetadataReply,
     MetadataRequest,
     Request,
+    WriteAsk,
     compat_hash,
 )
 from kvsm.handshake.peer_socket import HANDSHAKE_FAILED, PeerSocket, ServerKeyChoice, close_pair, open_peer_socket
@@ -140,8 +141,8 @@ class HandshakeClient:
     def send(self, peer: str, request: Request, deadline_ns: int, *,
              expected_engine_id: str | None = None) -> int:
         """Queue ``request`` (its nonce is replaced by the returned request id)."""
-        if not isinstance(request, (MetadataRequest, Heartbeat, Abandon)):
-            raise TypeError(f"send() takes a MetadataRequest, Heartbeat or Abandon, "
+        if not isinstance(request, (MetadataRequest, Heartbeat, Abandon, WriteAsk)):
+            raise TypeError(f"send() takes a MetadataRequest, Heartbeat, Abandon or WriteAsk, "
                             f"got {type(request).__name__}")
         request_id = next(self._ids)
         if self._closed:

@@ -24,6 +24,7 @@ from kvsm.handshake.messages import (
     MetadataRequest,
     Reply,
     Request,
+    WriteAsk,
     _Message,
 )
 
@@ -43,7 +44,7 @@ class _Probe(msgspec.Struct):
 
 
 _probe_decoder = msgspec.msgpack.Decoder(_Probe)
-_REQUEST_TAGS = frozenset(str(t.__struct_config__.tag) for t in (MetadataRequest, Heartbeat, Abandon))
+_REQUEST_TAGS = frozenset(str(t.__struct_config__.tag) for t in (MetadataRequest, Heartbeat, Abandon, WriteAsk))
 _REPLY_TAGS = frozenset(str(t.__struct_config__.tag) for t in (MetadataReply, ClaimsReply, ErrorReply))
 
 

@@ -16,7 +16,9 @@ heartbeat      protocol, nonce, requester, claims, readers, tp_rank, pp_rank
 abandon        protocol, nonce, requester, claims, readers, tp_rank, pp_rank
 metadata       nonce, engine_id, tp_rank, pp_rank, compat, compat_hash, agent_name,
                agent_metadata (bin), layout (bin), meta_version, claims {id: status}, lease_ms
-claims         nonce, claims {id: status}, lease_ms   (answers heartbeat and abandon)
+write_ask      protocol, nonce, requester, tp_rank, pp_rank, agent_metadata (bin),
+               writes [{req, notif, readers, src/dst blocks, heads, segments, deadline_wall_ns}]
+claims         nonce, claims {id: status}, lease_ms   (answers heartbeat, abandon and write_ask)
 error          nonce, code, detail, compat, protocol
 ============== ======================================================================
 
@@ -214,7 +216,63 @@ class ErrorReply(_Message, tag="error", kw_only=True, frozen=True, forbid_unknow
     protocol: int = PROTOCOL_VERSION
 
 
-Request: TypeAlias = MetadataRequest | Heartbeat | Abandon
+MAX_WRITES = 256
+MAX_BLOCKS = 1 << 16
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]], msgspec.Meta(max_length=MAX_BLOCKS)]
+HeadsRun = tuple[Count, Count, Count]
+
+
+class WriteSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One request's write, as the decode worker asks it (push mode): the prefill
+    worker writes its blocks ``src_blocks`` of request ``req`` into the decode
+    worker's ``dst_blocks`` (pairwise; ``group_sizes`` as a read's), then NIXL
+    tells the decode worker ``notif``. Heads and segments as a read's, from the
+    prefill side's point of view (``src_*``: its own). ``deadline_wall_ns``: the
+    decode side's wall clock by which the write must be over; the prefill side
+    posts nothing later and cancels what is still in flight before it, so the
+    decode side may reuse the blocks from then on whatever happened."""
+
+    req: Id
+    dst_req: Id  # the decode worker's request (its log's name for the write)
+    notif: Annotated[bytes, msgspec.Meta(max_length=2 * MAX_ID_LENGTH)]
+    readers: Readers = 1
+    src_blocks: BlockIds
+    dst_blocks: BlockIds
+    group_sizes: Annotated[list[Count], msgspec.Meta(max_length=64)] = []
+    src_heads: HeadsRun | None = None
+    dst_heads: HeadsRun | None = None
+    segment_tokens: Count = 0
+    src_segments: BlockIds = []
+    dst_segments: BlockIds = []
+    src_block_tokens: Count = 0
+    dst_block_tokens: Count = 0
+    deadline_wall_ns: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class WriteAsk(_Message, tag="write_ask", kw_only=True, frozen=True):
+    """Push mode: the decode worker's blocks are allocated and its agent is in
+    ``agent_metadata``: write these requests into them. Answered per request as a
+    claim is (``ClaimsReply``): "ok" (the write is posted), "expired" (the blocks
+    are gone), "unknown" (not pinned here: nothing will be written)."""
+
+    protocol: int
+    nonce: Nonce = 0
+    requester: Id
+    tp_rank: Rank = 0
+    pp_rank: Rank = 0
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_REQUEST_BYTES // 2)]
+    writes: Annotated[list[WriteSpec], msgspec.Meta(min_length=1, max_length=MAX_WRITES)]
+
+    @property
+    def claims(self) -> list[str]:
+        return [w.req for w in self.writes]
+
+    @property
+    def readers(self) -> int:
+        return max(w.readers for w in self.writes)
+
+
+Request: TypeAlias = MetadataRequest | Heartbeat | Abandon | WriteAsk
 Reply: TypeAlias = MetadataReply | ClaimsReply | ErrorReply
 
 

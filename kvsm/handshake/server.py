@@ -32,6 +32,7 @@ from kvsm.handshake.messages import (
     MetadataRequest,
     Reply,
     Request,
+    WriteAsk,
     compat_hash,
     wire_lease_ms,
 )
@@ -49,6 +50,10 @@ ClaimsHandler = Callable[[str, str, list[str], int], dict[str, str]]
 """(kind, requester, claims, readers) -> {claim: "ok" | "expired" | "unknown"} for
 every claim; kind is "claim" (with a metadata request), "heartbeat" or "abandon";
 readers: how many ranks of the requester's engine have business with them here."""
+
+WritesHandler = Callable[["WriteAsk"], dict[str, str]]
+"""A push-mode write ask -> {prefill request: "ok" | "expired" | "unknown"} for each
+of its writes (the statuses of a claim's answer)."""
 
 _CLAIM_KIND = {MetadataRequest: "claim", Heartbeat: "heartbeat", Abandon: "abandon"}
 _MONITOR_EVENTS: dict[int, str] = {
@@ -109,7 +114,7 @@ class HandshakeServer:
                  rcvhwm: int = 16, sndhwm: int = 1000, lease_ns: int = 0, rank: int | None = None,
                  pp_rank: int = 0, relay_to: Mapping[int | tuple[int, int], str] | None = None,
                  internal: str = "", keys: SideChannelKeys | None = None,
-                 now_ns: Callable[[], int] = time.monotonic_ns) -> None:
+                 now_ns: Callable[[], int] = time.monotonic_ns, on_writes: WritesHandler | None = None) -> None:
         self.engine_id = engine_id
         # The worker this server answers for, (tp_rank, pp_rank); requests for other
         # workers are relayed (``relay_to``: (tp_rank, pp_rank), or a tp_rank of stage
@@ -127,6 +132,7 @@ class HandshakeServer:
         self.compat_hash = compat_hash(compat)
         self._provide = provide
         self._on_claims = on_claims
+        self._on_writes = on_writes
         self._max_batch = max_batch
         self._ctx = context or zmq.Context.instance()
         self._counts: Counter[str] = Counter()
@@ -365,6 +371,15 @@ class HandshakeServer:
                 pp_rank=request.pp_rank, compat=self.compat, compat_hash=self.compat_hash,
                 agent_name=agent_name, agent_metadata=agent_metadata, layout=layout,
                 meta_version=meta_version, claims=claims, lease_ms=self._lease_ms)
+        if isinstance(request, WriteAsk):
+            if self._on_writes is None:
+                raise _Refusal("unsupported", f"engine {self.engine_id} takes no writes (push mode): it serves "
+                                              f"no prefills")
+            try:
+                answers = self._on_writes(request)
+            except ValueError as e:  # the worker cannot serve this ask at all: it says why
+                raise _Refusal("refused", str(e)) from e
+            return ClaimsReply(nonce=request.nonce, claims=self._checked(request, answers), lease_ms=self._lease_ms)
         return ClaimsReply(nonce=request.nonce, claims=self._claims(_CLAIM_KIND[type(request)], request),
                            lease_ms=self._lease_ms)
 
@@ -414,6 +429,10 @@ class HandshakeServer:
         if not request.claims:
             return {}
         answers = self._on_claims(kind, request.requester, list(request.claims), request.readers)
+        return self._checked(request, answers, kind)
+
+    def _checked(self, request: Request, answers: object, kind: str = "write_ask") -> dict[str, ClaimStatus]:
+        """A handler's answers, one valid status per claim of ``request``, or ValueError."""
         if not isinstance(answers, dict):
             raise TypeError(f"on_claims returned {type(answers).__name__}, expected a dict")
         missing = [c for c in request.claims if c not in answers]

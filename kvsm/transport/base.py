@@ -1,7 +1,8 @@
 """What kvsm needs from a block transport, whatever moves the bytes.
 
-Pull mode only: the receiving side reads the sender's blocks and the read
-carries a notification the sender receives when it is done. Every method is
+The receiving side reads the sender's blocks and the read carries a
+notification the sender receives when it is done (pull mode); a transport that
+can also write (``post_write``) lets the sender write them instead (push mode). Every method is
 called from the owning process's event-loop thread only, and none blocks.
 """
 
@@ -73,14 +74,24 @@ class Transport(ABC):
         ``segments``: the engines' block sizes differ, and each pair moves one
         segment of that many tokens (a block id may then appear more than once)."""
 
+    def post_write(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
+                   local_heads: Heads | None = None, remote_heads: Heads | None = None,
+                   segments: Segments | None = None) -> XferHandle:
+        """``post_read`` the other way (push mode): write our ``local_blocks`` into
+        ``remote_blocks`` of ``peer``; ``notif`` reaches the peer when the write is
+        over. A transport that cannot write raises ``NotImplementedError``."""
+        raise NotImplementedError(f"transport {self.name!r} does not write into its peers (push mode)")
+
     @abstractmethod
     def check(self, handle: XferHandle) -> TransferState:
         """Where a posted read stands, without waiting."""
 
     @abstractmethod
-    def release(self, handle: XferHandle) -> bool:
+    def release(self, handle: XferHandle, *, force: bool = False) -> bool:
         """Give up a transfer handle. False when the transfer is still in flight and
-        could not be cancelled: it may still write, so the caller keeps waiting."""
+        could not be cancelled: it may still write, so the caller keeps waiting.
+        ``force``: cancel it anyway (bytes already on the way may still land)."""
 
     @abstractmethod
     def send_notif(self, peer: str, msg: bytes) -> bool:

@@ -54,7 +54,7 @@ DISCONNECT_ERROR = "nixlRemoteDisconnectError: the peer's agent disconnected"
 class MemoryXferHandle(XferHandle):
     """A posted in-memory read; ``error`` says why it ended in ERROR."""
 
-    __slots__ = ("error", "local_heads", "remote_heads", "runs")
+    __slots__ = ("error", "local_heads", "remote_heads", "runs", "write")
 
     def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                  notif: bytes, tag: str = "", local_heads: Heads | None = None,
@@ -65,6 +65,7 @@ class MemoryXferHandle(XferHandle):
         self.remote_heads = remote_heads
         # A read in segments: (local offset, remote offset, length) of each byte run.
         self.runs: list[tuple[int, int, int]] | None = None
+        self.write = False  # a write of our blocks into the peer's (push mode), not a read
 
 
 @dataclass(eq=False)
@@ -128,33 +129,38 @@ class InMemoryFabric:
         if h.peer not in self.agents or t.reader not in self.agents:
             self._fail(t, "NIXL reported ERR: agent unknown")
             return
-        reader, sender = self.agents[t.reader], self.agents[h.peer]
-        if sender.on_read is not None:
-            sender.on_read(h.remote_blocks, h.tag)
-        if reader.on_write is not None:
-            reader.on_write(h.local_blocks, h.tag)
+        poster, peer = self.agents[t.reader], self.agents[h.peer]
+        # (a read fills the poster's blocks from the peer's; a write the peer's from the poster's)
+        dst, src = (peer, poster) if h.write else (poster, peer)
+        dst_blocks, src_blocks = (h.remote_blocks, h.local_blocks) if h.write else (h.local_blocks, h.remote_blocks)
+        dst_heads, src_heads = (h.remote_heads, h.local_heads) if h.write else (h.local_heads, h.remote_heads)
+        if src.on_read is not None:
+            src.on_read(src_blocks, h.tag)
+        if dst.on_write is not None:
+            dst.on_write(dst_blocks, h.tag)
         if h.runs is not None:
-            for at, src, n in h.runs:
-                reader.memory[at:at + n] = sender.memory[src:src + n]
-        elif h.local_heads is None and h.remote_heads is None:
-            for lb, rb in zip(h.local_blocks, h.remote_blocks):
-                reader.write_block(lb, sender.read_block(rb))
+            for local_at, remote_at, n in h.runs:
+                at, frm = (remote_at, local_at) if h.write else (local_at, remote_at)
+                dst.memory[at:at + n] = src.memory[frm:frm + n]
+        elif dst_heads is None and src_heads is None:
+            for db, sb in zip(dst_blocks, src_blocks):
+                dst.write_block(db, src.read_block(sb))
         else:
-            lo, ln = _byte_run(reader.block_bytes, h.local_heads)
-            ro, rn = _byte_run(sender.block_bytes, h.remote_heads)
-            if ln != rn:
-                self._fail(t, f"NIXL reported ERR: {rn} remote bytes per block for {ln} local ones")
+            do, dn = _byte_run(dst.block_bytes, dst_heads)
+            so, sn = _byte_run(src.block_bytes, src_heads)
+            if dn != sn:
+                self._fail(t, f"NIXL reported ERR: {sn} source bytes per block for {dn} destination ones")
                 return
-            for lb, rb in zip(h.local_blocks, h.remote_blocks):
-                at = lb * reader.block_bytes + lo
-                reader.memory[at:at + ln] = sender.memory[rb * sender.block_bytes + ro:][:rn]
-        if t.fault is Fault.CORRUPT and h.local_blocks:
-            reader.memory[h.local_blocks[0] * reader.block_bytes] ^= 0xFF
+            for db, sb in zip(dst_blocks, src_blocks):
+                at = db * dst.block_bytes + do
+                dst.memory[at:at + dn] = src.memory[sb * src.block_bytes + so:][:sn]
+        if t.fault is Fault.CORRUPT and dst_blocks:
+            dst.memory[dst_blocks[0] * dst.block_bytes] ^= 0xFF
         t.state = TransferState.DONE
         if t.lied:
             self._transfers.pop(h, None)
         if h.notif and t.fault is not Fault.NOTIF_LOST:
-            sender.inbox.append((t.reader, h.notif))
+            peer.inbox.append((t.reader, h.notif))
 
     @staticmethod
     def _fail(t: _Transfer, why: str) -> None:
@@ -189,11 +195,18 @@ class InMemoryFabric:
 
     def _settle_from(self, reader: str, peer: str | None, why: str) -> None:
         """Every read of ``reader`` (from ``peer``, or from anyone) still in flight
-        ends in error and writes nothing."""
-        for t in self._transfers.values():
+        ends in error and writes nothing; so does every write into it from there."""
+        for t in list(self._transfers.values()):
             if (t.reader == reader and t.state is TransferState.PENDING and not t.lied
                     and peer in (None, t.handle.peer)):
                 self._fail(t, why)
+            # A write of that peer's into ``reader`` (push mode) stops too, even one its
+            # poster let go: the connection it came by is gone.
+            elif (t.handle.write and t.handle.peer == reader and peer in (None, t.reader)
+                  and t.state is TransferState.PENDING):
+                self._fail(t, why)
+                if t.lied:
+                    self._transfers.pop(t.handle, None)
 
     def in_flight(self) -> int:
         """Reads that have not settled yet (a released read that lies lands later: counted)."""
@@ -277,6 +290,20 @@ class InMemoryAgent(Transport):
                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
                   local_heads: Heads | None = None, remote_heads: Heads | None = None,
                   segments: Segments | None = None) -> MemoryXferHandle:
+        return self._post(False, peer, local_blocks, remote_blocks, notif, tag, group_sizes, local_heads,
+                          remote_heads, segments)
+
+    def post_write(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
+                   local_heads: Heads | None = None, remote_heads: Heads | None = None,
+                   segments: Segments | None = None) -> MemoryXferHandle:
+        """Our blocks into the peer's (push mode); the notification reaches the peer."""
+        return self._post(True, peer, local_blocks, remote_blocks, notif, tag, group_sizes, local_heads,
+                          remote_heads, segments)
+
+    def _post(self, write: bool, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+              notif: bytes, tag: str, group_sizes: Sequence[int], local_heads: Heads | None,
+              remote_heads: Heads | None, segments: Segments | None) -> MemoryXferHandle:
         if self.closed:
             raise RuntimeError(f"agent {self.name!r} is closed")
         if peer not in self.peers:
@@ -299,6 +326,7 @@ class InMemoryAgent(Transport):
                                  f"cannot be read across sizes, they must go in segments")
         if segments is not None:
             handle.runs = self._segment_runs(peer, local_blocks, remote_blocks, local_heads, remote_heads, segments)
+        handle.write = write
         self.fabric._post(self.name, handle)
         return handle
 
@@ -325,11 +353,16 @@ class InMemoryAgent(Transport):
     def check(self, handle: XferHandle) -> TransferState:
         return self.fabric._find(handle).state
 
-    def release(self, handle: XferHandle) -> bool:
+    def release(self, handle: XferHandle, *, force: bool = False) -> bool:
+        """As NIXL's: a transfer that cannot be cancelled (STUCK) is refused, or with
+        ``force`` let go while it still lands later (as a forced NIXL cancel may)."""
         fabric = self.fabric
         t = fabric._find(handle)
         if t.state is TransferState.PENDING:
             if t.fault is Fault.STUCK:
+                if force:
+                    t.lied = True  # let go: it lands later all the same, nobody watching
+                    return True
                 if not fabric.cancel_lies:
                     return False  # still in flight; it will land (and write) later
                 t.lied = True  # the planted bug: "cancelled", yet it lands later

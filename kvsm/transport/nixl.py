@@ -272,7 +272,22 @@ class NixlTransport(Transport):
                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
                   local_heads: Heads | None = None, remote_heads: Heads | None = None,
                   segments: Segments | None = None) -> NixlXferHandle:
-        """Post one NIXL READ of ``remote_blocks`` (every region of their KV cache
+        return self._post("READ", peer, local_blocks, remote_blocks, notif, tag, group_sizes, local_heads,
+                          remote_heads, segments)
+
+    def post_write(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                   notif: bytes, tag: str = "", group_sizes: Sequence[int] = (),
+                   local_heads: Heads | None = None, remote_heads: Heads | None = None,
+                   segments: Segments | None = None) -> NixlXferHandle:
+        """``post_read`` the other way: one NIXL WRITE of our ``local_blocks`` into the
+        peer's ``remote_blocks`` (push mode); ``notif`` reaches the peer when it is over."""
+        return self._post("WRITE", peer, local_blocks, remote_blocks, notif, tag, group_sizes, local_heads,
+                          remote_heads, segments)
+
+    def _post(self, op: str, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+              notif: bytes, tag: str, group_sizes: Sequence[int], local_heads: Heads | None,
+              remote_heads: Heads | None, segments: Segments | None) -> NixlXferHandle:
+        """Post one NIXL READ (or WRITE: ``op``) of ``remote_blocks`` (every region of their KV cache
         group: ``group_sizes``, see ``KVLayout.desc_index_array``) into ``local_blocks``.
 
         Unknown peer: ``ConnectionError``; count mismatch or a block id out of
@@ -297,7 +312,7 @@ class NixlTransport(Transport):
         if mine is None:  # no layer in common: nothing to move, only the notification
             return self._launch(p, NixlXferHandle(peer, (), (), notif, tag), lambda: None)
         if segments is not None:
-            return self._post_segments(p, mine.layout, local_blocks, remote_blocks, notif, tag, local_heads,
+            return self._post_segments(op, p, mine.layout, local_blocks, remote_blocks, notif, tag, local_heads,
                                        remote_heads, segments)
         if p.block_tokens_differ:
             raise ValueError(f"the blocks of {peer!r} hold another number of tokens than this engine's: "
@@ -312,7 +327,7 @@ class NixlTransport(Transport):
         local_idx = mine.layout.desc_index_array(local_blocks, group_sizes)
         remote_idx = p.layout.desc_index_array(remote_blocks, group_sizes)
         return self._launch(p, NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag),
-                            lambda: self._agent.make_prepped_xfer("READ", local_list, local_idx, remote_list,
+                            lambda: self._agent.make_prepped_xfer(op, local_list, local_idx, remote_list,
                                                                   remote_idx, notif_msg=notif))
 
     def _launch(self, p: Peer, h: NixlXferHandle, make: Callable[[], Any]) -> NixlXferHandle:
@@ -334,10 +349,10 @@ class NixlTransport(Transport):
         self._set(h, st)
         return h
 
-    def _post_segments(self, p: Peer, mine: KVLayout, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                       notif: bytes, tag: str, local_heads: Heads | None, remote_heads: Heads | None,
-                       segments: Segments) -> NixlXferHandle:
-        """One READ of segment pairs (blocks of different sizes), its descriptors built now."""
+    def _post_segments(self, op: str, p: Peer, mine: KVLayout, local_blocks: Sequence[int],
+                       remote_blocks: Sequence[int], notif: bytes, tag: str, local_heads: Heads | None,
+                       remote_heads: Heads | None, segments: Segments) -> NixlXferHandle:
+        """One READ (or WRITE) of segment pairs (blocks of different sizes), its descriptors built now."""
         if not len(segments.local) == len(segments.remote) == len(local_blocks):
             raise ValueError(f"{len(segments.local)} local and {len(segments.remote)} remote segments for "
                              f"{len(local_blocks)} block pairs")
@@ -350,7 +365,7 @@ class NixlTransport(Transport):
                              f"{remote.shape[0]} on {p.name!r}, or runs of other lengths (token layouts differ)")
         return self._launch(p, NixlXferHandle(p.name, local_blocks, remote_blocks, notif, tag),
                             lambda: self._agent.initialize_xfer(
-                                "READ", self._agent.get_xfer_descs(local, self.layout.mem_type),
+                                op, self._agent.get_xfer_descs(local, self.layout.mem_type),
                                 self._agent.get_xfer_descs(remote, p.layout.mem_type), p.name, notif_msg=notif))
 
     def check(self, handle: XferHandle) -> TransferState:
