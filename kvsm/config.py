@@ -46,12 +46,16 @@ EXTRA_KEYS: dict[str, str] = {
                              "upstream's key)",
     "decoder_kv_hold_blocks": "decode side: at most this many blocks held for next turns; beyond it the oldest "
                               "unclaimed holds are released (a quarter of the engine's KV cache)",
+    "transfer_mode": "'pull' (the decode engine reads the prefill engine's blocks) or 'push' (the prefill "
+                     "engine writes them into the decode engine's blocks); a request's kv_transfer_params may "
+                     "say either (pull)",
     "early_reads": "decode side: post a request's reads right behind its claims when every prefill worker it "
                    "reads from is known, instead of after the claims' answers (true)",
 }
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+TRANSFER_MODES = ("pull", "push")
 BUFFER_DEVICES = ("cpu", "cuda")
 
 
@@ -106,6 +110,9 @@ class KVSMConfig:
     # blocks are held (at most hold_ttl_s, and at most hold_budget_blocks blocks of
     # all holds; 0: a quarter of the engine's KV cache, set by the adapter).
     bidirectional: bool = False
+    # How a request's KV moves when its params do not say (transfer_mode): "pull",
+    # the decode worker reads; "push", the prefill worker writes into the decode's blocks.
+    transfer_mode: str = "pull"
     hold_ttl_s: float = 480.0
     hold_budget_blocks: int = 0
 

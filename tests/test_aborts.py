@@ -47,7 +47,7 @@ TRANSIENT = {("recv", "new"), ("recv", "remote_known")}
 UNREACHABLE = {("send", "abandoned_early"), ("send", "read_early")}
 # Entered by few requests (a stuck read past the transfer timeout, not aborted
 # before): aborted on entry ten times as often.
-RARE = {("recv", "failing")}
+RARE = {("recv", "failing"), ("recv", "stopping_writes")}
 
 
 def run_and_watch(cfg: SimConfig, abort_on_entry: float = 0.0) -> tuple[Simulation, set[tuple[str, str]]]:
@@ -83,7 +83,8 @@ def test_aborts_reach_every_abortable_state_and_lose_nothing() -> None:
     wanted = ABORTABLE - TRANSIENT - UNREACHABLE
     seen: set[tuple[str, str]] = set()
     for seed in range(40):
-        sim, hit = run_and_watch(SimConfig(seed=seed, num_requests=150, faults=ABORT_HEAVY), abort_on_entry=0.05)
+        sim, hit = run_and_watch(SimConfig(seed=seed, num_requests=150, faults=ABORT_HEAVY, push=0.3),
+                                 abort_on_entry=0.05)
         result = sim.run()
         # No write into a released block, no leaked block, no illegal event.
         assert result.violations == [], (seed, [str(v) for v in result.violations[:5]])
@@ -105,7 +106,7 @@ def test_any_mix_of_aborts_frees_every_block_once_no_read_can_write(
         seed: int, n: int, decode_abort: float, prefill_abort: float, stuck: float, hang: float) -> None:
     faults = Faults(decode_abort=decode_abort, prefill_abort=prefill_abort, transfer_stuck=stuck, transfer_hang=hang,
                     handshake_silent=0.1, peer_dead=0.05)
-    sim, _ = run_and_watch(SimConfig(seed=seed, num_requests=n, faults=faults), abort_on_entry=0.1)
+    sim, _ = run_and_watch(SimConfig(seed=seed, num_requests=n, faults=faults, push=0.3), abort_on_entry=0.1)
     result = sim.run()
     assert result.violations == [] and result.illegal_events == []
     assert sum(result.count("send").values()) == n

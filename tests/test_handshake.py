@@ -1023,7 +1023,7 @@ def test_requests_the_server_would_refuse_are_not_sent(client: HandshakeClient) 
     assert results[bad_address].code == "bad_address" and "not an address" in str(results[bad_address])
     assert client.stats().get("sent", 0) == 0 and client.pending_count() == 0
     assert client.sockets() == [] and client.socket_count() == 0  # nothing left half-made
-    with pytest.raises(TypeError, match="MetadataRequest, Heartbeat or Abandon, got ClaimsReply"):
+    with pytest.raises(TypeError, match="MetadataRequest, Heartbeat, Abandon or WriteAsk, got ClaimsReply"):
         client.send("tcp://127.0.0.1:9", ClaimsReply(claims={}), deadline)  # type: ignore[arg-type]
 
 

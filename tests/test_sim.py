@@ -154,12 +154,17 @@ def test_the_workers_emit_every_effect_of_the_table() -> None:
         if o.lifecycle in seen:
             seen[o.lifecycle].update(o.effects)
 
-    sim = Simulation(SimConfig(seed=8, num_requests=600, faults=Faults.mixed(0.08)))
+    sim = Simulation(SimConfig(seed=8, num_requests=600, faults=Faults.mixed(0.08), push=0.3))
     sim.observers.append(spy)
     assert sim.run().violations == []
     short = Simulation(SHORT_LEASE)
     short.observers.append(spy)
     short.run()
+    # Writes (push mode) that hang past a short lease: the lease's end cancels them.
+    hung = Simulation(SimConfig(seed=4, num_requests=20, lease_ns=2 * S, heartbeat_ns=S // 4, push=1.0,
+                                faults=Faults(transfer_hang=1.0)))
+    hung.observers.append(spy)
+    assert hung.run().violations == []
     # The admission bound's refusals need MAX_EARLY_INPUTS early inputs waiting, far
     # beyond a simulated run: the real worker emits them in tests/test_worker_bounds.py.
     beyond_the_bound = {"count_refused_abandon", "count_refused_read"}

@@ -64,6 +64,8 @@ class RecvStart(_RemoteRequest, frozen=True):
     # ahead of their claims past it (their claims would likely be refused); the
     # claim's answer decides. Read as ``remote_expiry_ns``.
     remote_expiry_s: float = 0.0
+    # transfer_mode "push": the prefill workers write the blocks instead of our reading them.
+    push: bool = False
 
     @property
     def remote_expiry_ns(self) -> int:
@@ -198,6 +200,8 @@ class RemoteParams(msgspec.Struct, frozen=True):
     # remote_blocks_expiry_time, as upstream writes it (wall clock, s; 0: not said). Advisory:
     # heartbeats may extend the lease past it, and the claim decides.
     remote_expiry_s: float = 0.0
+    # transfer_mode "push": the prefill workers write the blocks into ours.
+    push: bool = False
 
 
 # The prefill's fingerprint of the prompt tokens it computed (kvsm's own key; other

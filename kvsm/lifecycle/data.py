@@ -45,6 +45,7 @@ class RequestMachine:
         "failure",
         "num_events",
         "hold",
+        "push",
     )
 
     def __init__(self, req: str, lifecycle: str, state: str, now_ns: int) -> None:
@@ -78,6 +79,7 @@ class RequestMachine:
         self.failure = ""
         self.num_events = 0
         self.hold = False  # prefill side: a decode engine's hold for a next turn, not a prefill
+        self.push = False  # decode side: the prefill workers write the blocks (transfer_mode "push")
 
     def snapshot(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in RequestMachine.__slots__}

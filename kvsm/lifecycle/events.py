@@ -53,6 +53,8 @@ class Matched(Event, frozen=True, tag="matched"):
     plan: str = ""
     # Block sizes differ between the engines: how the blocks are paired, in words.
     segments: str = ""
+    # transfer_mode "push": the prefill workers write the blocks into ours.
+    push: bool = False
 
 
 class Allocated(Event, frozen=True, tag="allocated"):
@@ -94,6 +96,30 @@ class AllReadsDone(Event, frozen=True, tag="all_reads_done"):
     """Every posted read completed successfully."""
 
     num_bytes: int = 0
+
+
+class WritesAsked(Event, frozen=True, tag="writes_asked"):
+    """Push mode: every prefill worker was asked to write the request's blocks
+    into ours; none may write after ``deadline_wall_ns`` (wall clock), by when
+    whatever was not written is known never to be."""
+
+    num_blocks: int = 0
+    deadline_wall_ns: int = 0
+
+
+class WritesLanded(Event, frozen=True, tag="writes_landed"):
+    """Push mode: every prefill worker's write completed (its NIXL notification
+    came with it): our blocks hold the remote KV."""
+
+    num_bytes: int = 0
+
+
+class WritesStopped(Event, frozen=True, tag="writes_stopped"):
+    """Push mode, a request that gave up: no prefill worker can write into its
+    blocks any more (``why``: each write landed or failed, the writer refused or
+    is gone, or the deadline every write was bound by passed)."""
+
+    why: str = ""
 
 
 class Error(Event, frozen=True, tag="error"):
@@ -185,6 +211,27 @@ class ReadNotif(Event, frozen=True, tag="read_notif"):
     # For a request this worker had not heard of: the early inputs already waiting
     # (the table refuses this one at MAX_EARLY_INPUTS); 0 otherwise.
     early_waiting: int = 0
+
+
+class WriteAsked(Event, frozen=True, tag="write_asked"):
+    """Push mode: a decode rank (``reader``, one of ``readers``) asked this worker
+    to write the pinned blocks into its own, by ``deadline_wall_ns`` (wall clock)."""
+
+    reader: str
+    readers: int = 1
+    num_blocks: int = 0
+    deadline_wall_ns: int = 0
+
+
+class WriteDone(Event, frozen=True, tag="write_done"):
+    """Push mode: the write to ``reader`` is over (``ok``: completed, its
+    notification sent with it; else failed, ``detail`` says why, or cancelled at
+    its deadline): nothing of it is in flight any more."""
+
+    reader: str
+    readers: int = 1
+    ok: bool = True
+    detail: str = ""
 
 
 class LeaseExpired(Event, frozen=True, tag="lease_expired"):
@@ -286,6 +333,9 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     ReadsPosted,
     NothingToRead,
     AllReadsDone,
+    WritesAsked,
+    WritesLanded,
+    WritesStopped,
     Error,
     Timeout,
     PeerDead,
@@ -296,6 +346,8 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     FinishedAbnormally,
     Heartbeat,
     ReadNotif,
+    WriteAsked,
+    WriteDone,
     LeaseExpired,
     RemoteAbandoned,
     AbandonExpired,

@@ -26,6 +26,7 @@ def _take_remote(m: RequestMachine, ev: Any, now_ns: int) -> None:
     m.remote_req = ev.remote_req
     m.num_tokens = ev.num_tokens
     m.claims_needed = max(1, ev.sources)
+    m.push = ev.push
 
 
 def _hold_blocks(m: RequestMachine, ev: Any, now_ns: int) -> None:
@@ -65,6 +66,12 @@ def _count(m: RequestMachine, reader: str) -> None:
     if reader not in m.readers_done:
         m.readers_done = m.readers_done | {reader}
         m.reads_seen += 1
+
+
+def _note_writer(m: RequestMachine, ev: Any, now_ns: int) -> None:
+    """Push mode: a decode rank asked for its write; it is through once that write is over."""
+    m.reads_expected = max(m.reads_expected, ev.readers)
+    m.claimants = m.claimants | {ev.reader}
 
 
 def _note_read(m: RequestMachine, ev: Any, now_ns: int) -> None:
@@ -183,6 +190,7 @@ PREPARE: Mapping[str, Callable[[Any, Any, int], None]] = {
     "end_lease_soon": _end_lease_soon,
     "count_read": _count_read,
     "note_read": _note_read,
+    "note_writer": _note_writer,
     "note_claimant": _note_claimant,
     "note_reads_done": _note_reads_done,
     "note_failure": _note_failure,

@@ -17,6 +17,9 @@ RECV_STATES = [
     "read_unclaimed",
     "remote_known",
     "transferring",
+    "being_written",
+    "stopping_writes",
+    "aborting_writes",
     "failing",
     "aborting",
     "done",
@@ -32,6 +35,10 @@ _INTERRUPTS = ["timeout", "peer_dead", "internal_error"]
 
 RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "matched", "source": "new", "dest": "awaiting_blocks", "prepare": "take_remote"},
+    # Push mode (transfer_mode "push"): the claims as for a read, then the prefill
+    # workers are asked to write into our blocks; no read goes out early.
+    {"trigger": "allocated", "source": "awaiting_blocks", "dest": "pending_handshake", "prepare": "hold_blocks",
+     "conditions": "is_push", "after": ["take_blocks", "arm_handshake_timer", "start_handshake"]},
     # Every prefill worker it reads from is known and readable: the reads go out
     # right behind the claims, so the claims' round trip overlaps the reads.
     {"trigger": "allocated", "source": "awaiting_blocks", "dest": "reading_unclaimed", "prepare": "hold_blocks",
@@ -41,6 +48,8 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
      "prepare": "hold_blocks", "after": ["take_blocks", "arm_handshake_timer", "start_handshake"]},
     # Every prefill rank the request reads from (one, unless the tensor parallel
     # sizes differ) must grant its claim before any read is posted.
+    {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "remote_known", "prepare": "note_grant",
+     "conditions": ["all_claims_granted", "is_push"], "after": ["cancel_handshake_timer", "ask_writes"]},
     {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "remote_known", "prepare": "note_grant",
      "conditions": "all_claims_granted", "after": ["cancel_handshake_timer", "post_reads"]},
     {"trigger": "handshake_ok", "source": "pending_handshake", "dest": "="},
@@ -82,8 +91,28 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "error", "source": "read_unclaimed", "dest": "failed", "prepare": "note_failure",
      "conditions": "answers_a_claim",
      "after": ["count_failure", "notify_abandon", "release_reads", "report_invalid", "cancel_timers"]},
-    {"trigger": "error", "source": ["remote_known", "transferring", "failing", "aborting"], "dest": "=",
+    {"trigger": "error", "source": ["remote_known", "transferring", "failing", "aborting", "being_written",
+                                    "stopping_writes", "aborting_writes"], "dest": "=",
      "conditions": "answers_a_claim"},
+    # Push mode. The writes asked, every prefill worker's landing (its NIXL
+    # notification rides on its write) delivers the blocks. Any failure or abort
+    # first waits until no write can land any more (each landed, failed or was
+    # refused, its writer is gone, or the deadline every write is bound by
+    # passed): only then do the blocks go back to vLLM.
+    {"trigger": "writes_asked", "source": "remote_known", "dest": "being_written", "after": "arm_transfer_timer"},
+    {"trigger": "writes_landed", "source": "being_written", "dest": "done",
+     "after": ["deliver_blocks", "cancel_timers"]},
+    *_each(_FAILURES, source="being_written", dest="stopping_writes", prepare="note_failure", after="stop_writes"),
+    {"trigger": "abort", "source": "being_written", "dest": "aborting_writes", "after": "stop_writes"},
+    {"trigger": "abort", "source": "stopping_writes", "dest": "aborting_writes"},
+    *_each(_FAILURES, source=["stopping_writes", "aborting_writes"], dest="="),
+    # Every write settled without all landing, or the deadline passed: it failed.
+    {"trigger": "writes_stopped", "source": "being_written", "dest": "failed", "prepare": "note_failure",
+     "after": ["report_invalid", "cancel_timers"]},
+    *_each(["writes_stopped", "writes_landed"], source="stopping_writes", dest="failed",
+           after=["report_invalid", "cancel_timers"]),
+    *_each(["writes_stopped", "writes_landed"], source="aborting_writes", dest="aborted",
+           after=["release_blocks", "cancel_timers"]),
     # Before any read is posted a failure ends the request at once.
     *_each(_FAILURES, source=["new", "awaiting_blocks", "pending_handshake", "remote_known"],
            dest="failed", prepare="note_failure", after=["notify_abandon", "report_invalid", "cancel_timers"]),
@@ -125,14 +154,15 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
      "dest": "closed_at_shutdown", "after": ["release_reads", "release_blocks", "cancel_timers"]},
 ]
 
-_RECV_LATER = ["remote_known", "transferring", "failing", "aborting"]
+_RECV_LATER = ["remote_known", "transferring", "failing", "aborting", "being_written", "stopping_writes",
+               "aborting_writes"]
 _RECV_ENDS = ["done", "failed", "aborted", "closed_at_shutdown"]
 RECV_STALE: list[dict[str, Any]] = [
     {"trigger": "handshake_ok", "source": _RECV_LATER,
      "why": "an answer to a second claim: the first one moved the request on"},
-    {"trigger": "abort", "source": "aborting", "why": "aborted twice"},
+    {"trigger": "abort", "source": ["aborting", "aborting_writes"], "why": "aborted twice"},
     {"trigger": ["abort", "handshake_ok", "timeout", "peer_dead", "error", "internal_error", "reads_quiesced",
-                 "all_reads_done"],
+                 "all_reads_done", "writes_landed", "writes_stopped"],
      "source": _RECV_ENDS, "why": "the request ended (and vLLM was told) before this input arrived"},
 ]
 

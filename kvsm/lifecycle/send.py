@@ -10,8 +10,8 @@ from typing import Any
 from kvsm.lifecycle.spec import LifecycleSpec
 from kvsm.lifecycle.spec import each as _each
 
-SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "releasing", "released", "expired",
-               "hold_expired", "forgotten", "refused_early", "closed_at_shutdown"]
+SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "writing", "releasing", "released",
+               "expired", "hold_expired", "forgotten", "refused_early", "closed_at_shutdown"]
 
 # States of the early inputs that wait for their prefill's finish: their number
 # (``ReadNotif``/``RemoteAbandoned.early_waiting``) is what ``early_inputs_full``
@@ -36,6 +36,24 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "released", "prepare": "count_read",
      "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
     {"trigger": "remote_abandoned", "source": "awaiting_pull", "dest": "="},
+    # Push mode: a decode rank asks for the pinned blocks to be written into its own.
+    # The lease keeps running (heartbeats extend it) and bounds the writes: each is
+    # also cancelled at the deadline its decode rank set. Each decode rank is through
+    # once its write is over (or its abandon came); the blocks go once all are.
+    {"trigger": "write_asked", "source": "awaiting_pull", "dest": "writing", "prepare": "note_writer",
+     "after": "post_write"},
+    {"trigger": "write_asked", "source": "writing", "dest": "=", "prepare": "note_writer", "after": "post_write"},
+    {"trigger": "write_done", "source": "writing", "dest": "released", "prepare": "count_read",
+     "conditions": "all_reads_in", "after": ["cancel_lease", "count_write", "free_blocks"]},
+    {"trigger": "write_done", "source": "writing", "dest": "=", "after": "count_write"},
+    {"trigger": "heartbeat", "source": "writing", "dest": "=", "prepare": "extend_lease_data", "after": "extend_lease"},
+    {"trigger": "remote_abandoned", "source": "writing", "dest": "released", "prepare": "count_read",
+     "conditions": "all_reads_in", "after": ["cancel_lease", "cancel_writes", "free_blocks"]},
+    {"trigger": "remote_abandoned", "source": "writing", "dest": "="},
+    {"trigger": "lease_expired", "source": "writing", "dest": "expired",
+     "after": ["cancel_writes", "count_expired_lease", "free_blocks"]},
+    *_each(["shutdown", "drain_over"], source="writing", dest="closed_at_shutdown",
+           after=["cancel_lease", "cancel_writes", "free_blocks"]),
     # A decode engine's hold for a next turn ends unread at its time to live: the
     # conversation did not come back (no warning: that is what holds are for).
     {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "hold_expired", "conditions": "is_hold",
@@ -101,6 +119,11 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
 ]
 
 SEND_STALE: list[dict[str, Any]] = [
+    {"trigger": "write_asked", "source": ["prefilling", "abandoned_early", "read_early", "releasing"],
+     "why": "not pinned for a reader here (the finish has not come, or a hold is being released): the ask is "
+            "answered unknown and nothing is written"},
+    {"trigger": ["finished_ok", "finished_abnormally", "abort", "read_notif", "release_asked"], "source": "writing",
+     "why": "the blocks are being written to their decode engine (push mode): told twice, or not a reader's input"},
     # A claim (or heartbeat) is an input of every live machine: granted by a
     # heartbeat transition (awaiting_pull), answered "unknown" by these (the decode
     # worker asks again), so the log holds each answer of a live request.
@@ -114,7 +137,8 @@ SEND_STALE: list[dict[str, Any]] = [
     {"trigger": "release_asked", "source": ["releasing", "released", "expired", "hold_expired", "closed_at_shutdown"],
      "why": "the hold ended already, or is ending (read, expired, released before)"},
     {"trigger": "remote_abandoned", "source": "hold_expired", "why": "nothing is held for it any more"},
-    {"trigger": ["finished_ok", "finished_abnormally", "abort", "remote_abandoned", "read_notif", "heartbeat"],
+    {"trigger": ["finished_ok", "finished_abnormally", "abort", "remote_abandoned", "read_notif", "heartbeat",
+                 "write_done"],
      "source": "closed_at_shutdown", "why": "the worker was shutting down: it had let the request go"},
     {"trigger": "remote_abandoned", "source": ["abandoned_early", "released", "expired", "forgotten"],
      "why": "nothing is pinned for it (abandoned twice, or released already)"},
@@ -147,6 +171,7 @@ CLAIM_ANSWERS: Mapping[str | None, str] = {
     "abandoned_early": "unknown",
     "read_early": "unknown",
     "awaiting_pull": "ok",
+    "writing": "ok",
     "releasing": "unknown",
     "released": "expired",
     "expired": "expired",

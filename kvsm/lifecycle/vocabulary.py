@@ -36,7 +36,14 @@ EFFECTS: Mapping[str, str] = {
     "release_reads": "release the request's settled NIXL transfer handles",
     "cancel_reads": ("release what can be released of the reads in flight, and watch the rest until they settle "
                      "(the request's claims are over too: no retry)"),
+    "ask_writes": ("push mode: ask every prefill worker over the side channel to write its blocks into ours, "
+                   "with our agent and a deadline after which it writes nothing"),
+    "stop_writes": ("push mode, giving up: wait until no write can land any more (each landed, failed or was "
+                    "refused, its writer is gone, or the deadline passed); the table hears it as writes_stopped"),
     # sending side
+    "post_write": "push mode: post the NIXL WRITE of the pinned blocks into the asking decode rank's blocks",
+    "cancel_writes": "push mode: cancel the request's writes still in flight (before its blocks are freed)",
+    "count_write": "count a write that completed, or failed (metrics, log)",
     "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
     "free_blocks": "report finished_sending: the blocks may be reused",
     "count_expired_lease": "count a lease that expired unread (metrics, rate-limited warning)",
@@ -126,6 +133,10 @@ def _is_hold(m: RequestMachine, ev: Any) -> bool:
     return m.hold
 
 
+def _is_push(m: RequestMachine, ev: Any) -> bool:
+    return m.push
+
+
 def _outdated(m: PeerMachine, ev: Any) -> bool:
     """Sent before the last news about the peer: part of an outage already
     handled, or older than an answer."""
@@ -144,6 +155,7 @@ CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "outdated": _outdated,
     "unclaimed": _unclaimed,
     "is_hold": _is_hold,
+    "is_push": _is_push,
 }
 
 

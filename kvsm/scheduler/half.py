@@ -358,7 +358,7 @@ class SchedulerHalf:
             remote_tp_size=remote.remote_tp_size, remote_block_ids=remote_ids,
             local_block_ids=local, num_tokens=num_external_tokens, awaited=num_external_tokens > 0,
             group_sizes=sizes, problem=problem, remote_pp_size=remote.remote_pp_size,
-            remote_expiry_s=remote.remote_expiry_s, **segmented))
+            remote_expiry_s=remote.remote_expiry_s, push=remote.push, **segmented))
         # Only one transfer per request (vLLM may call again once it is loaded).
         request.kv_transfer_params["do_remote_prefill"] = False
 

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvsm.config import KVSMConfig
+import msgspec.structs
+
+from kvsm.config import TRANSFER_MODES, KVSMConfig
 from kvsm.handoff.facts import (
     PRODUCER_KEY,
     PROMPT_FINGERPRINT_KEY,
@@ -59,15 +61,22 @@ def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMCo
     req = request.request_id
     if not cfg.consumes:
         return Judged(ParamsIgnored(req=req, reason=f"do_remote_prefill on an engine with kv_role {cfg.kv_role!r}"))
-    mode = params.get("transfer_mode")  # absent: a producer older than the key (upstream's or kvsm's)
-    if mode not in (None, "pull"):
+    mode = transfer_mode_of(params, cfg)
+    if mode not in TRANSFER_MODES:
         return Judged(ParamsIgnored(req=req, reason=(
-            f"transfer_mode {mode!r}: the prefill engine's connector does not serve reads (NixlPushConnector "
-            f"writes into the decode engine), and kvsm only reads: transfer_mode 'pull'")))
+            f"transfer_mode {mode!r:.80}: kvsm moves KV by 'pull' (this engine reads) or 'push' (the prefill "
+            f"engine writes)")))
+    if mode == "push" and PRODUCER_KEY not in params and params.get("transfer_mode") == "push":
+        return Judged(ParamsIgnored(req=req, reason=(
+            "transfer_mode 'push' from a prefill engine that is not kvsm's (its params lack kvsm_protocol): "
+            "upstream NixlPushConnector's registration protocol is its own, and kvsm's side channel does not "
+            "speak it")))
     try:
         remote = parse_remote_params(params)
     except BadTransferParams as e:
         return Judged(ParamsIgnored(req=req, reason=str(e)))
+    if mode == "push":
+        remote = msgspec.structs.replace(remote, push=True)
     if len(remote.remote_block_ids) != len(group_block_sizes):
         return Judged(ParamsIgnored(req=req, reason=(
             f"remote_block_ids has {len(remote.remote_block_ids)} KV cache group(s), this engine's KV cache "
@@ -90,6 +99,14 @@ def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMCo
                              remote_host=remote.remote_host, remote_port=remote.remote_port,
                              remote_tp_size=remote.remote_tp_size, remote_pp_size=remote.remote_pp_size,
                              reader=readers.get(source, ""), rejected=rejected), remote, foreign)
+
+
+def transfer_mode_of(params: Mapping[str, Any], cfg: KVSMConfig) -> Any:
+    """How a request's KV moves: its params' ``transfer_mode`` (upstream's key, which
+    a router may set on either leg and a prefill engine echoes), else this engine's
+    deployment setting. Not checked here (the caller names a bad value)."""
+    mode = params.get("transfer_mode")
+    return cfg.transfer_mode if mode is None else mode
 
 
 def hold_back_last_tokens(request: Request, params: dict[str, Any], n: int) -> bool:
@@ -122,7 +139,9 @@ def offered_by(cfg: KVSMConfig, request: Request) -> dict[str, Any]:
 
 def prefill_offer(cfg: KVSMConfig, request: Request, block_ids: tuple[list[int], ...], num_tokens: int,
                   group_block_sizes: tuple[int, ...]) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a finished prefill hands the decode side."""
+    """The ``kv_transfer_params`` a finished prefill hands the decode side (its
+    transfer mode: the prefill leg's own ``transfer_mode``, else this engine's)."""
+    mode = transfer_mode_of(request.kv_transfer_params or {}, cfg)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -137,6 +156,6 @@ def prefill_offer(cfg: KVSMConfig, request: Request, block_ids: tuple[list[int],
         # Wall-clock seconds, informational: the decode side's claim is what counts.
         "remote_blocks_expiry_time": time.time() + cfg.lease_s,
         # As upstream's pull scheduler: tells a router this is a pull (READ)
-        # producer, not NixlPushConnector's WRITE one (its _TRANSFER_MODE).
-        "transfer_mode": "pull",
+        # producer or a push one; kvsm's prefill engines serve both (its _TRANSFER_MODE).
+        "transfer_mode": mode,
     }

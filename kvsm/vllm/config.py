@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvsm.config import BUFFER_DEVICES, DEFAULT_SIDE_CHANNEL_PORT, EXTRA_KEYS, KV_ROLES, KVSMConfig
+from kvsm.config import BUFFER_DEVICES, DEFAULT_SIDE_CHANNEL_PORT, EXTRA_KEYS, KV_ROLES, TRANSFER_MODES, KVSMConfig
 from kvsm.handshake.keys import load_keys
 
 
@@ -108,6 +108,14 @@ def kvsm_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMC
         raise ValueError("kv_connector_extra_config['bidirectional_kv_xfer'] needs kv_load_failure_policy "
                          "'recompute': a next turn whose held blocks are gone (expired, or released under memory "
                          "pressure) must compute its prompt, not fail")
+    mode = extra.get("transfer_mode", "pull")
+    if mode not in TRANSFER_MODES:
+        raise ValueError(f"kv_connector_extra_config['transfer_mode'] must be one of {list(TRANSFER_MODES)}, "
+                         f"got {mode!r:.80}")
+    if mode == "push" and bidirectional:
+        raise ValueError("kv_connector_extra_config['transfer_mode'] 'push' with 'bidirectional_kv_xfer': a next "
+                         "turn reads the decode engine's held blocks, which push mode does not serve (upstream "
+                         "refuses the pair too)")
     backends = extra.get("backends", ["UCX"])
     if isinstance(backends, str) or not all(isinstance(b, str) for b in backends):
         raise ValueError(f"kv_connector_extra_config['backends'] must be a list of names, got {backends!r}")
@@ -141,6 +149,7 @@ def kvsm_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> KVSMC
         side_channel_keys=os.path.abspath(keys_dir) if keys_dir else None,
         side_channel_keys_reload_s=_positive("side_channel_keys_reload", extra.get("side_channel_keys_reload", 2.0)),
         bidirectional=bidirectional,
+        transfer_mode=str(mode),
         hold_ttl_s=_positive("decoder_kv_blocks_ttl", extra.get("decoder_kv_blocks_ttl", 480.0)),
         hold_budget_blocks=_count("decoder_kv_hold_blocks", extra.get("decoder_kv_hold_blocks", 0)),
     )

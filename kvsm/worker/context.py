@@ -180,6 +180,11 @@ class Link:
     # its claim was granted is the machine's (``claims_granted``), not kept here.
     index: int = -1
     told: bool = False  # it was told over the side channel that we read nothing (more) there
+    # Push mode: where its write stands ("": not asked; asked, writing (answered ok),
+    # landed, failed, refused, gone, cancelled), as the ask's answer and the writer's
+    # notifications said. I/O bookkeeping as ``done``: the table hears the sums
+    # (writes_landed, writes_stopped).
+    write: str = ""
 
 
 @dataclass(slots=True)
@@ -203,9 +208,12 @@ class RecvIO:
     claims_over: bool = False  # its claims need no retry any more (the table stopped them: cancel_handshake_timer)
     done_ns: int = 0  # when every read had completed
     answers: dict[str, int] = field(default_factory=dict)  # claim answers so far, by status
+    # Push mode: the writes' deadline (the loop's clock; 0: none asked) and its timer.
+    write_deadline_ns: int = 0
+    write_timer: TimerHandle | None = None
 
     def timers(self) -> tuple[TimerHandle | None, ...]:
-        return (self.handshake_timer, self.transfer_timer, self.retry_timer, self.settle_timer)
+        return (self.handshake_timer, self.transfer_timer, self.retry_timer, self.settle_timer, self.write_timer)
 
     @property
     def reads(self) -> list[Link]:
@@ -276,6 +284,13 @@ class WorkerContext:
         self.polling: dict[str, None] = {}
         # Requests whose claims go out with this turn's flush, by peer key.
         self.claim_queue: dict[str, list[str]] = {}
+        # Push mode, decode side: the side-channel asks in flight (their answers' handlers,
+        # by request id), the requests whose writes are awaited (the notification poll
+        # runs while any is), and who takes the writers' notifications.
+        self.write_asks: dict[int, Callable[[Any], None]] = {}
+        self.writes_awaited: set[str] = set()
+        self.on_write_notif: Callable[[str, bytes], None] = _ignore_notif
+        self.poll_notifs_soon: Callable[[], None] = _nothing
         self.runner = EffectRunner(self._on_error)
         self.on_error: Callable[[LoopError], None] = _no_recovery
 
@@ -319,6 +334,14 @@ class WorkerContext:
                 if o.src is not None:
                     counts[o.src] -= 1
                 counts[o.dst] += 1  # type: ignore[index]
+
+
+def _ignore_notif(peer: str, msg: bytes) -> None:
+    return None
+
+
+def _nothing() -> None:
+    return None
 
 
 def _no_recovery(err: LoopError) -> None:

@@ -215,7 +215,7 @@ class WorkerHalf:
                 host=self._bind_host(), port=cfg.side_channel_port, context=self.loop.context,
                 lease_ns=cfg.lease_ns, rank=self.tp_rank, pp_rank=self.pp_rank, now_ns=self.loop.now_ns,
                 relay_to={w: endpoint(*w) for w in others} if me == (0, 0) else None,
-                internal=endpoint(*me) if me != (0, 0) else "", keys=keys)
+                internal=endpoint(*me) if me != (0, 0) else "", keys=keys, on_writes=self.sender.writer.on_ask)
             for sock in server.sockets():
                 self.loop.add_reader(sock, partial(self._on_side_channel, sock), label="handshake server")
             pins = self.ctx.pins = PinChannelServer(self.loop.context, self.sender._on_pins,

@@ -266,6 +266,10 @@ class PeersAndClaims:
                     for req, _ in claim.reqs:
                         self.ctx.on_error(LoopError(e, req, "claim result", "reader"))
                 continue
+            answered = self.ctx.write_asks.pop(result.request_id, None)
+            if answered is not None:  # push mode: a write ask's answer
+                self.ctx.guard(None, answered, result)
+                continue
             entry = self.oneway.pop(result.request_id, None)
             if entry is None:
                 continue

@@ -26,6 +26,7 @@ from kvsm.runtime.loop import LoopError, TimerHandle
 from kvsm.transport.base import Heads
 from kvsm.worker.context import Link, RecvIO, S, WorkerContext
 from kvsm.worker.peers import PeersAndClaims
+from kvsm.worker.push_recv import WriteAsker
 from kvsm.worker.reads import ReadsInFlight
 from kvsm.worker.recv_plan import ReadPlanner, describe_segments, segments_of
 from kvsm.worker.runner import Effect, EffectTable
@@ -59,6 +60,7 @@ class Receiver:
         self._polling = ctx.polling
         self._early_posts: list[str] = []  # requests whose reads go out right after this turn's claims
         self.reads = ReadsInFlight(ctx, peers)
+        self.asker = WriteAsker(ctx, planner, peers)  # push mode
         self.effects: dict[str, Effect] = {
             "take_blocks": _nothing,
             "arm_handshake_timer": self._arm_handshake_timer,
@@ -77,6 +79,7 @@ class Receiver:
             "release_blocks": self._release_blocks,
             "notify_abandon": self._notify_abandon,
             "cancel_timers": self._cancel_recv_timers,
+            **self.asker.effects,
         }
         ctx.runner.register(self.recv, EffectTable(self.effects, self._recv_io.get, self._ended,
                                                    self._effects_failed, self._moved))
@@ -108,7 +111,7 @@ class Receiver:
                                     remote_port=start.remote_port,
                                     remote_blocks=len(dict.fromkeys(start.remote_block_ids)),
                                     sources=len(io.reads), plan=self.planner.describe_plan(plan, start.remote_pp_size),
-                                    segments=describe_segments(start)))
+                                    segments=describe_segments(start), push=start.push))
         if plan_problem:
             self._apply_recv(ev.Error(req=req, kind="tp_mismatch", detail=plan_problem))
             return
@@ -201,6 +204,7 @@ class Receiver:
             io.answers = {}
 
     def _ended(self, req: str, io: RecvIO | None) -> None:
+        self.asker.ended(req)
         self._recv_io.pop(req, None)
         self._polling.pop(req, None)
         if not self._recv_io:
@@ -257,7 +261,8 @@ class Receiver:
         io.transfer_timer = self.loop.call_later(int(self.cfg.transfer_timeout_s * S),
                                                  lambda: self._timeout(req, "transfer"), req=req,
                                                  label="transfer timeout")
-        self._guard(req, self.reads._settle, req)  # a fast read may be over already
+        if not io.start.push:  # a fast read may be over already (push mode: the writes' notifications tell)
+            self._guard(req, self.reads._settle, req)
 
     def _timeout(self, req: str, what: str) -> None:
         if req in self.recv:
@@ -269,7 +274,7 @@ class Receiver:
             return
         for h in io.timers():
             self.loop.cancel(h)
-        io.handshake_timer = io.transfer_timer = io.retry_timer = io.settle_timer = None
+        io.handshake_timer = io.transfer_timer = io.retry_timer = io.settle_timer = io.write_timer = None
 
     # -- the handshake (claims themselves are the peers part's) ---------------------------
 
@@ -397,7 +402,8 @@ class Receiver:
     def _deliver_blocks(self, io: RecvIO | None, o: Outcome) -> None:
         req = o.req
         assert io is not None
-        if o.trigger in ("all_reads_done", "handshake_ok"):  # (handshake_ok: reads done before the grants)
+        if o.trigger in ("all_reads_done", "handshake_ok", "writes_landed"):  # (handshake_ok: reads done before
+            # the grants; writes_landed: push mode)
             self.stats.transfer_done(((io.done_ns or self.loop.now_ns()) - io.posted_ns) / S, self.reads.bytes_of(io),
                                      len(io.start.local_block_ids))
         if io.start.awaited:

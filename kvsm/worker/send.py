@@ -36,6 +36,8 @@ from kvsm.worker.context import (
     SendIO,
     WorkerContext,
 )
+from kvsm.worker.push_notif import is_write_notif
+from kvsm.worker.push_send import Writer
 from kvsm.worker.runner import Effect, EffectTable
 
 # A read's notification: the prefill request id, and when several decode ranks
@@ -100,6 +102,9 @@ class Sender:
             "count_refused_abandon": self._count_refused_abandon,
             "count_refused_read": self._count_refused_read,
         }
+        self.writer = Writer(ctx)  # push mode
+        self.effects.update(self.writer.effects)
+        ctx.poll_notifs_soon = lambda: self._arm_notif_poll(soon=True)
         ctx.runner.register(self.send, EffectTable(self.effects, _same, self._ended, self._effects_failed))
 
     def periodic(self) -> dict[Periodic, Callable[[], None]]:
@@ -215,6 +220,7 @@ class Sender:
     # -- the end of a request ----------------------------------------------------------
 
     def _ended(self, req: str, _: str) -> None:
+        self.writer.ended(req)
         io = self.send_io.pop(req, None)
         if io is not None and (io.lease_timer is not None or io.abandon_timer is not None):
             self.loop.cancel(io.lease_timer)  # (only left armed when an effect raised)
@@ -309,7 +315,7 @@ class Sender:
             if self._notif_timer is not None and self._notif_timer.deadline_ns > now + self._notif_interval_ns:
                 self.loop.cancel(self._notif_timer)
                 self._notif_timer = None
-        if self._notif_timer is None and (self.send_io or self._has_readers):
+        if self._notif_timer is None and (self.send_io or self._has_readers or self.ctx.writes_awaited):
             self._notif_timer = self.loop.call_later(self._notif_interval_ns, self._poll_notifs,
                                                      label=Periodic.POLL_NOTIFS.value)
 
@@ -319,7 +325,12 @@ class Sender:
         self._notif_timer = None
         assert self.ctx.transport is not None
         notifs = self.ctx.transport.get_notifs()
+        if self.writer.busy():
+            self.writer.poll()
         for peer, msg in notifs:
+            if is_write_notif(msg):  # push mode: a write into our blocks ended
+                self.ctx.on_write_notif(peer, msg)
+                continue
             try:
                 req, readers, early = parse_notif(msg)
             except (UnicodeDecodeError, ValueError):
@@ -328,7 +339,7 @@ class Sender:
             # After a release (the reader's abandon overtook its read's notification)
             # the table records it as stale; after expiry, as the violation it is.
             self._guard(req, self._on_read_notif, ev.ReadNotif(req=req, reader=peer, readers=readers, early=early))
-        if notifs or self.loop.now_ns() < self._notif_fast_until_ns:
+        if notifs or self.loop.now_ns() < self._notif_fast_until_ns or self.writer.busy() or self.ctx.writes_awaited:
             # Full speed: the configured interval, reached by doubling from a claim's
             # first follow-up (the same interval when it is the default 1 ms).
             self._notif_interval_ns = min(self._notif_interval_ns * 2, self._notif_min_ns)

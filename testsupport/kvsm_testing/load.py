@@ -101,9 +101,9 @@ class GatedAgent(InMemoryAgent):
                 self.fabric._land(t)
             return t.state
 
-    def release(self, handle: XferHandle) -> bool:
+    def release(self, handle: XferHandle, *, force: bool = False) -> bool:
         with self.lock:
-            return super().release(handle)
+            return super().release(handle, force=force)
 
     def send_notif(self, peer: str, msg: bytes) -> bool:
         with self.lock:

@@ -67,6 +67,9 @@ class SimConfig:
     # them in segments, paired by kvsm.scheduler.block_pairing as kvsm's scheduler pairs them.
     # One KV cache group only (as kvsm's scheduler: segments are for one group).
     block_tokens: tuple[int, int] | None = None
+    # The share of requests in push mode (the prefill worker writes into the decode
+    # worker's blocks; transfer_mode "push"), the rest pull.
+    push: float = 0.0
     arrival_gap_ns: int = 1 * MS
     lease_ns: int = 30 * S
     handshake_timeout_ns: int = 2 * S

@@ -371,7 +371,7 @@ class DecodeEngine(_Engine):
             remote_port=SIDE_CHANNEL_PORT, remote_tp_size=1, remote_block_ids=remote, local_block_ids=local,
             num_tokens=len(local) * BLOCK_TOKENS, awaited=bool(local),
             group_sizes=group_split(len(local), self.sim.config.kv_groups) if local else (),
-            remote_expiry_s=self.sim.prefill.expiry_s.get(dr.index, 0.0)))
+            remote_expiry_s=self.sim.prefill.expiry_s.get(dr.index, 0.0), push=self.sim.chance(self.sim.config.push)))
 
     def _allocate_segments(self, dr: _DecodeReq) -> None:
         """Blocks of this engine's size for the prompt's tokens, each filled in
@@ -386,7 +386,8 @@ class DecodeEngine(_Engine):
             req=dr.req, remote_engine=dr.remote_engine, remote_req=dr.remote_req, remote_host=dr.remote_host,
             remote_port=SIDE_CHANNEL_PORT, remote_tp_size=1, remote_block_ids=remote, local_block_ids=local,
             num_tokens=tokens, awaited=True, problem=problem,
-            remote_expiry_s=self.sim.prefill.expiry_s.get(dr.index, 0.0), **dr.segments))
+            remote_expiry_s=self.sim.prefill.expiry_s.get(dr.index, 0.0), push=self.sim.chance(self.sim.config.push),
+            **dr.segments))
 
     def abort(self, req: str) -> None:
         """The client went away: request_finished for a decode request."""

@@ -72,12 +72,13 @@ __all__ = ["BlockPool", "Faults", "SimConfig", "SimResult", "Simulation", "block
 PER_REQUEST_RESOURCES = ("recv_machines", "send_machines", "recv_io", "send_io", "claims", "claim_queue",
                          "oneway", "polling", "client_pending", "transport_handles")
 
-_DECODE_LIVE = ("reading_unclaimed", "transferring", "failing", "aborting")
+_DECODE_LIVE = ("reading_unclaimed", "transferring", "failing", "aborting", "being_written", "stopping_writes",
+                "aborting_writes")
 # The prefill worker's states in which a read of the request's blocks is sound if
 # the blocks are still the request's: pinned, or not yet heard of (vLLM holds the
 # blocks of a finished request until finished_sending; a read posted ahead of its
 # claim may reach them before the worker hears of the finish).
-_PREFILL_READABLE = (None, "prefilling", "read_early", "awaiting_pull")
+_PREFILL_READABLE = (None, "prefilling", "read_early", "awaiting_pull", "writing")
 
 
 class Simulation:
