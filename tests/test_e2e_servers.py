@@ -335,3 +335,39 @@ def test_a_list_of_prompts_reads_only_its_own_prompts_blocks(pair: Pair) -> None
             if r.get("lifecycle") == "send" and r.get("kind") in ("create", "transition")}
     pinned = {req for req, state in last.items() if state == "awaiting_pull"}
     assert len(pinned) == 2 and kv["remote_request_id"] not in pinned, last
+
+
+def test_push_mode_on_api_servers_every_prompt_token_written_by_the_prefill_server(pair: Pair) -> None:
+    """transfer_mode "push" on the prefill leg (as a router would send it): the
+    prefill server writes each prompt's KV into the decode server's blocks. The
+    answers equal the prefill server's own; vLLM counts every prompt token as
+    transferred; the logs show the writes (no read), and both sides end clean."""
+    decode0 = pair.decode.metrics()
+    rng = random.Random(33)
+    prompts = [_ids(rng, n) for n in (60, 300)]  # never seen before: nothing cached
+    remote_reqs = set()
+    for prompt in prompts:
+        reference = pair.complete(pair.prefill, prompt, 8)["choices"][0]["text"]
+        kv = pair.complete(pair.prefill, prompt, 1, {"do_remote_decode": True, "transfer_mode": "push"})[
+            "kv_transfer_params"]
+        kv.pop("remote_prefill_cached_tokens", None)
+        assert kv["transfer_mode"] == "push"
+        assert pair.complete(pair.decode, prompt, 8, kv)["choices"][0]["text"] == reference
+        remote_reqs.add(kv["remote_request_id"])
+    records = _settled(pair.logs, remote_reqs)
+    decode_of = {r["input"]["remote_req"]: r["req"] for r in records if r.get("event") == "matched"}
+    for q in remote_reqs:
+        send = [r["event"] for r in records if r.get("lifecycle") == "send" and r.get("req") == q]
+        recv = [r["event"] for r in records if r.get("lifecycle") == "recv" and r.get("req") == decode_of[q]]
+        assert send[-2:] == ["write_asked", "write_done"] and "read_notif" not in send, send
+        assert recv[-2:] == ["writes_asked", "writes_landed"] and "reads_posted" not in recv, recv
+    external = "vllm:prompt_tokens_by_source_total"
+
+    def counted() -> str | None:
+        text = pair.decode.metrics()
+        grown = metric(text, external, source="external_kv_transfer") - metric(
+            decode0, external, source="external_kv_transfer")
+        return text if grown >= sum(map(len, prompts)) - 2 else None
+
+    text = wait_until(counted, 20, "the decode server's metrics to count the written prompts")
+    assert metric(text, external, source="local_compute") == metric(decode0, external, source="local_compute")

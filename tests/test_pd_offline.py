@@ -63,7 +63,11 @@ FRESH_A = _prompt(RNG, 200)  # for the sensitivity tests, never seen before
 FRESH_B = _prompt(RNG, 200)
 FRESH_C = _prompt(RNG, 150)
 FRESH_D = _prompt(RNG, 180)
-ALL_PROMPTS = [SHORT, UNDER_BLOCK, ONE_BLOCK, LONG, LONG_PREFIX, FRESH_A, FRESH_B, FRESH_C, FRESH_D]
+PUSH_A = _prompt(RNG, 300)  # push mode (transfer_mode "push"): the prefill engine writes the blocks
+PUSH_B = _prompt(RNG, 40)
+PUSH_C = _prompt(RNG, 200)
+ALL_PROMPTS = [SHORT, UNDER_BLOCK, ONE_BLOCK, LONG, LONG_PREFIX, FRESH_A, FRESH_B, FRESH_C, FRESH_D, PUSH_A, PUSH_B,
+               PUSH_C]
 
 
 class Pair:
@@ -219,6 +223,59 @@ def test_a_prefill_leg_of_several_tokens_still_hands_over_its_prompt(pair: Pair)
                f"the prefill side to unpin {remote}")
 
 
+def _push_params(pair: Pair, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """A router's prefill leg asking for push mode (upstream's key); the answer's params echo it."""
+    outs = pair.prefill.generate(prompts, 1, [{"do_remote_decode": True, "transfer_mode": "push"}] * len(prompts))
+    params = [dict(o["kv_transfer_params"]) for o in outs]
+    for p in params:
+        p.pop("remote_prefill_cached_tokens", None)
+        assert p["transfer_mode"] == "push"
+    return params
+
+
+def _machine_steps(logs: Path, pattern: str, lifecycle: str, req: str) -> list[tuple[str, str]]:
+    records = [json.loads(line) for f in logs.glob(pattern) for line in f.read_text().splitlines() if line.strip()]
+    return [(r["event"], r["dst"]) for r in records if r.get("lifecycle") == lifecycle and r.get("req") == req]
+
+
+def test_push_mode_the_prefill_engine_writes_every_prompt_token(pair: Pair) -> None:
+    """transfer_mode "push" on the prefill leg: the decode engine claims, then asks
+    the prefill worker to write into its blocks; outputs equal the single engine's,
+    every prompt token came by the write, and both engines' logs tell that path."""
+    prompts = [PUSH_A, PUSH_B]
+    params = _push_params(pair, prompts)
+    outs = pair.decode.generate(prompts, MAX_TOKENS, params)
+    pair.record(prompts, reads=2, blocks=4)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == pair.reference[tuple(prompt)], f"{len(prompt)}-token prompt"
+        assert out["num_cached_tokens"] == len(prompt)
+    remote = [p["remote_request_id"] for p in params]
+    matched = _matched_tokens(pair.logs, remote)
+    assert [matched[q] for q in remote] == [len(p) for p in prompts]
+    for q in remote:
+        wait_until(lambda q=q: q not in pair.prefill.request({"op": "state"})["worker"]["send"], 5,
+                   f"the prefill side to free {q} once written")
+        steps = _machine_steps(pair.logs, "prefill-pd.worker.*.jsonl", "send", q)
+        assert [e for e, _ in steps if e in ("write_asked", "write_done", "read_notif")] == [
+            "write_asked", "write_done"], steps
+        assert steps[-1] == ("write_done", "released"), steps
+    records = [json.loads(line) for f in pair.logs.glob("decode-pd.worker.*.jsonl")
+               for line in f.read_text().splitlines() if line.strip()]
+    mine = [r for r in records if r.get("lifecycle") == "recv" and r.get("input", {}).get("remote_req") in remote]
+    for r in mine:
+        steps = _machine_steps(pair.logs, "decode-pd.worker.*.jsonl", "recv", r["req"])
+        assert [s for s in steps if s[0] in ("writes_asked", "writes_landed", "reads_posted")] == [
+            ("writes_asked", "being_written"), ("writes_landed", "done")], steps
+
+
+def test_push_mode_a_corrupted_write_breaks_the_comparison(pair: Pair) -> None:
+    (params,) = _push_params(pair, [PUSH_C])
+    pair.prefill.request({"op": "corrupt", "block_ids": params["remote_block_ids"][0]})
+    (out,) = pair.decode.generate([PUSH_C], MAX_TOKENS, [params])
+    pair.record([PUSH_C], reads=1, blocks=2, right=False)
+    assert out["token_ids"] != pair.reference[tuple(PUSH_C)], "a corrupted write went unnoticed"
+
+
 def test_corrupted_prefill_blocks_break_the_comparison(pair: Pair) -> None:
     (params,) = pair.prefill_params([FRESH_A])
     pair.prefill.request({"op": "corrupt", "block_ids": params["remote_block_ids"][0]})
@@ -274,7 +331,7 @@ def test_replay_of_both_engines_shows_every_request_done(pair: Pair) -> None:
                    "--finished_ok-->", "--handshake_ok-->", "--all_reads_done--> done", "--read_notif--> released"):
         assert needle in cli.stdout, f"{needle!r} missing from the timeline:\n{cli.stdout}"
     # In a full run: 3 + 1 (computed here) + 1 + 1 (notify only) + 1 + 2 requests, each
-    # once on each side; 7 reads of 12 blocks (1+1+3, 1, 2, 2+2).
+    # once on each side; 7 reads of 12 blocks (1+1+3, 1, 2, 2+2); and 3 pushed (2 + 1 corrupted).
     ledger = pair.ledger
     assert finals["recv"]["done"] == finals["send"]["released"] == ledger["requests"], (finals, ledger)
     # The connectors' own counters agree (what vLLM's stats and Prometheus get).
