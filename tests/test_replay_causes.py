@@ -294,6 +294,49 @@ def test_transfer_timeout(run, tmp_path: Path) -> None:
                       "its log")
 
 
+def _pushed(r: Run) -> LifecycleTracker:
+    """d-1 in push mode: claimed at +0.100 s, p-1 pinned at +0.120 s, the write asked at +0.200 s."""
+    t = r.tracker("decode-0")
+    r.at(100)
+    t.create("d-1")
+    t.apply(ev.Matched(req="d-1", num_tokens=32, remote_engine="prefill-0", remote_req="p-1",
+                       remote_host="127.0.0.1", remote_port=15600, push=True))
+    t.apply(ev.Allocated(req="d-1", block_ids=(1, 2)))
+    s = r.at(120).send("p-1")
+    t.apply(ev.HandshakeOk(req="d-1", remote_engine="prefill-0"))
+    r.at(200)
+    t.apply(ev.WritesAsked(req="d-1", num_blocks=2, deadline_wall_ns=5_200 * MS))
+    s.apply(ev.WriteAsked(req="p-1", reader="decode-0", num_blocks=2))
+    return t
+
+
+def test_push_writes_not_over_by_their_deadline(run, tmp_path: Path) -> None:
+    with run() as r:
+        t = _pushed(r)
+        r.at(5_200).tracker("prefill-0", SEND).apply(ev.WriteDone(
+            req="p-1", reader="decode-0", ok=False, detail="cancelled in flight at its deadline"))
+        r.at(5_700)
+        t.apply(ev.WritesStopped(req="d-1", why="the deadline every write was bound by passed"))
+    c = cause(report_of(tmp_path), "d-1")
+    assert (c.rule, c.final_state) == ("writes_stopped", "failed")
+    assert c.line == ("the writes asked at +0.200 s did not land: the deadline every write was bound by passed "
+                      "(at +5.700 s); its worker received it at +0.120 s (via local_socket), its write ended at "
+                      "+5.200 s (cancelled in flight at its deadline), released it at +5.200 s (write_done)")
+
+
+def test_push_transfer_timeout_names_the_writes(run, tmp_path: Path) -> None:
+    with run() as r:
+        t = _pushed(r)
+        r.at(5_200)
+        t.apply(ev.Timeout(req="d-1", what="transfer"))
+        r.at(5_300)
+        t.apply(ev.WritesStopped(req="d-1", why="every write settled: failed"))
+    c = cause(report_of(tmp_path), "d-1")
+    assert (c.rule, c.final_state) == ("transfer_timeout", "failed")
+    assert c.line.startswith("transfer timed out after 5.0 s: writes of 2 block(s) asked at +0.200 s; its worker "
+                             "received it at +0.120 s (via local_socket), held it writing"), c.line
+
+
 # --- the prefill side: a lease that expired unread ------------------------------------
 
 

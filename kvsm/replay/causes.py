@@ -149,6 +149,9 @@ def _send_said(ctx: Context, m: Machine, who: str) -> str:
         return text + f", its hold's time to live ran out at {ctx.at(last)}"
     if state == "expired":
         return text + f", its lease expired at {ctx.at(last)}"
+    wrote = next((r for r in reversed(m.records) if r.kind == "transition" and r.event == "write_done"), None)
+    if wrote is not None and inp(wrote, "ok", True) is False:  # push mode: its write did not complete
+        text += f", its write ended at {ctx.at(wrote)} ({clip(inp(wrote, 'detail', '') or 'failed', 120)})"
     if state == "released":
         return text + f", released it at {ctx.at(last)} ({last.event})"
     return text + f", held it {state} at the end of its log"
@@ -207,8 +210,11 @@ def _handshake_timeout(ctx: Context, m: Machine, fail: Record | None) -> str:
 def _transfer_timeout(ctx: Context, m: Machine, fail: Record | None) -> str:
     assert fail is not None
     start = _armed(m, "arm_transfer_timer", fail)
-    blocks = inp(start, "num_blocks", 0) if start.event == "reads_posted" else 0
-    posted = f"reads of {blocks:,} block(s) posted at {ctx.at(start)}" if blocks else f"reads posted at {ctx.at(start)}"
+    what = "writes" if start.event == "writes_asked" else "reads"  # (push mode: the prefill side writes)
+    blocks = inp(start, "num_blocks", 0) if start.event in ("reads_posted", "writes_asked") else 0
+    verb = "asked" if what == "writes" else "posted"
+    posted = (f"{what} of {blocks:,} block(s) {verb} at {ctx.at(start)}" if blocks
+              else f"{what} {verb} at {ctx.at(start)}")
     return (f"transfer timed out after {secs(fail.t_mono_ns - start.t_mono_ns)}: {posted}; "
             f"{_prefill_said(ctx, m.remote, scheduler=False)}")
 
@@ -259,6 +265,15 @@ def _error(ctx: Context, m: Machine, fail: Record | None) -> str:
                     f"request {req} on {engine} was gone: {said}")
         line += f"; {said}"
     return line
+
+
+def _writes_stopped(ctx: Context, m: Machine, fail: Record | None) -> str:
+    """Push mode: the writes ended without all landing (each failed or was refused),
+    or their deadline passed."""
+    assert fail is not None
+    asked = _armed(m, "arm_transfer_timer", fail)
+    return (f"the writes asked at {ctx.at(asked)} did not land: {clip(inp(fail, 'why', '') or '?')} "
+            f"(at {ctx.at(fail)}); {_prefill_said(ctx, m.remote, scheduler=False)}")
 
 
 def _internal_error(ctx: Context, m: Machine, fail: Record | None) -> str:
@@ -351,6 +366,7 @@ _EXPLAIN: dict[str, Callable[[Context, Machine, Record | None], str]] = {
     "timeout": _other_timeout,
     "peer_dead": _peer_dead,
     "error": _error,
+    "writes_stopped": _writes_stopped,
     "internal_error": _internal_error,
     "failed": _failed_unexplained,
     "lease_expired": _lease_expired,

@@ -33,7 +33,7 @@ PREFILL_FINISHED = "sched.prefill_finished"
 # A scheduler log that writes either has the pin records (a newer scheduler).
 PIN_LOGGING = frozenset({PINNED, "sched.workers_connected"})
 PEER_DEAD_LOGGING = frozenset({PEER_DEAD})
-FAILURES = ("error", "timeout", "peer_dead", "internal_error")
+FAILURES = ("error", "timeout", "peer_dead", "internal_error", "writes_stopped")
 ANSWERS = ("unknown", "ok", "expired")
 CLIP = 200  # characters of an error's detail kept in a line
 NONE: dict[str, Any] = {}
