@@ -286,3 +286,60 @@ def test_each_pipeline_stage_registers_its_layers_behind_the_engines_one_port(
     finally:
         for c in stages:
             c.shutdown()
+
+
+def test_hostile_write_asks_are_refused_naming_what_was_wrong(connector: KVSMConnector) -> None:
+    """Push mode's side-channel message from strangers: an agent that cannot be
+    loaded, a request not pinned here, a deadline already past, blocks that are not
+    the request's. Each is answered (nothing written, nothing freed), the refusals
+    name what was wrong, and the pinned request stays pinned for its real reader."""
+    import zmq
+
+    from kvsm.handoff.facts import SendFinish
+    from kvsm.handshake.codec import decode_reply, encode
+    from kvsm.handshake.messages import PROTOCOL_VERSION, ClaimsReply, ErrorReply, WriteAsk, WriteSpec
+
+    connector.register_kv_caches(kv_caches())
+    other = worker_connector("kv_consumer")  # a real decode agent to load (another engine)
+    other.register_kv_caches(kv_caches())
+    worker = connector.worker_half
+    assert worker is not None and other.worker_half is not None
+    metadata = other.worker_half.transport.metadata()  # type: ignore[union-attr]
+    worker.loop.call(lambda: worker.sender._on_pins([SendFinish(req="p-1", ok=True, block_ids=(1, 2),
+                                                                pinned_ns=worker.loop.now_ns())], "test"),
+                     timeout=5.0, label="pin")
+    ctx = zmq.Context()
+
+    def ask(**spec: Any) -> ClaimsReply | ErrorReply:
+        fields = {"req": "p-1", "dst_req": "d-1", "notif": b"n", "src_blocks": [1, 2], "dst_blocks": [3, 4],
+                  "deadline_wall_ns": time.time_ns() + 10 * 10**9, **spec}
+        agent = fields.pop("agent", metadata)
+        msg = WriteAsk(protocol=PROTOCOL_VERSION, requester="stranger", agent_metadata=agent,
+                       writes=[WriteSpec(**fields)])
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{connector.cfg.side_channel_port}")
+        try:
+            sock.send(encode(msg))
+            assert sock.poll(5000), "the side channel did not answer a write ask"
+            reply = decode_reply(sock.recv())
+        finally:
+            sock.close()
+        assert isinstance(reply, (ClaimsReply, ErrorReply))
+        return reply
+
+    try:
+        bad_agent = ask(agent=b"\x00not an agent")
+        assert isinstance(bad_agent, ErrorReply) and bad_agent.code == "refused", bad_agent
+        assert "agent cannot be loaded" in bad_agent.detail
+        unknown = ask(req="p-nobody")
+        assert isinstance(unknown, ClaimsReply) and unknown.claims == {"p-nobody": "unknown"}
+        late = ask(deadline_wall_ns=time.time_ns() - 10**9)
+        assert isinstance(late, ClaimsReply) and late.claims == {"p-1": "expired"}
+        stolen = ask(src_blocks=[1, 7])
+        assert isinstance(stolen, ErrorReply) and stolen.code == "refused", stolen
+        assert "[7]" in stolen.detail and "not the request's" in stolen.detail
+        assert worker.debug_state()["send"] == {"p-1": "awaiting_pull"}  # still pinned for its reader
+    finally:
+        ctx.term()
+        other.shutdown()

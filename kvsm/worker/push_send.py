@@ -83,6 +83,11 @@ class Writer:
             if req not in self.ctx.send:
                 answers[req] = self.ctx.send.verdict(req, CLAIM_ANSWERS)
                 continue
+            m = self.ctx.send.get(req)
+            pinned = set(m.block_ids) if m is not None else set()
+            if pinned and not set(spec.src_blocks) <= pinned:
+                raise WriteAskRefused(f"the write of request {req} names blocks "
+                                      f"{sorted(set(spec.src_blocks) - pinned)[:8]} that are not the request's")
             self.writes.setdefault(req, {})[ask.requester] = _Write(agent, spec, now + left)
             o = self._apply_send(ev.WriteAsked(req=req, reader=ask.requester, readers=spec.readers,
                                                num_blocks=len(spec.dst_blocks), deadline_wall_ns=spec.deadline_wall_ns))
