@@ -59,7 +59,9 @@ What each row measures:
   engine core, ``/proc/<pid>/stat`` utime + stime, 10 ms ticks) over a
   repetition's requests of one length, divided by its requests: the transfer,
   the decode leg's HTTP and one token's compute, and whatever the server burns
-  while it waits for the next request (an idle spin counts).
+  while it waits for the next request (an idle spin counts). **prefill CPU per
+  transfer**: the same for the prefill server (its prompt's compute included:
+  push moves the transfer's work to this side).
 * **prefill compute** (kvsm pull only, the context for the rate cap): the
   prefill scheduler's ``blocks_allocated`` to ``prefill_finished``.
 
@@ -272,9 +274,9 @@ def kvsm_times(events: Path) -> dict[str, dict[str, float]]:
         seen.setdefault(rid, int(r["t_mono_ns"]))
         if r.get("dst") == "done":
             done.setdefault(rid, int(r["t_mono_ns"]))
-        if r.get("event") == "reads_posted":
+        if r.get("event") in ("reads_posted", "writes_asked"):  # pull, push
             posted.setdefault(rid, int(r["t_mono_ns"]))
-        elif r.get("event") == "all_reads_done":
+        elif r.get("event") in ("all_reads_done", "writes_landed"):
             read.setdefault(rid, int(r["t_mono_ns"]))
     out: dict[str, dict[str, float]] = {}
     for rid in set(end) | set(finished) | set(done):
@@ -285,7 +287,7 @@ def kvsm_times(events: Path) -> dict[str, dict[str, float]]:
         if rid in done:
             got["decode_side_ms"] = (done[rid] - seen[rid]) / 1e6
         if rid in posted and rid in read:
-            got["read_ms"] = (read[rid] - posted[rid]) / 1e6
+            got["move_ms"] = (read[rid] - posted[rid]) / 1e6  # reads posted / writes asked -> all landed
         if rid in allocated and rid in finished:
             got["prefill_ms"] = (finished[rid] - allocated[rid]) / 1e6
         out[rid] = got
@@ -382,7 +384,8 @@ class PairRun:
     config: str
     topology: str
     results: list[Result] = field(default_factory=list)
-    cpu_ms: dict[int, list[float]] = field(default_factory=dict)  # length -> per repetition
+    cpu_ms: dict[int, list[float]] = field(default_factory=dict)  # length -> per repetition (decode server)
+    prefill_cpu_ms: dict[int, list[float]] = field(default_factory=dict)  # the same, prefill server
     times: dict[str, dict[str, float]] = field(default_factory=dict)  # rid -> tail_ms, prefill_ms
     error: str | None = None
     transports: list[str] = field(default_factory=list)
@@ -456,7 +459,7 @@ def run_pair(config: str, topology: str, hosts: Any, model: str, workdir: Path, 
                 warm = one(n, -1)
                 if warm.error is not None and progress:
                     print(f"  [{topology}, {config}] warm-up error: {warm.error}", file=sys.stderr, flush=True)
-            pids = server_pids(decode)
+            pids, p_pids = server_pids(decode), server_pids(prefill)
             deadline = time.monotonic() + budget_s
             batches = [(rep, n) for rep in range(repeat) for n in (lengths if rep % 2 == 0 else lengths[::-1])]
             for i, (rep, n) in enumerate(batches):
@@ -464,13 +467,14 @@ def run_pair(config: str, topology: str, hosts: Any, model: str, workdir: Path, 
                     run.cut = (f"stopped by the {budget_s:.0f} s budget after {i} of {len(batches)} batches "
                                f"({per_rep} requests each)")
                     break
-                c0 = cpu_seconds(pids)
+                c0, p0 = cpu_seconds(pids), cpu_seconds(p_pids)
                 batch = [one(n, rep) for _ in range(per_rep)]
-                c1 = cpu_seconds(pids)
+                c1, p1 = cpu_seconds(pids), cpu_seconds(p_pids)
                 run.results += batch
                 done = sum(r.error is None for r in batch)
                 if done:
                     run.cpu_ms.setdefault(n, []).append((c1 - c0) * 1e3 / done)
+                    run.prefill_cpu_ms.setdefault(n, []).append((p1 - p0) * 1e3 / done)
     except Exception as e:  # noqa: BLE001 - one setup that cannot run must not cost the others
         run.error = f"{type(e).__name__}: {e}"[:600]
         tail = (prefill.tail(1500) + "\n" + decode.tail(1500)).strip()
@@ -545,10 +549,12 @@ def bench_push(sizes: Sizes, repeat: int, tmp: Path, *, configs: Sequence[str] =
                      "request_finished -> the decode worker's next `done recving` after its start_load_kv, "
                      "wall clock, µs); decode side: from the decode worker's first sight of the request (kvsm: "
                      "first event-log record; upstream: start_load_kv) to the same end; prefill leg: the client's "
-                     "round trip of the prefill leg; CPU: decode server's utime+stime per request, 10 ms ticks")
+                     "round trip of the prefill leg; CPU: each server's utime+stime (all its processes) per "
+                     "request, 10 ms ticks")
     sec.extra = {
         "lengths": list(lengths), "per_repetition": per_rep, "repeat": repeat, "rate": rate,
         "runs": {f"{t}/{c}": {"error": r.error, "cut": r.cut, "cpu_ms": {str(k): v for k, v in r.cpu_ms.items()},
+                              "prefill_cpu_ms": {str(k): v for k, v in r.prefill_cpu_ms.items()},
                               "transports": r.transports,
                               "requests": [{**r.times.get(x.rid, {}), **dataclasses.asdict(x)} for x in r.results]}
                  for (t, c), r in runs.items()},
@@ -577,13 +583,18 @@ def _rows(sec: Section, runs: dict[tuple[str, str], PairRun], lengths: Sequence[
                 def vals(r: PairRun | None, what: str, n: int = n) -> list[float] | None:
                     if r is None:
                         return None
-                    return r.cpu_ms.get(n, []) if what == "cpu" else r.per_rep(n, what)
+                    if what == "cpu":
+                        return r.cpu_ms.get(n, [])
+                    if what == "prefill_cpu":
+                        return r.prefill_cpu_ms.get(n, [])
+                    return r.per_rep(n, what)
 
                 label = f"{topology}, {mode}, {n} tokens"
                 for what, measure, unit in (("tail_ms", "handover tail", "ms"),
                                             ("decode_side_ms", "handover, decode side", "ms"),
                                             ("prefill_leg_ms", "prefill leg", "ms"), ("ttft_ms", "decode TTFT", "ms"),
-                                            ("cpu", "decode CPU per transfer", "ms")):
+                                            ("cpu", "decode CPU per transfer", "ms"),
+                                            ("prefill_cpu", "prefill CPU per transfer", "ms")):
                     kv = vals(k, what) if k is not None else []
                     sec.rows.append(Row(f"{label}: {measure}", unit, kv or [], vals(u, what) if u else None,
                                         failed=bad))
