@@ -125,7 +125,7 @@ LEG_TIMEOUT_S = 90.0
 # Most seconds of measuring (after the warm-up) per pair: upstream's stalls here (a
 # handshake or a prefill answer waiting seconds, up to its 30 s lease) must not
 # cost the other setups their turn. Whole batches only; what was cut is noted.
-PAIR_BUDGET_S = 240.0
+PAIR_BUDGET_S = 180.0
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 NIXL_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
