@@ -17,6 +17,7 @@ the bound: a prefill worker that goes silent costs a request at most
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from kvsm.handshake.messages import (
@@ -34,7 +35,6 @@ from kvsm.lifecycle.machine import Outcome
 from kvsm.worker.context import Link, RecvIO, S, WorkerContext
 from kvsm.worker.peers import PeersAndClaims
 from kvsm.worker.push_notif import FAILED, LANDED, WriteNotif, landed_notif, parse_write_notif
-from kvsm.worker.recv_plan import ReadPlanner
 from kvsm.worker.runner import Effect
 
 # How a link's write may stand; the settled ones can no longer land anything.
@@ -44,11 +44,13 @@ SETTLED = frozenset({LANDED, FAILED, "refused", "gone"})
 class WriteAsker:
     """The decode side of push mode (the receiving part's writes)."""
 
-    def __init__(self, ctx: WorkerContext, planner: ReadPlanner, peers: PeersAndClaims) -> None:
+    def __init__(self, ctx: WorkerContext, peers: PeersAndClaims,
+                 sources_ready: Callable[[RecvIO], tuple[list[Link], list[str], list[tuple[str, ...] | None]] | None]
+                 ) -> None:
         self.ctx = ctx
         self.loop = ctx.loop
-        self.planner = planner
         self.peers = peers
+        self.sources_ready = sources_ready
         self._apply_recv = ctx.apply_recv
         ctx.on_write_notif = self.on_notif
         self.effects: dict[str, Effect] = {"ask_writes": self._ask_writes, "stop_writes": self._stop_writes}
@@ -59,21 +61,14 @@ class WriteAsker:
         assert io is not None
         start = io.start
         req = start.req
-        if not start.local_block_ids:
-            self._apply_recv(ev.NothingToRead(req=req))
+        ready = self.sources_ready(io)
+        if ready is None:
             return
+        reads, _, held = ready
         transport, client = self.ctx.transport, self.ctx.client
         assert transport is not None and client is not None
-        reads = io.reads
-        agents = [self.peers.agent_of(link.peer) for link in reads]
-        for link, agent in zip(reads, agents):
-            if not agent:
-                self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="no_agent"))
-                return
-        held = [transport.layers_read(agent) for agent in agents]
-        uncovered = self.planner.layers_uncovered(reads, held)
-        if uncovered or () in held:
-            self._apply_recv(ev.Error(req=req, kind="layers_uncovered", detail=uncovered or (
+        if () in held:
+            self._apply_recv(ev.Error(req=req, kind="layers_uncovered", detail=(
                 "push mode needs every prefill worker to hold some of our layers (pipeline stages that differ)")))
             return
         now, wall = self.loop.now_ns(), self.loop.clock.wall_ns()

@@ -60,7 +60,7 @@ class Receiver:
         self._polling = ctx.polling
         self._early_posts: list[str] = []  # requests whose reads go out right after this turn's claims
         self.reads = ReadsInFlight(ctx, peers)
-        self.asker = WriteAsker(ctx, planner, peers)  # push mode
+        self.asker = WriteAsker(ctx, peers, self.sources_ready)  # push mode
         self.effects: dict[str, Effect] = {
             "take_blocks": _nothing,
             "arm_handshake_timer": self._arm_handshake_timer,
@@ -324,22 +324,11 @@ class Receiver:
         assert io is not None
         start = io.start
         req = start.req
-        if not start.local_block_ids:
-            self._apply_recv(ev.NothingToRead(req=req))
+        ready = self.sources_ready(io)
+        if ready is None:
             return
+        reads, agents, held = ready
         assert self.ctx.transport is not None
-        reads = io.reads
-        agents = [self.peers.agent_of(link.peer) for link in reads]
-        for link, agent in zip(reads, agents):
-            if not agent:  # dropped meanwhile (found dead)
-                self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="no_agent"))
-                return
-        held = [self.ctx.transport.layers_read(agent) for agent in agents]
-        uncovered = self.planner.layers_uncovered(reads, held)
-        if uncovered:
-            self.stats.failure("layers_uncovered")
-            self._apply_recv(ev.Error(req=req, kind="layers_uncovered", detail=uncovered))
-            return
         io.posted_ns = self.loop.now_ns()
         segments = segments_of(start)
         for link, agent, layers in zip(reads, agents, held):
@@ -367,6 +356,30 @@ class Receiver:
         self._apply_recv(ev.ReadsPosted(req=req, num_blocks=len(dict.fromkeys(start.local_block_ids)),
                                         num_descs=sum(self.planner.descs_of(start, link, agent)
                                                       for link, agent in zip(reads, agents))))
+
+    def sources_ready(self, io: RecvIO) -> tuple[list[Link], list[str], list[tuple[str, ...] | None]] | None:
+        """The links a request moves its blocks through, their agents and the layers
+        each fills here; None once the machine heard why there is nothing to move
+        (a full local hit), or why it cannot be (an agent dropped meanwhile, a layer
+        no prefill worker holds). Reads and push mode's writes both start here."""
+        req = io.start.req
+        if not io.start.local_block_ids:
+            self._apply_recv(ev.NothingToRead(req=req))
+            return None
+        assert self.ctx.transport is not None
+        reads = io.reads
+        agents = [self.peers.agent_of(link.peer) for link in reads]
+        for link, agent in zip(reads, agents):
+            if not agent:  # dropped meanwhile (found dead)
+                self._apply_recv(ev.PeerDead(req=req, peer=link.peer.key, reason="no_agent"))
+                return None
+        held = [self.ctx.transport.layers_read(agent) for agent in agents]
+        uncovered = self.planner.layers_uncovered(reads, held)
+        if uncovered:
+            self.stats.failure("layers_uncovered")
+            self._apply_recv(ev.Error(req=req, kind="layers_uncovered", detail=uncovered))
+            return None
+        return reads, agents, held
 
     def _release_reads(self, io: RecvIO | None, o: Outcome) -> None:
         """The request ended: its reads have all settled; let their handles go."""
