@@ -262,8 +262,13 @@ def test_push_mode_the_prefill_engine_writes_every_prompt_token(pair: Pair) -> N
     records = [json.loads(line) for f in pair.logs.glob("decode-pd.worker.*.jsonl")
                for line in f.read_text().splitlines() if line.strip()]
     mine = [r for r in records if r.get("lifecycle") == "recv" and r.get("input", {}).get("remote_req") in remote]
-    for r in mine:
-        steps = _machine_steps(pair.logs, "decode-pd.worker.*.jsonl", "recv", r["req"])
+    assert len(mine) == 2
+    for r in mine:  # (the log's writer flushes every 50 ms: the last line may be on its way)
+        def ended(req: str = r["req"]) -> list[tuple[str, str]] | None:
+            steps = _machine_steps(pair.logs, "decode-pd.worker.*.jsonl", "recv", req)
+            return steps if steps[-1][1] == "done" else None
+
+        steps = wait_until(ended, 5, f"{r['req']} done in the decode log")
         assert [s for s in steps if s[0] in ("writes_asked", "writes_landed", "reads_posted")] == [
             ("writes_asked", "being_written"), ("writes_landed", "done")], steps
 
