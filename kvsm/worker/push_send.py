@@ -88,6 +88,9 @@ class Writer:
             if pinned and not set(spec.src_blocks) <= pinned:
                 raise WriteAskRefused(f"the write of request {req} names blocks "
                                       f"{sorted(set(spec.src_blocks) - pinned)[:8]} that are not the request's")
+            if ask.requester in self.writes.get(req, {}):  # asked again while its write is out: that one serves
+                answers[req] = ANSWER_OK
+                continue
             self.writes.setdefault(req, {})[ask.requester] = _Write(agent, spec, now + left)
             o = self._apply_send(ev.WriteAsked(req=req, reader=ask.requester, readers=spec.readers,
                                                num_blocks=len(spec.dst_blocks), deadline_wall_ns=spec.deadline_wall_ns))
