@@ -290,9 +290,10 @@ def test_each_pipeline_stage_registers_its_layers_behind_the_engines_one_port(
 
 def test_hostile_write_asks_are_refused_naming_what_was_wrong(connector: KVSMConnector) -> None:
     """Push mode's side-channel message from strangers: an agent that cannot be
-    loaded, a request not pinned here, a deadline already past, blocks that are not
-    the request's. Each is answered (nothing written, nothing freed), the refusals
-    name what was wrong, and the pinned request stays pinned for its real reader."""
+    loaded, a request not pinned here, blocks that are not the request's: each is
+    answered, nothing written, the refusals name what was wrong, and the pinned
+    request stays pinned for its real reader. A deadline already past writes
+    nothing either."""
     import zmq
 
     from kvsm.handoff.facts import SendFinish
@@ -334,12 +335,15 @@ def test_hostile_write_asks_are_refused_naming_what_was_wrong(connector: KVSMCon
         assert "agent cannot be loaded" in bad_agent.detail
         unknown = ask(req="p-nobody")
         assert isinstance(unknown, ClaimsReply) and unknown.claims == {"p-nobody": "unknown"}
-        late = ask(deadline_wall_ns=time.time_ns() - 10**9)
-        assert isinstance(late, ClaimsReply) and late.claims == {"p-1": "expired"}
         stolen = ask(src_blocks=[1, 7])
         assert isinstance(stolen, ErrorReply) and stolen.code == "refused", stolen
         assert "[7]" in stolen.detail and "not the request's" in stolen.detail
         assert worker.debug_state()["send"] == {"p-1": "awaiting_pull"}  # still pinned for its reader
+        # An ask past its deadline writes nothing; its asker is through, as by an abandon
+        # (the one reader here: the blocks go at once, not at the lease's end).
+        late = ask(deadline_wall_ns=time.time_ns() - 10**9)
+        assert isinstance(late, ClaimsReply) and late.claims == {"p-1": "expired"}
+        assert worker.debug_state()["send"] == {}
     finally:
         ctx.term()
         other.shutdown()

@@ -374,7 +374,8 @@ def test_silent_prefill_gives_the_blocks_back_at_the_deadline(peers: Peers, deco
         assert d.half.debug_state()["peers"][key]["agent"] is None, "the silent writer's agent was not dropped"
     # Resumed: the late ask writes nothing into the blocks vLLM has back.
     deadline = time.monotonic() + 3.0
-    while not [r for r in _records(peers.log["T"], victim.remote_req) if r.get("event") == "worker.write_ask_late"]:
+    while not [r for r in _records(peers.log["T"], victim.remote_req) if r.get("event") == "remote_abandoned"
+               and "past its deadline" in str((r.get("input") or {}).get("reason"))]:
         assert time.monotonic() < deadline, "the resumed prefill worker never took the late ask"
         peers.stop.call("flush")
         time.sleep(0.02)
@@ -534,10 +535,9 @@ def test_decode_killed_with_its_write_asked_frees_the_prefill_at_once(peers: Pee
 def test_decode_killed_before_its_first_write_frees_the_prefill_at_once(peers: Peers, log_dir: Path) -> None:
     """As test_decode_killed_with_its_write_asked_frees_the_prefill_at_once, but the
     ask is the first G hears from that decode worker (no push served first): G cannot
-    load the agent of a process that is gone and refuses the whole ask
-    (push_send.Writer.on_ask: WriteAskRefused), leaving the request pinned
-    (awaiting_pull) until its 30 s lease ends, though nothing will ever be written
-    or read from those blocks. They must go at once."""
+    reach the agent of a process that is gone, so nothing can be written; the asker
+    counts through (as by an abandon) and the pin goes at once, not at its 30 s
+    lease's end."""
     took, path, _ = _decode_dies_with_its_write_asked(peers, log_dir, "push-gone-cold", warm=False)
     assert took is not None and took < 1.0, (
         f"G kept the pin of a write it refused (the decode worker's agent could not be loaded) until its "
@@ -548,11 +548,9 @@ def test_a_late_write_ask_frees_the_prefill_at_once(peers: Peers, decode) -> Non
     """Prefill worker T's process stalls 0.7 s (SIGSTOP, SIGCONT) as the write ask
     goes out: T takes it past the deadline it carries (transfer_timeout 1 s less the
     0.5 s margin) and rightly writes nothing, answering "expired"; the decode request
-    fails at that answer. Nothing will ever be written or read from T's blocks, yet
-    they stay pinned until the lease ends (30 s): the late ask leaves the send
-    machine in awaiting_pull, and a push that fails sends no abandon (in
-    lifecycle/recv.py no push-mode failure or abort runs notify_abandon, where a
-    read's failure does). They must go at once."""
+    fails at that answer, and T's blocks go at once (the late asker counts through,
+    and the failed push tells every prefill worker not through), not at the lease's
+    end."""
     d = decode("push-late", handshake_timeout_s=2.0, transfer_timeout_s=1.0, peer_backoff_s=1.0)
     rng = random.Random(7)
     start = _pushed(peers, d, "T", "late", rng, 2)

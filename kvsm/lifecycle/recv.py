@@ -107,12 +107,14 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "abort", "source": "stopping_writes", "dest": "aborting_writes"},
     *_each(_FAILURES, source=["stopping_writes", "aborting_writes"], dest="="),
     # Every write settled without all landing, or the deadline passed: it failed.
+    # Every prefill worker not through yet (its ask refused or late, its write never
+    # posted) is told, so it unpins now rather than at its lease's end.
     {"trigger": "writes_stopped", "source": "being_written", "dest": "failed", "prepare": "note_failure",
-     "after": ["report_invalid", "cancel_timers"]},
+     "after": ["notify_abandon", "report_invalid", "cancel_timers"]},
     *_each(["writes_stopped", "writes_landed"], source="stopping_writes", dest="failed",
-           after=["report_invalid", "cancel_timers"]),
+           after=["notify_abandon", "report_invalid", "cancel_timers"]),
     *_each(["writes_stopped", "writes_landed"], source="aborting_writes", dest="aborted",
-           after=["release_blocks", "cancel_timers"]),
+           after=["notify_abandon", "release_blocks", "cancel_timers"]),
     # Before any read is posted a failure ends the request at once.
     *_each(_FAILURES, source=["new", "awaiting_blocks", "pending_handshake", "remote_known"],
            dest="failed", prepare="note_failure", after=["notify_abandon", "report_invalid", "cancel_timers"]),

@@ -159,6 +159,7 @@ class WriteAsker:
             return
         req = notif.req
         link.write = notif.how
+        link.done = True  # (its write is over, landed or not: the prefill worker counted us through)
         if notif.how == LANDED:
             if all(x.write == LANDED for x in io.reads):
                 io.done_ns = self.loop.now_ns()

@@ -65,21 +65,17 @@ class Writer:
         transport = self.ctx.transport
         if transport is None:
             raise WriteAskRefused("this worker has no transport yet")
+        unreachable = ""
         try:
             agent = transport.add_peer(ask.agent_metadata)
-        except (ValueError, ConnectionError) as e:
+        except ValueError as e:  # not an agent, or an incompatible one: nothing changes here
             raise WriteAskRefused(f"the decode worker's agent cannot be loaded: {e}") from e
+        except ConnectionError as e:  # NIXL cannot reach it (its process gone, say): nothing can be written
+            agent, unreachable = "", f"its agent cannot be reached: {e}"
         wall, now = self.loop.clock.wall_ns(), self.loop.now_ns()
         answers: dict[str, str] = {}
         for spec in ask.writes:
             req = spec.req
-            # The decode side frees its blocks at its deadline: a write must be over a
-            # margin before it (our clock may run behind), so a late ask writes nothing.
-            left = spec.deadline_wall_ns - LEASE_MARGIN_NS - wall
-            if left <= 0:
-                answers[req] = "expired"
-                self.ctx.note("worker.write_ask_late", req, reader=ask.requester, late_ns=-left)
-                continue
             if req not in self.ctx.send:
                 answers[req] = self.ctx.send.verdict(req, CLAIM_ANSWERS)
                 continue
@@ -88,6 +84,16 @@ class Writer:
             if pinned and not set(spec.src_blocks) <= pinned:
                 raise WriteAskRefused(f"the write of request {req} names blocks "
                                       f"{sorted(set(spec.src_blocks) - pinned)[:8]} that are not the request's")
+            # The decode side frees its blocks at its deadline: a write must be over a
+            # margin before it (our clock may run behind), so a late ask writes nothing.
+            left = spec.deadline_wall_ns - LEASE_MARGIN_NS - wall
+            if left <= 0 or unreachable:
+                # That decode rank will never be written to: it is through (as by an abandon).
+                why = unreachable or f"its write ask came {-left / 1e9:.3f} s past its deadline"
+                self._apply_send(ev.RemoteAbandoned(req=req, reason=f"write ask of {ask.requester}: {why}"[:300],
+                                                    reader=ask.requester, readers=spec.readers))
+                answers[req] = "expired"
+                continue
             if ask.requester in self.writes.get(req, {}):  # asked again while its write is out: that one serves
                 answers[req] = ANSWER_OK
                 continue
