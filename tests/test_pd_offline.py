@@ -255,7 +255,9 @@ def test_push_mode_the_prefill_engine_writes_every_prompt_token(pair: Pair) -> N
     for q in remote:
         wait_until(lambda q=q: q not in pair.prefill.request({"op": "state"})["worker"]["send"], 5,
                    f"the prefill side to free {q} once written")
-        steps = _machine_steps(pair.logs, "prefill-pd.worker.*.jsonl", "send", q)
+        # (its log's writer flushes every 50 ms: the release's line may be on its way)
+        steps = wait_until(lambda q=q: (lambda st: st if st and st[-1][1] == "released" else None)(
+            _machine_steps(pair.logs, "prefill-pd.worker.*.jsonl", "send", q)), 5, f"{q} released in the log")
         assert [e for e, _ in steps if e in ("write_asked", "write_done", "read_notif")] == [
             "write_asked", "write_done"], steps
         assert steps[-1] == ("write_done", "released"), steps
