@@ -35,9 +35,12 @@ fault_profiles = st.builds(
 )
 
 
+@pytest.mark.parametrize("push", [0.0, 1.0], ids=["read", "pushed"])
 @pytest.mark.parametrize("sizes", SIZES, ids=[f"p{p}-d{d}" for p, d in SIZES])
-def test_every_prompt_arrives_token_for_token_in_segments(sizes: tuple[int, int]) -> None:
-    result = run_simulation(SimConfig(seed=11, num_requests=40, block_tokens=sizes))
+def test_every_prompt_arrives_token_for_token_in_segments(sizes: tuple[int, int], push: float) -> None:
+    """Read by the decode worker, or written by the prefill worker (push mode: the
+    same segments from the other side)."""
+    result = run_simulation(SimConfig(seed=11, num_requests=40, block_tokens=sizes, push=push))
     assert result.violations == []
     assert result.illegal_events == []
     assert result.count("recv") == {"done": 40}
@@ -45,11 +48,14 @@ def test_every_prompt_arrives_token_for_token_in_segments(sizes: tuple[int, int]
 
 
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1), faults=fault_profiles, n=st.integers(1, 40), sizes=st.sampled_from(SIZES))
+@given(seed=st.integers(0, 2**32 - 1), faults=fault_profiles, n=st.integers(1, 40), sizes=st.sampled_from(SIZES),
+       push=st.sampled_from([0.0, 0.5]))
 def test_any_faults_across_block_sizes_end_terminal_clean_and_replay_exactly(
-        tmp_path_factory: pytest.TempPathFactory, seed: int, faults: Faults, n: int, sizes: tuple[int, int]) -> None:
+        tmp_path_factory: pytest.TempPathFactory, seed: int, faults: Faults, n: int, sizes: tuple[int, int],
+        push: float) -> None:
     log_dir = tmp_path_factory.mktemp("sim-seg")
-    result = run_simulation(SimConfig(seed=seed, num_requests=n, faults=faults, log_dir=log_dir, block_tokens=sizes))
+    result = run_simulation(SimConfig(seed=seed, num_requests=n, faults=faults, log_dir=log_dir, block_tokens=sizes,
+                                      push=push))
     assert result.violations == []
     assert result.illegal_events == []
     for (_engine, lifecycle, _req), state in result.final_states.items():
@@ -60,9 +66,10 @@ def test_any_faults_across_block_sizes_end_terminal_clean_and_replay_exactly(
     assert {(m.engine_id, m.lifecycle, m.req): m.final_state for m in report.machines} == result.final_states
 
 
-def test_a_flipped_byte_in_a_segment_is_caught() -> None:
+@pytest.mark.parametrize("push", [0.0, 1.0], ids=["read", "pushed"])
+def test_a_flipped_byte_in_a_segment_is_caught(push: float) -> None:
     result = run_simulation(SimConfig(seed=5, num_requests=30, faults=Faults(transfer_corrupt=0.3),
-                                      block_tokens=(16, 32)))
+                                      block_tokens=(16, 32), push=push))
     kinds = {v.kind for v in result.violations}
     assert kinds == {"corrupt_delivery"}, kinds
 
