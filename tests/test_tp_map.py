@@ -113,6 +113,29 @@ def test_decode_ranks_hold_the_prefill_heads_and_every_prefill_rank_frees_once(
     assert not report.findings, [str(f) for f in report.findings]
 
 
+@pytest.mark.parametrize("p, d, k, mla", [(1, 2, 2, False), (2, 1, 2, False), (4, 2, 8, False), (1, 2, 1, True)])
+def test_push_mode_writes_each_decode_rank_its_heads_and_every_prefill_rank_frees_once(
+        tmp_path: Path, p: int, d: int, k: int, mla: bool) -> None:
+    """Push mode across tensor parallel sizes: each prefill rank writes the heads
+    each decode rank holds (the read plan's runs, from the other side), and frees
+    its blocks once every decode rank it serves is through."""
+    with TPPair(p, d, kv_heads=k, replicated=mla, log_dir=tmp_path) as pair:
+        for i in range(3):
+            pair.finish(f"p{i}", (3 * i + 1, 3 * i + 2))
+            pair.start(f"d{i}", f"p{i}", push=True)
+        pair.run(until=lambda: all(len(rec) == 3 for rec in pair.recving))
+        for r in range(d):
+            assert not pair.failed[r]
+            assert all(pair.holds(f"d{i}", r) for i in range(3)), f"decode rank {r} holds wrong bytes"
+        pair.run(until=lambda: all(len(s) == 3 for s in pair.sent))
+        assert all(res["recv_machines"] == res["send_machines"] == 0 for res in pair.resources())
+        landed = [rec for r in range(d) for rec in pair.records(DECODE, r)
+                  if rec.get("kind") == "transition" and rec.get("event") == "writes_landed"]
+        assert len(landed) == 3 * d
+    report = analyse(pair.log_paths)
+    assert not report.findings, [str(f) for f in report.findings]
+
+
 def test_one_prefill_rank_waits_for_both_decode_readers(tmp_path: Path) -> None:
     """1 -> 2: the prefill rank frees its blocks only after the second decode rank's
     read, however late it comes (before it, the blocks stay pinned)."""

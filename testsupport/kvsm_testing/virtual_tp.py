@@ -164,8 +164,9 @@ class TPPair(VirtualTime):
                              send_finish=[SendFinish(req=req, ok=True, block_ids=blocks, pinned_ns=now)])
         self._settle()
 
-    def start(self, req: str, remote_req: str, ranks: Iterable[int] | None = None) -> None:
-        """vLLM allocated blocks for ``req`` on every decode rank (or ``ranks``)."""
+    def start(self, req: str, remote_req: str, ranks: Iterable[int] | None = None, push: bool = False) -> None:
+        """vLLM allocated blocks for ``req`` on every decode rank (or ``ranks``);
+        ``push``: the prefill ranks write them (transfer_mode push)."""
         remote = self.remote_of[remote_req]
         self.reads_of[req] = remote_req
         local = self.local_of.setdefault(req, self._blocks(len(remote)))
@@ -173,7 +174,7 @@ class TPPair(VirtualTime):
             self._submit(self.decode[r], f"d{r}", recv_start=[RecvStart(
                 req=req, remote_engine=PREFILL, remote_req=remote_req, remote_host=f"inproc:{PREFILL}",
                 remote_port=PORT, remote_tp_size=self.prefill_tp, remote_block_ids=remote, local_block_ids=local,
-                num_tokens=len(remote) * BLOCK_TOKENS, awaited=True)])
+                num_tokens=len(remote) * BLOCK_TOKENS, awaited=True, push=push)])
         self._settle()
 
     def abort(self, req: str, ranks: Iterable[int]) -> None:
