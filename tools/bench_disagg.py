@@ -17,7 +17,6 @@ What ``--disagg-threshold``'s default is chosen from (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import http.client
 import json
 import random
 import statistics
@@ -25,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchlib import Row, Section, Sizes
+from benchlib import Row, Section, Sizes, stream_ttft_ms
 
 LENGTHS = (16, 32, 64, 128, 256, 400)
 PATHS = ("pd", "local")
@@ -36,25 +35,9 @@ ALWAYS_LOCAL = 1_000_000
 
 def _ttft_ms(url: str, model: str, prompt: list[int], timeout_s: float = 120.0) -> float:
     """Send one streamed request; ms until its first event with a token."""
-    host, port = url.removeprefix("http://").split(":")
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: {resp.status} {resp.read()[:300]!r}")
-        first: float | None = None
-        while line := resp.readline():
-            if first is None and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
-                first = (time.perf_counter() - t0) * 1e3
-        if first is None:
-            raise RuntimeError(f"{url}: a stream without a token")
-        return first
-    finally:
-        conn.close()
+    return stream_ttft_ms(url, body, timeout_s)
 
 
 def _tokenize_ms(url: str, model: str, text: str) -> float:

@@ -110,7 +110,7 @@ if __name__ == "__main__":  # run as a script: the checkout's venv, the checkout
     sys.path.insert(0, str(ROOT / "tools"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from benchlib import Row, Section, Sizes  # noqa: E402
+from benchlib import Row, Section, Sizes, stream_ttft_ms  # noqa: E402
 
 CONFIGS = ("kvsm pull", "kvsm push", "upstream pull", "upstream push")
 CONNECTORS = {"kvsm pull": "KVSMConnector", "kvsm push": "KVSMConnector", "upstream pull": "NixlConnector",
@@ -175,24 +175,7 @@ def _post_json(url: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
 
 
 def _stream_ttft_ms(url: str, body: dict[str, Any], rid: str) -> float:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=LEG_TIMEOUT_S)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json", "X-Request-Id": rid})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status} {resp.read()[:300]!r}")
-        first: float | None = None
-        while line := resp.readline():
-            if first is None and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
-                first = (time.perf_counter() - t0) * 1e3
-        if first is None:
-            raise RuntimeError(f"{url}: a stream without a token")
-        return first
-    finally:
-        conn.close()
+    return stream_ttft_ms(url, body, LEG_TIMEOUT_S, {"X-Request-Id": rid})
 
 
 def pd_request(prefill: str, decode: str, model: str, prompt: list[int], res: Result) -> Result:

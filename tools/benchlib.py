@@ -244,3 +244,30 @@ class Sizes:
 def _rotated(items: Sequence[Any], k: int) -> list[Any]:
     k %= len(items)
     return list(items[k:]) + list(items[:k])
+
+
+def stream_ttft_ms(url: str, body: dict[str, Any], timeout_s: float, headers: dict[str, str] | None = None) -> float:
+    """POST a streamed completion to ``url``; ms until its first event with a token
+    (the stream is read to its end)."""
+    import http.client
+    import json
+    import time
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status} {resp.read()[:300]!r}")
+        first: float | None = None
+        while line := resp.readline():
+            if first is None and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                first = (time.perf_counter() - t0) * 1e3
+        if first is None:
+            raise RuntimeError(f"{url}: a stream without a token")
+        return first
+    finally:
+        conn.close()
