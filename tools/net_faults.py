@@ -22,7 +22,8 @@ from kvsm_testing.net_faults import SCENARIOS, ScenarioResult, run_scenario
 from kvsm_testing.netns import TwoHosts
 from kvsm_testing.two_host_pair import TwoHostPair
 
-KVSM_CONFIG = {"handshake_timeout": 5, "stall_timeout": 2, "peer_backoff": 1, "peer_backoff_max": 4}
+KVSM_CONFIG = {"handshake_timeout": 5, "stall_timeout": 2, "peer_backoff": 2, "peer_backoff_max": 4}
+# (Back-off as tests/test_two_hosts.py, which says why 2 s.)
 # The handshake scenario needs a peer no request has reached yet: it goes first.
 ORDER = ["partition_during_handshake", "partition_during_reads", "partition_after_reads", "drop_decode_to_prefill",
          "drop_prefill_to_decode", "link_flapping", "bandwidth_cap"]
