@@ -39,7 +39,7 @@ from kvsm_testing.reliability import wait_until
 from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs
 from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.background]
 
 KIND = "qwen3_next"
 MAX_TOKENS = 10

@@ -72,7 +72,7 @@ from kvsm_testing.reliability import wait_until
 from kvsm_testing.tiny_families import FAMILIES
 from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.background]
 
 MAX_TOKENS = 10
 # vllm.LLM arguments per kind (both engines and any reference engine alike): the recipe's
@@ -187,7 +187,16 @@ class KindPair:
         self.decode.close()
 
 
-@pytest.fixture(scope="module", params=sorted(LLM_KWARGS))
+# Kinds whose code paths the other kinds here (and other modules) already drive in
+# CI: one full-attention group in float32 (the Llama of test_pd_offline.py, the
+# families), bfloat16 dense (qwen3: test_e2e_servers_kinds.py's pair), MLA in
+# float32 (deepseek_v2: test_pd_tp.py, test_e2e_servers_kinds.py; the bfloat16
+# MLA pair stays here). Run with -m extended.
+EXTENDED = {"qwen2", "phi3", "gpt2", "opt", "qwen3", "deepseek_v2"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(kind, marks=pytest.mark.extended) if kind in EXTENDED else kind
+                                        for kind in sorted(LLM_KWARGS)])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindPair]:
     p = KindPair(request.param, tmp_path_factory.mktemp(f"pd-{request.param}"))
     try:

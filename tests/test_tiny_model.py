@@ -114,6 +114,7 @@ def test_build_is_cached_deterministic_and_race_safe(model_dir: Path, tmp_path: 
 
 
 @pytest.mark.slow  # two vLLM engines in processes of their own
+@pytest.mark.background
 def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
     model_dir: Path, prompts: tuple[list, list[int]], tmp_path: Path
 ) -> None:
@@ -490,6 +491,7 @@ def _run_probe(kind: str, path: Path, workdir: Path) -> dict:
 
 
 @pytest.mark.slow  # one vLLM engine in a process of its own, per kind
+@pytest.mark.background
 @pytest.mark.parametrize("kind", NEW_KINDS)
 def test_kind_outputs_are_distinct_and_depend_on_kv(
     kind: str, kind_dirs: dict[str, Path], tmp_path: Path
