@@ -12,8 +12,11 @@ quiesced and the request failed and recomputed); after the heal the peer is
 used again (the requests' KV comes by transfer); nothing is left pinned on the
 prefill side (the leases free what the decode side could not release) or
 held on the decode side; the event logs replay clean and name each failure's
-cause. Upstream ``NixlConnector`` runs the same scenarios on its own pair in
-``python tools/net_faults.py`` (the comparison is a benchmark, not a CI test).
+cause. Push mode (the prefill worker writes into the decode engine's blocks)
+meets a partition mid-write too: the decode engine's blocks come back at the
+writes' deadline, the prefill's pin then too, and pushes land after the heal.
+Upstream ``NixlConnector`` runs the same scenarios on its own pair in ``python
+tools/net_faults.py`` (the comparison is a benchmark, not a CI test).
 
 Where network namespaces cannot be created the module is skipped with the
 reason (failed instead when ``KVSM_REQUIRE_ALL``/``CI`` is set: CI runs it).
@@ -21,7 +24,10 @@ reason (failed instead when ``KVSM_REQUIRE_ALL``/``CI`` is set: CI runs it).
 
 from __future__ import annotations
 
+import random
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,8 +56,13 @@ LEASE_S = 10.0
 # about 1 s after the first handshake timeout (the recompute, then 0.5 s), which a
 # 1 s back-off made a race on a slower machine (the peer probed again instead of
 # failing fast).
+# transfer_timeout 6 s: a push whose writes a partition cut off is given back at
+# its deadline (that plus 0.5 s) rather than after the default 30 s; the reads
+# here take 3 s at most (2 s of 400 tokens at 2 Mbit/s), and a stalled read is
+# caught by the 2 s liveness probe well before.
+TRANSFER_TIMEOUT_S = 6.0
 KVSM_CONFIG = {"kv_lease_duration": LEASE_S, "handshake_timeout": 5, "stall_timeout": 2,
-               "peer_backoff": 2, "peer_backoff_max": 4}
+               "peer_backoff": 2, "peer_backoff_max": 4, "transfer_timeout": TRANSFER_TIMEOUT_S}
 
 
 class Bed:
@@ -223,6 +234,111 @@ def test_a_flapping_link(kvsm_bed: Bed) -> None:
     result = run_scenario("link_flapping", kvsm_bed.hosts, kvsm_bed.pair, "KVSMConnector", seed=6)
     _check_common(kvsm_bed, result)
     assert len(result.of("fault")) >= 4, result.line()
+
+
+class _Push:
+    """Requests in push mode straight to the two servers: the prefill leg with
+    ``transfer_mode: push`` (the key a router sets on it; kvsm's router sends
+    pull), the decode leg with the params it answered."""
+
+    def __init__(self, bed: Bed, seed: int) -> None:
+        self.bed = bed
+        self.rng = random.Random(seed)
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, 1100) for _ in range(n)]
+
+    def body(self, prompt: list[int], max_tokens: int, kv: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"model": self.bed.pair.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, **({"kv_transfer_params": kv} if kv is not None else {})}
+
+    def reference(self, prompt: list[int]) -> str:
+        return str(self.bed.pair.prefill.post("/v1/completions", self.body(prompt, 8))["choices"][0]["text"])
+
+    def prefill_leg(self, prompt: list[int], rid: str) -> dict[str, Any]:
+        out = self.bed.pair.prefill.post("/v1/completions",
+                                         self.body(prompt, 1, {"do_remote_decode": True, "transfer_mode": "push"}),
+                                         headers={"X-Request-Id": f"{rid}-p"})
+        kv: dict[str, Any] = out["kv_transfer_params"]
+        assert kv["transfer_mode"] == "push", kv
+        kv.pop("remote_prefill_cached_tokens", None)
+        return kv
+
+    def decode_leg(self, prompt: list[int], kv: dict[str, Any], rid: str) -> str:
+        out = self.bed.pair.decode.post("/v1/completions", self.body(prompt, 8, kv), timeout=60,
+                                        headers={"X-Request-Id": rid})
+        return str(out["choices"][0]["text"])
+
+    def send_of(self, rid: str) -> list[dict[str, Any]]:
+        """The prefill worker's send-machine records of the prefill leg sent as ``rid``."""
+        return [r for r in self.bed.records("prefill.worker")
+                if r.get("lifecycle") == "send" and f"{rid}-p" in (r.get("req") or "")]
+
+    def landed(self, rid: str) -> None:
+        """``rid``'s KV was written by the prefill worker: its machine ends done by writes_landed."""
+        recs = wait_until(lambda: (r := self.bed.recv_of(rid)) and _final(r) in ("done", "failed") and r,
+                          10, f"the decode log's machine of {rid}")
+        events = [r.get("event") for r in recs if r.get("kind") == "transition"]
+        assert _final(recs) == "done" and "writes_landed" in events and "reads_posted" not in events, events
+
+
+def test_a_partition_while_the_prefill_writes(kvsm_bed: Bed) -> None:
+    """Push mode across the KV link, capped so that a 400-token prompt's write
+    takes about 1.6 s, partitioned once the prefill worker is writing. The
+    decode engine gets its blocks back at the writes' deadline (transfer
+    timeout + 0.5 s after the ask), not before, having dropped the writer's
+    agent, and recomputes the request right; the prefill worker frees its pin
+    at that deadline too (its write cancelled in flight), not at its lease's
+    end; after the heal a push lands again."""
+    bed, hosts = kvsm_bed, kvsm_bed.hosts
+    push = _Push(bed, seed=33)
+    hosts.rate_limit("2mbit")
+    try:
+        warm = push.prompt(128)
+        rid = f"push-before-{uuid.uuid4().hex[:8]}"
+        assert push.decode_leg(warm, push.prefill_leg(warm, rid), rid) == push.reference(warm)
+        push.landed(rid)
+
+        victim = push.prompt(400)
+        vrid = f"push-victim-{uuid.uuid4().hex[:8]}"
+        reference = push.reference(victim)
+        kv = push.prefill_leg(victim, vrid)
+        answer: dict[str, str] = {}
+        thread = threading.Thread(target=lambda: answer.update(text=push.decode_leg(victim, kv, vrid)), daemon=True)
+        thread.start()
+        wait_until(lambda: any(r.get("dst") == "writing" for r in push.send_of(vrid)), 10,
+                   f"the prefill worker writing {vrid}")
+        hosts.partition()
+        thread.join(TRANSFER_TIMEOUT_S + 30)
+        assert answer.get("text") == reference, "the victim was not answered right (recomputed)"
+    finally:
+        hosts.heal()
+
+    recs = bed.recv_of(vrid)
+    moves = [(r.get("event"), r.get("dst")) for r in recs if r.get("kind") == "transition"]
+    assert _final(recs) == "failed" and ("writes_stopped", "failed") in moves, moves
+    asked = next(r for r in recs if r.get("event") == "writes_asked")
+    stopped = next(r for r in recs if r.get("event") == "writes_stopped")
+    held_s = (stopped["t_mono_ns"] - asked["t_mono_ns"]) / 1e9
+    # Not before the deadline (a write may land until then), and promptly at it.
+    assert TRANSFER_TIMEOUT_S + 0.5 - 0.05 <= held_s <= TRANSFER_TIMEOUT_S + 2.0, held_s
+    sent = push.send_of(vrid)
+    ended = [r for r in sent if r.get("kind") == "transition" and r.get("dst") == "released"]
+    assert ended and ended[-1]["event"] == "write_done", [(r.get("event"), r.get("dst")) for r in sent]
+    write_asked = next(r for r in sent if r.get("event") == "write_asked")
+    freed_s = (ended[-1]["t_wall_ns"] - write_asked["t_wall_ns"]) / 1e9
+    assert freed_s <= TRANSFER_TIMEOUT_S + 2.0 < LEASE_S, freed_s
+
+    # After the heal (and the dead peer's back-off), a push lands again.
+    def again() -> str | None:
+        prompt = push.prompt(128)
+        rid = f"push-heal-{uuid.uuid4().hex[:8]}"
+        if push.decode_leg(prompt, push.prefill_leg(prompt, rid), rid) != push.reference(prompt):
+            raise AssertionError(f"{rid} answered wrong")
+        recs = wait_until(lambda: (r := bed.recv_of(rid)) and _final(r) in ("done", "failed") and r, 10, rid)
+        return rid if _final(recs) == "done" else None
+
+    push.landed(wait_until(again, 20, "a push landing after the heal", interval=1.0))
 
 
 def test_nothing_is_left_held_and_the_logs_replay_clean(kvsm_bed: Bed) -> None:
