@@ -39,7 +39,9 @@ from kvsm_testing.reliability import wait_until
 from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs
 from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+# Extended: the GDN state's transfer runs in CI on the offline pair (test_pd_models.py,
+# qwen3_next); this is the same on API servers (-m extended).
+pytestmark = [pytest.mark.slow, pytest.mark.background, pytest.mark.extended]
 
 KIND = "qwen3_next"
 MAX_TOKENS = 10

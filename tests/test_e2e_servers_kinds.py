@@ -142,9 +142,11 @@ class KindPair:
 
 # Gemma 2's two groups (sliding window + full) on servers: Gemma 3's four groups
 # cover the same path here (Gemma 2 runs offline in test_pd_models.py and
-# test_pd_tp.py, on servers in test_reliability_servers.py); -m extended runs it.
-@pytest.fixture(scope="module", params=[pytest.param("gemma2", marks=pytest.mark.extended), "deepseek_v2", "qwen3",
-                                        "gemma3"])
+# test_pd_tp.py, on servers in test_reliability_servers.py). DeepSeek-V2's MLA
+# latent runs in CI offline (test_pd_models.py in bfloat16, test_pd_tp.py across
+# TP sizes). -m extended runs both.
+@pytest.fixture(scope="module", params=[pytest.param("gemma2", marks=pytest.mark.extended),
+                                        pytest.param("deepseek_v2", marks=pytest.mark.extended), "qwen3", "gemma3"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindPair]:
     p = KindPair(request.param, tmp_path_factory.mktemp(f"e2e-{request.param}"))
     try:
