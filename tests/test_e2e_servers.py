@@ -37,7 +37,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.background
 @pytest.mark.timeout(960)  # the demo's own limit (900 s) first, with its output
 def test_the_demo_runs_green(tmp_path: Path) -> None:
     """README's main job, shortened: every output equal, every request's KV transferred,

@@ -41,7 +41,7 @@ from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
 # Extended: the GDN state's transfer runs in CI on the offline pair (test_pd_models.py,
 # qwen3_next); this is the same on API servers (-m extended).
-pytestmark = [pytest.mark.slow, pytest.mark.background, pytest.mark.extended]
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 KIND = "qwen3_next"
 MAX_TOKENS = 10

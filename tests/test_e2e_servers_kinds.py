@@ -44,7 +44,7 @@ from kvsm_testing.reliability import replay_when_settled
 from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs
 from kvsm_testing.tiny_model import build_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -47,7 +47,7 @@ from kvsm_testing import build_tiny_model
 from kvsm_testing.reliability import read_records, replay_when_settled, wait_until
 from kvsm_testing.servers import RouterProcess, ServerSpec, VLLMServer, free_ports, stop_pair
 
-pytestmark = [pytest.mark.slow, pytest.mark.background, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 12
 PROMPT_LEN = 300  # two full blocks of 128 and a partial one

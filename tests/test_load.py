@@ -45,7 +45,7 @@ from kvsm.vllm.metadata import HeartbeatTarget, RecvStart, SendFinish
 from kvsm_testing.load import ROUND, GatedAgent, Workers, idle_resources, kvsm_objects, run_round
 from kvsm_testing.load import remote_params as _remote
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 
 # ============================================================================ (a) worker loops
 

@@ -39,7 +39,7 @@ from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
 from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 10
 RNG = random.Random(77)

@@ -72,7 +72,7 @@ from kvsm_testing.reliability import wait_until
 from kvsm_testing.tiny_families import FAMILIES
 from kvsm_testing.tiny_model import build_tiny_model, vllm_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 10
 # vllm.LLM arguments per kind (both engines and any reference engine alike): the recipe's

@@ -116,7 +116,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         p.close()
 
 
-@pytest.mark.background
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPairOffline, direction: str) -> None:
     pair.references(direction)
@@ -159,7 +158,6 @@ def test_outputs_equal_a_single_engine_and_every_rank_read_its_heads(pair: TPPai
             assert "p0[all]->[0..0/2]" in plan and "p1[all]->[1..1/2]" in plan, plan
 
 
-@pytest.mark.background
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_a_corrupted_transfer_changes_the_output(pair: TPPairOffline, direction: str) -> None:
     pair.references(direction)
@@ -171,7 +169,6 @@ def test_a_corrupted_transfer_changes_the_output(pair: TPPairOffline, direction:
     assert out["token_ids"] != pair.reference[tuple(sensitive)], "a corrupted transfer went unnoticed"
 
 
-@pytest.mark.background
 def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPPairOffline) -> None:
     pair.close()
     logs = sorted(pair.logs.glob("*.jsonl"))

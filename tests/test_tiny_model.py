@@ -114,7 +114,6 @@ def test_build_is_cached_deterministic_and_race_safe(model_dir: Path, tmp_path: 
 
 
 @pytest.mark.slow  # two vLLM engines in processes of their own
-@pytest.mark.background
 def test_engine_outputs_are_deterministic_distinct_and_depend_on_kv(
     model_dir: Path, prompts: tuple[list, list[int]], tmp_path: Path
 ) -> None:

@@ -181,60 +181,16 @@ run_tests() {
     run_pytest -m "not slow" || rc=$?
     # The benchmark smokes (-m bench) compare kvsm with upstream NixlConnector: a
     # benchmark's business, run on demand (bash tools/dev.sh test -m bench), not here.
-    say "fast tests: exit $rc after $((SECONDS - t0)) s; slow tests"
-    local rc_slow=0 rc_bg=0 cg=""
+    say "fast tests: exit $rc after $((SECONDS - t0)) s; slow tests (-m 'slow and not extended and not bench')"
+    local rc_slow=0
     t0=$SECONDS
-    local main_sel="slow and not extended and not bench" bg_sel="slow and background and not extended and not bench"
-    # Where the machine lets us, two lanes at once: the slow tests that assert no
-    # timing (-m background: outputs, bytes, replays) in a cgroup of low CPU weight,
-    # mostly on what the others leave idle (their sleeps, leases, partitions,
-    # one-engine phases), and the timing-bound rest nearly as if alone. Each lane has ports of its
-    # own (kvsm_testing.ports). Elsewhere they run one after the other. The
-    # extended breadth (-m extended) and the benchmark smokes (-m bench) run on demand.
-    if cg="$(idle_cgroup)"; then
-        main_sel="slow and not background and not extended and not bench"
-        local bg_log="$ROOT/.slow-background.log"
-        say "slow tests, background lane (-m '$bg_sel'), in $cg (low CPU weight); its output follows the main lane's"
-        (echo "$BASHPID" > "$cg/cgroup.procs" && KVSM_TEST_PORTS=26000-31999 exec "$PY" -m pytest -q \
-            --durations=25 -p no:cacheprovider -m "$bg_sel") > "$bg_log" 2>&1 &
-        local bg_pid=$!
-        say "slow tests, main lane (-m '$main_sel')"
-        KVSM_TEST_PORTS=20000-25999 run_pytest -m "$main_sel" || rc_slow=$?
-        say "slow tests, main lane: exit $rc_slow after $((SECONDS - t0)) s; waiting for the background lane"
-        wait "$bg_pid" || rc_bg=$?
-        cat "$bg_log"
-        [[ $rc_bg -eq 5 ]] && { say "background lane collected no tests: treating that as a failure"; rc_bg=1; }
-    else
-        say "no cgroup to run a background lane in: the slow tests one after the other (-m '$main_sel')"
-        run_pytest -m "$main_sel" || rc_slow=$?
+    # The extended breadth (-m extended: more model kinds on paths these drive)
+    # runs on demand, as the benchmark smokes do.
+    run_pytest -m "slow and not extended and not bench" || rc_slow=$?
+    say "slow tests: exit $rc_slow after $((SECONDS - t0)) s"
+    if [[ $rc -ne 0 || $rc_slow -ne 0 ]]; then
+        die "tests failed (fast: exit $rc, slow: exit $rc_slow)"
     fi
-    say "slow tests: exit $rc_slow (background lane: $rc_bg) after $((SECONDS - t0)) s"
-    if [[ $rc -ne 0 || $rc_slow -ne 0 || $rc_bg -ne 0 ]]; then
-        die "tests failed (fast: exit $rc, slow: exit $rc_slow, slow background: exit $rc_bg)"
-    fi
-}
-
-# A cgroup whose processes get about a tenth of a busy core's time while others
-# want it (CPU weight 100 to their 1024; cgroup v2: 10 to 100), printed; fails
-# where none can be made (not root, no cpu controller). Not less: a lane frozen
-# outright (cpu.idle) would see its own timers (handshake, lease) fire before
-# its peers could answer. Not nice: with autogroups, CFS shares the CPU between
-# sessions first, and each vLLM server runs in a session of its own.
-idle_cgroup() {
-    local cg
-    if [[ -w /sys/fs/cgroup/cpu/cgroup.procs ]]; then  # cgroup v1's cpu controller
-        cg=/sys/fs/cgroup/cpu/kvsm-background
-        mkdir -p "$cg" 2>/dev/null || return 1
-        { echo 0 > "$cg/cpu.idle" || true; echo 100 > "$cg/cpu.shares"; } 2>/dev/null || return 1
-    elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null && [[ -w /sys/fs/cgroup/cgroup.procs ]]; then
-        cg=/sys/fs/cgroup/kvsm-background  # cgroup v2
-        echo +cpu > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
-        mkdir -p "$cg" 2>/dev/null || return 1
-        echo 10 > "$cg/cpu.weight" 2>/dev/null || return 1
-    else
-        return 1
-    fi
-    echo "$cg"
 }
 
 run_demo() {

@@ -10,9 +10,9 @@ for them by number, so a random one that binds now stays free.
 
 Ports handed out are remembered for the life of the process so that two calls
 never return the same one, even when the first has not been bound yet.
-Test runs side by side (``tools/dev.sh test``'s two lanes of slow tests) each
-get a range of their own: ``KVSM_TEST_PORTS=LOW-HIGH`` (inclusive), so that one
-never binds a port the other has just handed out.
+Test runs side by side (two pytest sessions on one machine) each get a range
+of their own: ``KVSM_TEST_PORTS=LOW-HIGH`` (inclusive), so that one never
+binds a port the other has just handed out.
 """
 
 from __future__ import annotations
