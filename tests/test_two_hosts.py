@@ -74,6 +74,11 @@ class Bed:
     def records(self, role: str) -> list[dict[str, Any]]:
         return read_records(sorted(self.pair.logs.glob(f"{role}.*.jsonl")))
 
+    def ended_recv(self, rid: str) -> list[dict[str, Any]]:
+        """``recv_of(rid)`` once that machine has ended (done or failed; 10 s at most)."""
+        return wait_until(lambda: (r := self.recv_of(rid)) and _final(r) in ("done", "failed") and r,
+                          10, f"the decode log's machine of {rid}")
+
     def recv_of(self, rid: str) -> list[dict[str, Any]]:
         """The decode worker's recv-machine records of the request the router sent as ``rid``."""
         return [r for r in self.records("decode.worker")
@@ -121,8 +126,7 @@ def _check_common(bed: Bed, result: ScenarioResult) -> None:
     assert heal, "no request after the heal"
     # The peer is used again after the heal: every judged request's KV came by transfer.
     for o in heal:
-        recs = wait_until(lambda o=o: (r := bed.recv_of(o.rid)) and _final(r) in ("done", "failed") and r,
-                          10, f"the decode log's machine of {o.rid}")
+        recs = bed.ended_recv(o.rid)
         assert _final(recs) == "done" and any(r.get("event") == "all_reads_done" for r in recs), \
             (o.rid, [(r.get("event"), r.get("dst"), r.get("input")) for r in recs])
 
@@ -276,8 +280,7 @@ class _Push:
 
     def landed(self, rid: str) -> None:
         """``rid``'s KV was written by the prefill worker: its machine ends done by writes_landed."""
-        recs = wait_until(lambda: (r := self.bed.recv_of(rid)) and _final(r) in ("done", "failed") and r,
-                          10, f"the decode log's machine of {rid}")
+        recs = self.bed.ended_recv(rid)
         events = [r.get("event") for r in recs if r.get("kind") == "transition"]
         assert _final(recs) == "done" and "writes_landed" in events and "reads_posted" not in events, events
 
@@ -335,8 +338,7 @@ def test_a_partition_while_the_prefill_writes(kvsm_bed: Bed) -> None:
         rid = f"push-heal-{uuid.uuid4().hex[:8]}"
         if push.decode_leg(prompt, push.prefill_leg(prompt, rid), rid) != push.reference(prompt):
             raise AssertionError(f"{rid} answered wrong")
-        recs = wait_until(lambda: (r := bed.recv_of(rid)) and _final(r) in ("done", "failed") and r, 10, rid)
-        return rid if _final(recs) == "done" else None
+        return rid if _final(bed.ended_recv(rid)) == "done" else None
 
     push.landed(wait_until(again, 20, "a push landing after the heal", interval=1.0))
 
