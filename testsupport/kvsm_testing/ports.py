@@ -10,9 +10,6 @@ for them by number, so a random one that binds now stays free.
 
 Ports handed out are remembered for the life of the process so that two calls
 never return the same one, even when the first has not been bound yet.
-Test runs side by side (two pytest sessions on one machine) each get a range
-of their own: ``KVSM_TEST_PORTS=LOW-HIGH`` (inclusive), so that one never
-binds a port the other has just handed out.
 """
 
 from __future__ import annotations
@@ -42,15 +39,6 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def _candidates() -> range:
-    own = os.environ.get("KVSM_TEST_PORTS", "")
-    if own:
-        try:
-            low, high = (int(x) for x in own.split("-"))
-        except ValueError:
-            raise ValueError(f"KVSM_TEST_PORTS must be LOW-HIGH (two port numbers), got {own!r}") from None
-        if not 1024 <= low < high <= 65535:
-            raise ValueError(f"KVSM_TEST_PORTS={own!r}: want 1024 <= LOW < HIGH <= 65535")
-        return range(low, high + 1)
     lo, _ = _ephemeral_range()
     high = min(_HIGH, lo - 1)
     low = min(_LOW, high - 2000)
