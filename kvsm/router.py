@@ -52,6 +52,15 @@ checked against the one sent, taken out).
 Decode-to-prefill reuse (``kvsm.router_holds``; ``--reuse-holds`` learns them):
 a decode engine's hold offered in the client's ``kv_transfer_params`` goes to
 the prefill leg, which reads the blocks; the decode leg goes to their holder.
+
+Streamed push (``--transfer-mode stream``, ``kvsm.router_stream``): both legs go
+at once, joined by a key of the router's (``kvsm_stream``), so the decode
+engine allocates blocks that the prefill engine fills layer by layer as it
+computes; the decode leg names the prefill engine by what that backend's
+earlier answers said, so a backend's first request goes sequentially (push).
+The client's answer is the decode's; a failed prefill leg is counted, not
+answered (the decode engine computes the prompt). ``pull`` or ``push`` only
+set the prefill leg's ``transfer_mode``.
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ from kvsm.router_holds import HoldStore, StreamTap, client_hold, learn_later
 from kvsm.router_http import BackendError, Trace, end_with_error, error_text, since_ms, stream_broken, trace_headers
 from kvsm.router_lists import merge_completions, prompt_list
 from kvsm.router_seeding import Seed, decode_seeded, leg_body, prefill_extra, seed_reason
+from kvsm.router_stream import TRANSFER_MODES, StreamMode, mode_conflict
 
 __all__ = ["create_app", "main"]
 
@@ -98,7 +108,7 @@ class Router:
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float,
                  decider: Decider | None = None, balancer: Balancer | None = None, seeding: bool = False,
-                 holds: HoldStore | None = None) -> None:
+                 holds: HoldStore | None = None, transfer_mode: str | None = None) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one prefill and one decode backend")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -109,6 +119,7 @@ class Router:
         self.seeding = seeding
         self.holds = holds if holds is not None else HoldStore()
         self._releases: set[asyncio.Task[None]] = set()
+        self.stream = StreamMode(transfer_mode, timeout, self._releases)
         # No total limit: a long stream is fine as long as the backend keeps talking.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._session: aiohttp.ClientSession | None = None
@@ -163,8 +174,8 @@ class Router:
 
     async def metrics(self, request: web.Request) -> web.Response:
         """The router's counters (Prometheus text): prompts by path taken, backend choices."""
-        return web.Response(text=self.decider.prometheus() + self.balancer.prometheus() + self.holds.prometheus(),
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(text=self.decider.prometheus() + self.balancer.prometheus() + self.holds.prometheus()
+                            + self.stream.prometheus(), content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
         """What the decode engines serve (the first one answers for all)."""
@@ -222,7 +233,7 @@ class Router:
             trace.status, trace.error = 499, "client disconnected"
             raise
         finally:
-            logger.info("%s", trace.line())
+            self.stream.log(trace)  # at once, or after the request's streamed prefill legs
 
     async def _generate_each(self, path: str, trace: Trace, body: dict[str, Any], prompts: list[Any],
                              headers: dict[str, str]) -> web.Response:
@@ -334,22 +345,31 @@ class Router:
     async def _prefill_on(self, trace: Trace, choices: list[Choice], path: str, body: dict[str, Any],
                           hashes: list[int] | None, headers: dict[str, str], extra: dict[str, Any] | None = None,
                           kv: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``_prefill`` on the prefill backend chosen for the prompt (added to ``choices``)."""
+        """``_prefill`` on the prefill backend chosen for the prompt (added to ``choices``); with
+        ``--transfer-mode stream``, started in the background when it can be (``kvsm.router_stream``),
+        and the answer is then the decode leg's params, at once."""
         prefill = self.balancer.pick("prefill", hashes)
         trace.prefill = trace.prefill or prefill.url
         choices.append(prefill)
-        with self.balancer.hold(prefill):
-            answer = await self._prefill(prefill.url, path, body, headers, extra, kv)
-        if hashes is not None:
-            self.balancer.record(prefill, hashes)
-        return answer
+
+        async def leg(params: dict[str, Any] | None) -> dict[str, Any]:
+            with self.balancer.hold(prefill):
+                answer = await self._prefill(prefill.url, path, body, headers, extra, params)
+            if hashes is not None:
+                self.balancer.record(prefill, hashes)
+            return answer
+
+        if self.stream.streams(trace, prefill.url, kv):
+            return self.stream.start(trace, prefill.url, leg)
+        return await leg(kv)
 
     async def _prefill(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
                        extra: dict[str, Any] | None = None, kv: dict[str, Any] | None = None) -> dict[str, Any]:
         """Compute the prompt's KV on a prefill backend; return its answer, whose
         ``kv_transfer_params`` say where the decode side finds it (``extra``: fields to add;
-        ``kv``: a decode engine's hold to read, in place of ``PREFILL_KV_PARAMS``)."""
-        prefill_body = {**body, "kv_transfer_params": dict(kv or PREFILL_KV_PARAMS), "max_tokens": 1, "stream": False}
+        ``kv``: a decode engine's hold to read, or a streamed leg's params, in place of ``PREFILL_KV_PARAMS``)."""
+        prefill_body = {**body, "kv_transfer_params": self.stream.prefill_params(kv or PREFILL_KV_PARAMS),
+                        "max_tokens": 1, "stream": False}
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         # Meaningless for a one-token, non-streamed answer (min_tokens > 1 would be refused).
@@ -365,6 +385,7 @@ class Router:
             raise BackendError(502, f"prefill backend {url} returned no kv_transfer_params: it does not appear "
                                "to run a KV connector with kv_role kv_producer or kv_both",
                                "no_kv_transfer_params", url)
+        self.stream.learn(url, kv_params)
         return answer
 
     @staticmethod
@@ -435,17 +456,23 @@ class Router:
 def create_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 300.0, *,
                disagg_threshold: int = 0, prefix_block_size: int = 16, prefix_capacity: int = 100_000,
                prefix_affinity: bool = False, affinity_max_inflight: int | None = None,
-               first_token_seeding: bool = False, reuse_holds: bool = False) -> web.Application:
+               first_token_seeding: bool = False, reuse_holds: bool = False,
+               transfer_mode: str | None = None) -> web.Application:
     """The router as an aiohttp application (run it with ``web.run_app`` or an ``AppRunner``);
     ``disagg_threshold`` 0 (here the default) sends every request by P/D, ``prefix_affinity``
     False (the default) picks backends round robin, ``first_token_seeding`` (off by default)
     streams a request's first token from the prefill leg (``kvsm.router_seeding``), ``reuse_holds``
-    (off by default) learns decode engines' holds for the next turns (``kvsm.router_holds``)."""
+    (off by default) learns decode engines' holds for the next turns (``kvsm.router_holds``),
+    ``transfer_mode`` (None by default: the engines' own) is the prefill leg's, ``stream`` sending
+    both legs at once (``kvsm.router_stream``; not with seeding or holds: a ValueError)."""
+    conflict = mode_conflict(transfer_mode, first_token_seeding, reuse_holds)
+    if conflict:
+        raise ValueError(conflict)
     decider = Decider(disagg_threshold, prefix_block_size, prefix_capacity)
     balancer = Balancer([u.rstrip("/") for u in prefill_urls], [u.rstrip("/") for u in decode_urls], decider.index,
                         on=prefix_affinity, max_inflight=affinity_max_inflight)
     router = Router(prefill_urls, decode_urls, timeout, decider, balancer, seeding=first_token_seeding,
-                    holds=HoldStore(on=reuse_holds))
+                    holds=HoldStore(on=reuse_holds), transfer_mode=transfer_mode)
     app = web.Application(client_max_size=64 * 2**20)  # long prompts, or images as data URLs
     app.cleanup_ctx.append(router.session_ctx)
     app.router.add_get("/health", router.health)
@@ -489,15 +516,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="learn the blocks decode engines hold for a conversation's next turn (bidirectional_kv_"
                              "xfer) and have each P/D prompt's prefill leg read the longest it starts with (see "
                              "kvsm.router_holds); default: only holds the client passes in kv_transfer_params")
+    parser.add_argument("--transfer-mode", choices=TRANSFER_MODES, default=None,
+                        help="how the prefill engine hands the KV over, set in its leg's kv_transfer_params: pull, "
+                             "push, or stream (both legs at once, the prefill engine writing each layer as it computes "
+                             "it; kvsm engines on both sides; see kvsm.router_stream); default: the engines' setting")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.disagg_threshold < 0 or args.prefix_block_size < 1 or (args.affinity_max_inflight or 0) < 0:
         parser.error("--disagg-threshold and --affinity-max-inflight must be 0 or more, --prefix-block-size 1 or more")
+    conflict = mode_conflict(args.transfer_mode, args.first_token_seeding, args.reuse_holds)
+    if conflict:
+        parser.error(conflict)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(args.prefill, args.decode, args.timeout, disagg_threshold=args.disagg_threshold,
                      prefix_block_size=args.prefix_block_size, prefix_affinity=args.prefix_affinity,
                      affinity_max_inflight=args.affinity_max_inflight, first_token_seeding=args.first_token_seeding,
-                     reuse_holds=args.reuse_holds)
+                     reuse_holds=args.reuse_holds,
+                     **({"transfer_mode": args.transfer_mode} if args.transfer_mode else {}))
     logger.info("routing prefill=%s decode=%s on http://%s:%d; disagg threshold %d tokens, prefix blocks of %d, "
                 "prefix affinity %s, first-token seeding %s, hold reuse %s", args.prefill, args.decode, args.host,
                 args.port, args.disagg_threshold, args.prefix_block_size, "on" if args.prefix_affinity else "off",
