@@ -48,6 +48,8 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "writes_landed": ev.WritesLanded(req="r"),
     "writes_stopped": ev.WritesStopped(req="r", why="the deadline passed"),
     "write_asked": ev.WriteAsked(req="r", reader="d0", readers=2, num_blocks=2),
+    "stream_asked": ev.StreamAsked(req="r", reader="d0", num_blocks=2),
+    "stream_claimed": ev.StreamClaimed(req="r", reader="d0"),
     "write_done": ev.WriteDone(req="r", reader="d0", readers=2),
     "finished_ok": ev.FinishedOk(req="r", block_ids=(5, 6), expected_reads=2, lease_ns=1_000),
     "finished_abnormally": ev.FinishedAbnormally(req="r", reason="length"),

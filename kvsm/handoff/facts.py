@@ -66,6 +66,11 @@ class RecvStart(_RemoteRequest, frozen=True):
     remote_expiry_s: float = 0.0
     # transfer_mode "push": the prefill workers write the blocks instead of our reading them.
     push: bool = False
+    # transfer_mode "stream": push while the prefill computes. ``remote_req`` is then the
+    # join key both legs carry (the prefill engine names its request itself), there are
+    # no remote blocks, and ``local_block_ids`` are those of positions ``first_position`` on.
+    stream: bool = False
+    first_position: int = 0
 
     @property
     def remote_expiry_ns(self) -> int:
@@ -100,9 +105,24 @@ class RecvAbandon(_RemoteRequest, frozen=True):
 
 
 class SendStart(msgspec.Struct, frozen=True):
-    """Prefill side: a ``do_remote_decode`` request got its first blocks."""
+    """Prefill side: a ``do_remote_decode`` request got its first blocks.
+    ``stream``: its join key (transfer_mode "stream"; a decode worker names it so)."""
 
     req: str
+    stream: str = ""
+
+
+class StreamStep(msgspec.Struct, frozen=True):
+    """Prefill side, transfer_mode "stream": this step computes the prompt's tokens
+    ``start`` to ``end`` of ``req`` (``last``: the prompt's last ones), whose blocks
+    by position are ``block_ids`` (one KV cache group). Each layer's KV of them can
+    be written once that layer's forward pass is done (``save_kv_layer``)."""
+
+    req: str
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    last: bool
 
 
 class SendFinish(msgspec.Struct, frozen=True):
@@ -150,7 +170,7 @@ class StepFacts:
     """
 
     __slots__ = ("heartbeats", "recv_abandon", "recv_abort", "recv_start", "send_finish", "send_start", "step",
-                 "stopping")
+                 "stopping", "stream_steps")
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -164,10 +184,12 @@ class StepFacts:
         # the workers close every pin now, so that vLLM gets the blocks back, runs out
         # of work and shuts down cleanly instead of being killed waiting for reads.
         self.stopping = False
+        # Streamed push: what this step computes of each streamed prefill request.
+        self.stream_steps: list[StreamStep] = []
 
     def __bool__(self) -> bool:
         return bool(self.recv_start or self.recv_abort or self.recv_abandon or self.send_start
-                    or self.send_finish or self.heartbeats or self.stopping)
+                    or self.send_finish or self.heartbeats or self.stopping or self.stream_steps)
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in StepFacts.__slots__}
@@ -202,6 +224,8 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_expiry_s: float = 0.0
     # transfer_mode "push": the prefill workers write the blocks into ours.
     push: bool = False
+    # transfer_mode "stream": pushed while the prefill computes (``remote_req`` is the join key).
+    stream: bool = False
 
 
 # The prefill's fingerprint of the prompt tokens it computed (kvsm's own key; other
@@ -212,6 +236,10 @@ PROMPT_FINGERPRINT_KEY = "kvsm_prompt_fingerprint"
 # version): a decode engine given params without it warns that the producer may
 # run another connector, whose side channel kvsm does not speak.
 PRODUCER_KEY = "kvsm_protocol"
+# Streamed push (transfer_mode "stream"): the join key a router puts in both legs'
+# kv_transfer_params (the decode leg's remote_request_id is the same key).
+STREAM_KEY = "kvsm_stream"
+STREAM_MODE = "stream"
 # Pipeline stages a decode request reads from at most (one claim and read per stage and rank).
 MAX_PP_SIZE = 64
 # CPython hashes ints modulo this prime and combines a tuple's items without a

@@ -247,6 +247,11 @@ class WriteSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     src_block_tokens: Count = 0
     dst_block_tokens: Count = 0
     deadline_wall_ns: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    # Streamed push: ``req`` is the join key of a prefill still computing, ``src_blocks``
+    # is empty (the prefill worker pairs its blocks by position) and ``dst_blocks`` are
+    # the decode's of positions ``dst_first`` on; each layer is written as it is computed.
+    stream: bool = False
+    dst_first: Count = 0
 
 
 class WriteAsk(_Message, tag="write_ask", kw_only=True, frozen=True):

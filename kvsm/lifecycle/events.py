@@ -223,6 +223,25 @@ class WriteAsked(Event, frozen=True, tag="write_asked"):
     deadline_wall_ns: int = 0
 
 
+class StreamAsked(Event, frozen=True, tag="stream_asked"):
+    """Streamed push: a decode rank (``reader``, one of ``readers``) asked this
+    worker to write each layer of the request into its blocks as it is computed,
+    by ``deadline_wall_ns`` (wall clock)."""
+
+    reader: str
+    readers: int = 1
+    num_blocks: int = 0
+    deadline_wall_ns: int = 0
+
+
+class StreamClaimed(Event, frozen=True, tag="stream_claimed"):
+    """Streamed push: a decode rank claimed (or heartbeat) the request by its join
+    key, possibly before its prefill finished here."""
+
+    lease_ns: int = 30_000_000_000
+    reader: str = ""
+
+
 class WriteDone(Event, frozen=True, tag="write_done"):
     """Push mode: the write to ``reader`` is over (``ok``: completed, its
     notification sent with it; else failed, ``detail`` says why, or cancelled at
@@ -347,6 +366,8 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     Heartbeat,
     ReadNotif,
     WriteAsked,
+    StreamAsked,
+    StreamClaimed,
     WriteDone,
     LeaseExpired,
     RemoteAbandoned,

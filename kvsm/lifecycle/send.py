@@ -10,7 +10,8 @@ from typing import Any
 from kvsm.lifecycle.spec import LifecycleSpec
 from kvsm.lifecycle.spec import each as _each
 
-SEND_STATES = ["prefilling", "abandoned_early", "read_early", "awaiting_pull", "writing", "releasing", "released",
+SEND_STATES = ["prefilling", "streaming", "streamed", "abandoned_early", "read_early", "awaiting_pull", "writing",
+               "releasing", "released",
                "expired", "hold_expired", "forgotten", "refused_early", "closed_at_shutdown"]
 
 # States of the early inputs that wait for their prefill's finish: their number
@@ -54,6 +55,33 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
      "after": ["cancel_writes", "count_expired_lease", "free_blocks"]},
     *_each(["shutdown", "drain_over"], source="writing", dest="closed_at_shutdown",
            after=["cancel_lease", "cancel_writes", "free_blocks"]),
+    # Streamed push: a decode rank claims the request by its join key and asks for
+    # each layer to be written as it is computed, before the prefill finishes. The
+    # finish pins the blocks until the last write is over (then as push mode's
+    # writing); a stream over before the finish frees them at the finish.
+    {"trigger": "stream_claimed", "source": ["prefilling", "streaming", "streamed"], "dest": "=",
+     "prepare": "note_claimant"},
+    {"trigger": "stream_claimed", "source": ["awaiting_pull", "writing"], "dest": "=",
+     "prepare": ["extend_lease_data", "note_claimant"], "after": "extend_lease"},
+    {"trigger": "stream_asked", "source": "prefilling", "dest": "streaming", "prepare": "note_writer",
+     "after": "start_stream"},
+    {"trigger": "stream_asked", "source": "streaming", "dest": "=", "prepare": "note_writer", "after": "start_stream"},
+    # (the prefill finished before the ask: what is pinned is written at once)
+    *_each(["stream_asked"], source=["awaiting_pull", "writing"], dest="writing", prepare="note_writer",
+           after="start_stream"),
+    {"trigger": "write_done", "source": "streaming", "dest": "streamed", "prepare": "count_read",
+     "conditions": "all_reads_in", "after": "count_write"},
+    {"trigger": "write_done", "source": "streaming", "dest": "=", "prepare": "count_read", "after": "count_write"},
+    {"trigger": "finished_ok", "source": "streaming", "dest": "writing", "prepare": "pin_blocks_data",
+     "after": ["pin_blocks", "arm_lease"]},
+    {"trigger": "finished_ok", "source": "streamed", "dest": "released", "prepare": "pin_blocks_data",
+     "after": ["pin_blocks", "free_blocks"]},
+    *_each(["abort", "finished_abnormally"], source="streaming", dest="released", after="cancel_writes"),
+    *_each(["abort", "finished_abnormally"], source="streamed", dest="released"),
+    {"trigger": "remote_abandoned", "source": "streaming", "dest": "abandoned_early",
+     "after": ["cancel_writes", "arm_abandon_timer"]},
+    {"trigger": "shutdown", "source": "streaming", "dest": "closed_at_shutdown", "after": "cancel_writes"},
+    {"trigger": "shutdown", "source": "streamed", "dest": "closed_at_shutdown"},
     # A decode engine's hold for a next turn ends unread at its time to live: the
     # conversation did not come back (no warning: that is what holds are for).
     {"trigger": "lease_expired", "source": "awaiting_pull", "dest": "hold_expired", "conditions": "is_hold",
@@ -119,6 +147,13 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
 ]
 
 SEND_STALE: list[dict[str, Any]] = [
+    {"trigger": ["stream_claimed", "stream_asked"], "source": ["abandoned_early", "read_early", "releasing"],
+     "why": "not a streamed request here any more (given up, or a hold being released): answered unknown"},
+    {"trigger": "stream_asked", "source": "streamed", "why": "written already: the ask is answered unknown"},
+    {"trigger": ["heartbeat", "read_notif", "write_asked"], "source": ["streaming", "streamed"],
+     "why": "a streamed request is claimed by its join key and written layer by layer, not read"},
+    {"trigger": "remote_abandoned", "source": "streamed",
+     "why": "every write is over: the finish frees the blocks"},
     {"trigger": "write_asked", "source": ["prefilling", "abandoned_early", "read_early", "releasing"],
      "why": "not pinned for a reader here (the finish has not come, or a hold is being released): the ask is "
             "answered unknown and nothing is written"},
@@ -138,7 +173,7 @@ SEND_STALE: list[dict[str, Any]] = [
      "why": "the hold ended already, or is ending (read, expired, released before)"},
     {"trigger": "remote_abandoned", "source": "hold_expired", "why": "nothing is held for it any more"},
     {"trigger": ["finished_ok", "finished_abnormally", "abort", "remote_abandoned", "read_notif", "heartbeat",
-                 "write_done"],
+                 "write_done", "stream_claimed", "stream_asked"],
      "source": "closed_at_shutdown", "why": "the worker was shutting down: it had let the request go"},
     {"trigger": "remote_abandoned", "source": ["abandoned_early", "released", "expired", "forgotten"],
      "why": "nothing is pinned for it (abandoned twice, or released already)"},
@@ -168,6 +203,8 @@ ANSWER_UNKNOWN = "unknown"
 CLAIM_ANSWERS: Mapping[str | None, str] = {
     None: "unknown",
     "prefilling": "unknown",
+    "streaming": "unknown",
+    "streamed": "unknown",
     "abandoned_early": "unknown",
     "read_early": "unknown",
     "awaiting_pull": "ok",

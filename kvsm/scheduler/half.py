@@ -70,6 +70,7 @@ from kvsm.scheduler.params import (
     remote_block_sizes,
 )
 from kvsm.scheduler.pin_handoff import PIN_VIA_STEP_ENV, PinHandoff
+from kvsm.scheduler.stream_steps import StreamSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -100,7 +101,7 @@ class SchedulerHalf:
 
     def __init__(self, cfg: KVSMConfig, event_log: EventLog | None = None, *, clock: Clock = SYSTEM_CLOCK,
                  group_block_sizes: tuple[int, ...] = (), hold_back_tokens: int = 0,
-                 step_facts: Callable[[int], StepFacts] = StepFacts) -> None:
+                 step_facts: Callable[[int], StepFacts] = StepFacts, stream_unsupported: str = "") -> None:
         self.cfg = cfg
         # Makes each step's facts: the vLLM adapter passes its KVSMConnectorMetadata
         # (StepFacts on vLLM's base class), so that this half never imports vLLM.
@@ -111,6 +112,13 @@ class SchedulerHalf:
         # a Mamba/GDN state group: the state moved is that of the prompt but its
         # last token, which the decode engine then feeds once, as vLLM needs).
         self._hold_back = hold_back_tokens
+        # Why this engine cannot stream (transfer_mode "stream"), "" where it can; and
+        # the streamed prefills it computes, whose steps the workers hear of.
+        self._stream_unsupported = stream_unsupported or ("" if len(self._group_block_sizes) == 1 else (
+            f"this model has {len(self._group_block_sizes)} KV cache groups; streamed push moves one"))
+        if hold_back_tokens and not self._stream_unsupported:
+            self._stream_unsupported = "Mamba/GDN state is not streamed (its last prompt token is held back)"
+        self._streams = StreamSteps()
         self.requests = LifecycleTracker(SCHED, clock, listener=self._on_outcome)
         self._pins = PinHandoff(event_log)
         self._warned_late_flush = False
@@ -184,6 +192,11 @@ class SchedulerHalf:
                 self._note("sched.held_back", req, tokens=self._hold_back, prompt_tokens=request.num_prompt_tokens)
             self.requests.create(req, "prefill_queued")
             m = self._machine(req)
+            if self._streams.wanted(params):
+                if self._stream_unsupported:
+                    self._note("sched.stream_refused", req, why=self._stream_unsupported)
+                else:
+                    self._streams.add(request, params)
             if params.get("remote_block_ids") and m is not None:  # a decode engine holds the conversation
                 judged = judge_hold_params(request, params, self.cfg, self._group_block_sizes, self._reader_of)
                 self._apply(m, judged.event, judged.remote)
@@ -196,7 +209,8 @@ class SchedulerHalf:
         m = self._machine(req)
         if m is None:
             return
-        judged = judge_decode_params(request, params, self.cfg, self._group_block_sizes, self._reader_of)
+        judged = judge_decode_params(request, params, self.cfg, self._group_block_sizes, self._reader_of,
+                                     self._stream_unsupported)
         if judged.foreign and judged.remote is not None:
             self._warn_foreign(req, judged.remote.remote_engine)
         self._apply(m, judged.event, judged.remote)
@@ -223,6 +237,9 @@ class SchedulerHalf:
         if m is None or remote is None or m.recompute_tokens:
             return 0, False
         available = request.num_prompt_tokens
+        if remote.stream:  # the prefill computes the whole prompt meanwhile
+            count = available - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         if remote.remote_num_tokens is not None:
             available = min(available, remote.remote_num_tokens)
         # What every group's blocks cover (by position, nulls included).
@@ -262,6 +279,7 @@ class SchedulerHalf:
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         req = request.request_id
+        self._streams.discard(req)
         m = self._machine(req)
         if m is None:
             return False, None
@@ -342,7 +360,14 @@ class SchedulerHalf:
         problem = ""
         segmented: dict[str, Any] = {}
         remote_size = remote_block_sizes(remote, self._group_block_sizes)[0]
-        if num_external_tokens > 0 and remote_size != self._group_block_sizes[0]:
+        first = 0
+        local: tuple[int, ...]
+        remote_ids: tuple[int, ...]
+        if remote.stream and num_external_tokens > 0:  # written by position as the prefill computes
+            new = [(j, b.block_id) for j, b in enumerate(blocks.blocks[0]) if b.block_hash is None and not b.is_null]
+            first = new[0][0] if new else 0
+            local, remote_ids = tuple(b for _, b in new), ()
+        elif num_external_tokens > 0 and remote_size != self._group_block_sizes[0]:
             local, remote_ids, segmented, problem = _pair_segments(
                 blocks.blocks[0], remote.remote_block_ids[0], self._group_block_sizes[0], remote_size,
                 num_external_tokens)
@@ -358,7 +383,8 @@ class SchedulerHalf:
             remote_tp_size=remote.remote_tp_size, remote_block_ids=remote_ids,
             local_block_ids=local, num_tokens=num_external_tokens, awaited=num_external_tokens > 0,
             group_sizes=sizes, problem=problem, remote_pp_size=remote.remote_pp_size,
-            remote_expiry_s=remote.remote_expiry_s, push=remote.push, **segmented))
+            remote_expiry_s=remote.remote_expiry_s, push=remote.push, stream=remote.stream, first_position=first,
+            **segmented))
         # Only one transfer per request (vLLM may call again once it is loaded).
         request.kv_transfer_params["do_remote_prefill"] = False
 
@@ -379,7 +405,7 @@ class SchedulerHalf:
         self._note("sched.finished_while_loading", m.req, status=ev.status)
 
     def _start_send(self, m: SchedMachine, ev: Any, context: Any) -> None:
-        self._meta.send_start.append(SendStart(m.req))
+        self._meta.send_start.append(SendStart(m.req, stream=self._streams.key_of(m.req)))
 
     def _queue_pin(self, m: SchedMachine, ev: Any, context: Any) -> dict[str, Any]:
         """Pin the blocks: handed over in one batch per step, by update_connector_output,
@@ -457,6 +483,8 @@ class SchedulerHalf:
                             "(vLLM did not call update_connector_output after request_finished)")
             self._flush_pins()
         meta = self._meta
+        if self._streams:
+            meta.stream_steps = self._streams.steps(scheduler_output)
         self._step += 1
         self._meta = self._step_facts(self._step)
         if self._claims:

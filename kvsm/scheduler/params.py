@@ -17,6 +17,8 @@ from kvsm.config import TRANSFER_MODES, KVSMConfig
 from kvsm.handoff.facts import (
     PRODUCER_KEY,
     PROMPT_FINGERPRINT_KEY,
+    STREAM_KEY,
+    STREAM_MODE,
     BadTransferParams,
     RemoteParams,
     parse_remote_params,
@@ -54,7 +56,8 @@ def remote_block_sizes(remote: RemoteParams, group_block_sizes: tuple[int, ...])
 
 
 def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMConfig,
-                        group_block_sizes: tuple[int, ...], readers: Mapping[Source, str]) -> Judged:
+                        group_block_sizes: tuple[int, ...], readers: Mapping[Source, str],
+                        stream_unsupported: str = "") -> Judged:
     """What a decode request's ``kv_transfer_params`` (``do_remote_prefill``) say,
     in the order the checks were always made. ``readers``: which request of this
     engine reads each prefill request (the one-reader rule is the lifecycle's)."""
@@ -62,10 +65,10 @@ def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMCo
     if not cfg.consumes:
         return Judged(ParamsIgnored(req=req, reason=f"do_remote_prefill on an engine with kv_role {cfg.kv_role!r}"))
     mode = transfer_mode_of(params, cfg)
-    if mode not in TRANSFER_MODES:
+    if mode not in (*TRANSFER_MODES, STREAM_MODE):
         return Judged(ParamsIgnored(req=req, reason=(
-            f"transfer_mode {mode!r:.80}: kvsm moves KV by 'pull' (this engine reads) or 'push' (the prefill "
-            f"engine writes)")))
+            f"transfer_mode {mode!r:.80}: kvsm moves KV by 'pull' (this engine reads), 'push' (the prefill "
+            f"engine writes) or 'stream' (it writes each layer as it computes it)")))
     if mode == "push" and PRODUCER_KEY not in params and params.get("transfer_mode") == "push":
         return Judged(ParamsIgnored(req=req, reason=(
             "transfer_mode 'push' from a prefill engine that is not kvsm's (its params lack kvsm_protocol): "
@@ -77,6 +80,11 @@ def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMCo
         return Judged(ParamsIgnored(req=req, reason=str(e)))
     if mode == "push":
         remote = msgspec.structs.replace(remote, push=True)
+    elif mode == STREAM_MODE:
+        why = stream_problem(params, remote, cfg, group_block_sizes, stream_unsupported)
+        if why:
+            return Judged(ParamsIgnored(req=req, reason=f"transfer_mode 'stream': {why}"))
+        remote = msgspec.structs.replace(remote, push=True, stream=True)
     if len(remote.remote_block_ids) != len(group_block_sizes):
         return Judged(ParamsIgnored(req=req, reason=(
             f"remote_block_ids has {len(remote.remote_block_ids)} KV cache group(s), this engine's KV cache "
@@ -99,6 +107,32 @@ def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMCo
                              remote_host=remote.remote_host, remote_port=remote.remote_port,
                              remote_tp_size=remote.remote_tp_size, remote_pp_size=remote.remote_pp_size,
                              reader=readers.get(source, ""), rejected=rejected), remote, foreign)
+
+
+def stream_problem(params: Mapping[str, Any], remote: RemoteParams, cfg: KVSMConfig,
+                   group_block_sizes: tuple[int, ...], unsupported: str) -> str:
+    """Why a decode leg's streamed push cannot be served ("": it can). The prefill
+    worker writes each layer's blocks by position as it computes them, so both
+    engines must hold the same blocks the same way: one KV cache group of one
+    block size, the same tensor parallel size, no pipeline stages."""
+    if unsupported:
+        return unsupported
+    if PRODUCER_KEY not in params:
+        return "the params lack kvsm_protocol: only a kvsm prefill engine streams"
+    if params.get(STREAM_KEY) != remote.remote_req:
+        return f"{STREAM_KEY} must be the join key, the same as remote_request_id"
+    if any(remote.remote_block_ids):
+        return "remote_block_ids must be empty (the prefill engine has not allocated yet)"
+    theirs = remote.remote_block_size
+    if theirs is not None and theirs != group_block_sizes[0]:
+        return (f"the prefill engine's blocks hold {theirs} tokens, this engine's {group_block_sizes[0]}: streamed "
+                f"push writes whole blocks (use pull or push mode between block sizes that differ)")
+    if remote.remote_tp_size != cfg.tp_size:
+        return (f"tensor parallel sizes differ (prefill {remote.remote_tp_size}, decode {cfg.tp_size}): streamed "
+                f"push writes whole blocks rank to rank (use pull or push mode)")
+    if remote.remote_pp_size != 1 or cfg.pp_size > 1:
+        return "pipeline parallel engines are not supported by streamed push (use pull or push mode)"
+    return ""
 
 
 def transfer_mode_of(params: Mapping[str, Any], cfg: KVSMConfig) -> Any:

@@ -83,6 +83,13 @@ class Transport(ABC):
         over. A transport that cannot write raises ``NotImplementedError``."""
         raise NotImplementedError(f"transport {self.name!r} does not write into its peers (push mode)")
 
+    def post_layer_write(self, peer: str, layer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                         notif: bytes = b"", tag: str = "") -> XferHandle:
+        """``post_write`` of one layer's regions only (streamed push: each layer is
+        written once its forward pass is done); ``notif`` (if any) reaches the
+        peer when it is over. A transport that cannot raises ``NotImplementedError``."""
+        raise NotImplementedError(f"transport {self.name!r} does not write layer by layer (streamed push)")
+
     @abstractmethod
     def check(self, handle: XferHandle) -> TransferState:
         """Where a posted read stands, without waiting."""

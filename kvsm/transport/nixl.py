@@ -284,6 +284,27 @@ class NixlTransport(Transport):
         return self._post("WRITE", peer, local_blocks, remote_blocks, notif, tag, group_sizes, local_heads,
                           remote_heads, segments)
 
+    def post_layer_write(self, peer: str, layer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                         notif: bytes = b"", tag: str = "") -> NixlXferHandle:
+        """One NIXL WRITE of ``layer``'s part of ``local_blocks`` into the peer's
+        ``remote_blocks`` (whole blocks, one KV cache group: the streamed write's
+        limits). Unknown peer or layer: as ``_post``."""
+        self._check_open()
+        p = self._peers.get(peer)
+        if p is None:
+            raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        mine = p.mine
+        if mine is None or p.block_tokens_differ or self.num_groups != 1:
+            raise ValueError(f"a layer-by-layer write to {peer!r} needs the same layers, one KV cache group and "
+                             f"blocks of one size on both sides")
+        local_idx = mine.layout.layer_desc_index_array(layer, local_blocks)
+        remote_idx = p.layout.layer_desc_index_array(layer, remote_blocks)
+        return self._launch(p, NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag),
+                            lambda: self._agent.make_prepped_xfer("WRITE", mine.dlist, local_idx, p.dlist,
+                                                                  remote_idx, notif_msg=notif))
+
     def _post(self, op: str, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
               notif: bytes, tag: str, group_sizes: Sequence[int], local_heads: Heads | None,
               remote_heads: Heads | None, segments: Segments | None) -> NixlXferHandle:

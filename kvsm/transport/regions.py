@@ -297,6 +297,17 @@ class KVLayout(msgspec.Struct, frozen=True):
             at += size
         return out
 
+    def layer_desc_index_array(self, layer: str, block_ids: Sequence[int]) -> np.ndarray:
+        """``desc_index_array`` of ``layer``'s regions only (one KV cache group):
+        what a streamed write of one layer moves. ``ValueError`` naming a layer
+        this layout does not hold."""
+        regions = [i for i, r in enumerate(self.regions) if r.layer == layer]
+        if not regions:
+            raise ValueError(f"layer {layer!r} is not in this KV layout")
+        b = self._blocks(block_ids)
+        starts = np.asarray(regions, dtype=np.int64) * self.num_blocks
+        return (starts[:, None] + b[None, :]).reshape(-1).astype(np.int32)
+
     def desc_indices(self, block_ids: Sequence[int]) -> list[int]:
         """Indices into ``all_block_descs`` of ``block_ids`` in every region,
         region-major: the same order as ``block_descs(block_ids)``."""

@@ -207,7 +207,8 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                                             group_block_sizes=tuple(g.block_size for g in self.kv_groups),
                                             hold_back_tokens=int(any(g.kind.startswith("mamba")
                                                                      for g in self.kv_groups)),
-                                            step_facts=KVSMConnectorMetadata)
+                                            step_facts=KVSMConnectorMetadata,
+                                            stream_unsupported=_stream_unsupported(self.kv_groups, self.cfg))
             # vLLM's engine core drains on SIGTERM while pins are live, and is killed
             # when its wait is over: the scheduler half closes the pins in time.
             drain_s = max(0.0, float(getattr(vllm_config, "shutdown_timeout", 0) or 0) - _DRAIN_MARGIN_S)
@@ -302,10 +303,13 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # loads complete between steps (asynchronous, pull mode)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # the decode side pulls; nothing is pushed
+        """Streamed push: the layer's KV of this step is in place (posted to the loop,
+        which writes it; nothing is waited for)."""
+        self._require_worker().layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        """The step's forward pass is over; the writes go on without it."""
+        self._require_worker().step_over()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._require_worker().take_results()
@@ -420,6 +424,18 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             raise RuntimeError("KVSMConnector: a scheduler-side method was called on the worker-side instance")
         return self._scheduler
+
+
+def _stream_unsupported(groups: tuple[KVGroup, ...], cfg: KVSMConfig) -> str:
+    """Why this engine cannot stream (``""``: it can): streamed push writes one
+    attention group's blocks, layer by layer, rank to rank."""
+    if len(groups) > 1:
+        return f"this model has {len(groups)} KV cache groups; streamed push moves one"
+    if groups and groups[0].kind not in ("full", "mla"):
+        return f"its KV cache group is {groups[0].kind}; streamed push moves full attention and MLA only"
+    if cfg.pp_size > 1:
+        return "pipeline parallel engines are not supported by streamed push"
+    return ""
 
 
 def _stop_later(ref: weakref.ref[KVSMConnector]) -> Any:

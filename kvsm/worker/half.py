@@ -123,6 +123,7 @@ class WorkerHalf:
         """Hand one step's metadata to the loop (never blocks). If the loop cannot
         take it (stopped, or drowning), every request in it fails visibly now
         rather than wait forever."""
+        self.sender.writer.streamer.stepping(bool(meta.stream_steps))
         if not meta:
             return
         if not self._started:
@@ -147,6 +148,14 @@ class WorkerHalf:
         self.stats.failure("internal")
         self.ctx.note("worker.step_refused", None, step=meta.step, recv_start=[s.req for s in meta.recv_start],
                    recv_abort=[a.req for a in meta.recv_abort], send_finish=[f.req for f in meta.send_finish])
+
+    def layer_saved(self, layer: str) -> None:
+        """vLLM's forward pass is done with ``layer`` (model thread; posts only)."""
+        self.sender.writer.streamer.layer_saved(layer)
+
+    def step_over(self) -> None:
+        """vLLM's forward pass of the step is over (model thread; posts only)."""
+        self.sender.writer.streamer.step_over()
 
     def pin_target(self) -> PinTarget | None:
         """How this engine's scheduler reaches this worker's pin channel (None: it
@@ -186,6 +195,8 @@ class WorkerHalf:
             if self.send.known(s.req):
                 continue  # its finish came first, straight from the scheduler
             self.send.create(s.req)
+        if meta.send_start or meta.stream_steps:
+            sender.writer.streamer.on_step(meta.send_start, meta.stream_steps)
         for finish in meta.send_finish:
             guard(finish.req, sender._on_send_finish, (finish, "next_step"))
         for target in meta.heartbeats:

@@ -96,6 +96,10 @@ class WriteAsker:
         """What ``link``'s prefill worker writes, from its side: its blocks are the source."""
         start, src = io.start, link.source
         assert src is not None
+        if start.stream:  # by position, as the prefill computes: whole blocks, rank to rank
+            return WriteSpec(req=start.remote_req, dst_req=start.req, notif=landed_notif(start.req, link.index),
+                             readers=link.readers, src_blocks=[], dst_blocks=list(start.local_block_ids),
+                             deadline_wall_ns=deadline_wall_ns, stream=True, dst_first=start.first_position)
         here, there = start.block_sizes
         return WriteSpec(
             req=start.remote_req, dst_req=start.req, notif=landed_notif(start.req, link.index), readers=link.readers,

@@ -25,6 +25,7 @@ from kvsm.transport.base import TransferState, XferHandle
 from kvsm.transport.regions import Segments
 from kvsm.worker.context import WorkerContext
 from kvsm.worker.push_notif import ended_notif
+from kvsm.worker.push_stream import Streamer
 from kvsm.worker.runner import Effect
 
 
@@ -50,12 +51,14 @@ class Writer:
         self.loop = ctx.loop
         self._apply_send = ctx.apply_send
         self.writes: dict[str, dict[str, _Write]] = {}  # prefill request -> decode rank -> its write
+        self.streamer = Streamer(ctx)  # streamed push
         self.effects: dict[str, Effect] = {
-            "post_write": self._post_write, "cancel_writes": self._cancel_writes, "count_write": self._count_write}
+            "post_write": self._post_write, "cancel_writes": self._cancel_writes, "count_write": self._count_write,
+            **self.streamer.effects}
 
     def busy(self) -> bool:
         """Writes are in flight (the poll keeps its full speed)."""
-        return bool(self.writes)
+        return bool(self.writes) or self.streamer.busy()
 
     # -- the side channel's ask ------------------------------------------------------------
 
@@ -76,6 +79,9 @@ class Writer:
         answers: dict[str, str] = {}
         for spec in ask.writes:
             req = spec.req
+            if spec.stream:
+                answers[req] = self.streamer.on_ask(ask, spec, agent, unreachable, wall, now)
+                continue
             if req not in self.ctx.send:
                 answers[req] = self.ctx.send.verdict(req, CLAIM_ANSWERS)
                 continue
@@ -136,6 +142,7 @@ class Writer:
         for reader, w in list(self.writes.get(req, {}).items()):
             self._cancel(req, reader, w, "its blocks were freed")
         self.writes.pop(req, None)
+        self.streamer.cancel(req)
 
     def _count_write(self, req: str, o: Outcome) -> None:
         assert isinstance(o.event, ev.WriteDone)
@@ -150,6 +157,7 @@ class Writer:
 
     def poll(self) -> None:
         """Check every write in flight (from the notification poll)."""
+        self.streamer.poll()
         for req, by_reader in list(self.writes.items()):
             for reader, w in list(by_reader.items()):
                 if w.handle is not None:
@@ -214,3 +222,4 @@ class Writer:
         """The request's machine ended: nothing of its writes is left (cancelled first)."""
         if req in self.writes:
             self._cancel_writes(req, None)  # type: ignore[arg-type]
+        self.streamer.ended(req)

@@ -96,7 +96,7 @@ class ReadPlanner:
         """Why this request cannot be read at all, before any I/O."""
         if start.problem:
             return ("bad_params", start.problem)
-        if len(start.remote_block_ids) != len(start.local_block_ids):
+        if len(start.remote_block_ids) != len(start.local_block_ids) and not start.stream:
             return ("bad_params", (f"{len(start.local_block_ids)} local blocks to fill but the prefill side "
                                    f"offers {len(start.remote_block_ids)} (remote_block_ids too short?)"))
         groups = self.transport.num_groups if self.transport is not None else 1

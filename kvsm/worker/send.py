@@ -134,7 +134,11 @@ class Sender:
         """Answer a decode worker's claims, heartbeats and abandons (``readers``: the
         decode ranks that have business with these blocks here, the requester one of them)."""
         answers: dict[str, str] = {}
+        streams = self.writer.streamer.keys
         for req in claims:
+            if req in streams:  # streamed push: claimed by its join key
+                answers[req] = self._on_stream_claim(kind, requester, streams[req], readers)
+                continue
             if kind == "abandon":
                 waiting = 0
                 if not self.send.known(req):
@@ -160,6 +164,18 @@ class Sender:
             self._progress_now()
             self._arm_notif_poll(soon=True)
         return answers
+
+    def _on_stream_claim(self, kind: str, requester: str, req: str, readers: int) -> str:
+        """A claim, heartbeat or abandon of a streamed request, named by its join key:
+        the table may grant it before the prefill finished here."""
+        if kind == "abandon":
+            self._apply_send(ev.RemoteAbandoned(req=req, reason=f"abandoned by {requester}", reader=requester,
+                                                readers=readers))
+            return ANSWER_OK
+        if req not in self.send:
+            return self.send.verdict(req, CLAIM_ANSWERS)
+        o = self._apply_send(ev.StreamClaimed(req=req, lease_ns=self.cfg.lease_ns, reader=requester))
+        return ANSWER_OK if o is not None and o.ok and not o.stale else ANSWER_UNKNOWN
 
     def _progress_now(self) -> None:
         """Poll NIXL notifications now instead of at the poll timer (re-armed after).

@@ -1,0 +1,78 @@
+"""Streamed push, prefill side of the scheduler: what each step computes of each
+streamed request (``StreamStep``), for the workers that write it layer by layer.
+
+vLLM's scheduler output says which requests a step computes and how many
+tokens; their blocks come as lists for new requests and as additions for
+running ones (a whole new list for one resumed after preemption). The request
+itself says how many tokens were computed before the step (vLLM moves its
+count on only after ``build_connector_meta``). No vLLM import: the objects are
+read by attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsm.handoff.facts import STREAM_KEY, STREAM_MODE, StreamStep
+
+# A join key is an id like a request's: printable, bounded.
+MAX_KEY_LENGTH = 256
+
+
+@dataclass
+class _Stream:
+    key: str
+    request: Any  # vLLM's Request (num_computed_tokens, num_prompt_tokens)
+    blocks: list[int] = field(default_factory=list)
+
+
+class StreamSteps:
+    """The streamed prefill requests of one engine, from their arrival to their finish."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._streams)
+
+    @staticmethod
+    def wanted(params: Mapping[str, Any]) -> bool:
+        """A prefill leg of a streamed pair (its join key is a printable id)."""
+        key = params.get(STREAM_KEY)
+        return (params.get("transfer_mode") == STREAM_MODE and isinstance(key, str)
+                and 0 < len(key) <= MAX_KEY_LENGTH and key.isprintable())
+
+    def add(self, request: Any, params: Mapping[str, Any]) -> None:
+        self._streams[request.request_id] = _Stream(str(params[STREAM_KEY]), request)
+
+    def key_of(self, req: str) -> str:
+        s = self._streams.get(req)
+        return s.key if s is not None else ""
+
+    def discard(self, req: str) -> None:
+        self._streams.pop(req, None)
+
+    def steps(self, out: Any) -> list[StreamStep]:
+        """This step's part of each streamed request's prompt (``out``: vLLM's SchedulerOutput)."""
+        scheduled: Mapping[str, int] = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            s = self._streams.get(new.req_id)
+            if s is not None:
+                s.blocks = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for req, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            s = self._streams.get(req)
+            if s is not None and ids is not None:
+                s.blocks = list(ids[0]) if req in resumed else s.blocks + list(ids[0])
+        facts = []
+        for req, s in self._streams.items():
+            n = scheduled.get(req, 0)
+            start, prompt = int(s.request.num_computed_tokens), int(s.request.num_prompt_tokens)
+            if n <= 0 or start >= prompt:
+                continue
+            end = min(prompt, start + n)
+            facts.append(StreamStep(req=req, block_ids=tuple(s.blocks), start=start, end=end, last=end >= prompt))
+        return facts

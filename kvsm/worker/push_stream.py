@@ -1,0 +1,362 @@
+"""Streamed push, prefill side: each layer's KV goes into the decode worker's
+blocks as soon as that layer's forward pass is done.
+
+The router sends both legs at once with one join key. The decode worker
+claims the request by that key and asks for the writes (a ``WriteSpec`` with
+``stream``: its blocks by position, no source blocks); the scheduler half
+tells this worker, step by step, which tokens of which streamed request a step
+computes and in which blocks (``StreamStep``). vLLM calls ``save_kv_layer``
+after each attention layer and ``wait_for_save`` after the forward pass: both
+only post to the loop (``layer_saved``, ``step_over``), which posts one NIXL
+WRITE per layer of the blocks the step filled. An ask that comes late (the
+prefill under way or over) first writes what is computed already.
+
+The decode worker hears of the end by the notification the last write
+carries: posted only once every earlier write is over (NIXL orders a write's
+notification after that write's bytes, not after other writes'), so when the
+last layer of the last step is done, only its own write is left. A write that
+fails, a deadline that passes, blocks freed under the writes: the decode rank
+is told (``failed``: nothing in flight; ``cancelled``: bytes may still land,
+so it waits for its deadline), as for push mode's whole write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from kvsm.handoff.facts import SendStart, StreamStep
+from kvsm.handshake.messages import WriteAsk, WriteSpec
+from kvsm.lifecycle import events as ev
+from kvsm.lifecycle.folds import LEASE_MARGIN_NS
+from kvsm.lifecycle.machine import Outcome
+from kvsm.lifecycle.table import ANSWER_OK, ANSWER_UNKNOWN
+from kvsm.transport.base import TransferState, XferHandle
+from kvsm.worker.context import WorkerContext
+from kvsm.worker.push_notif import ended_notif
+from kvsm.worker.runner import Effect
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far a streamed request's KV is computed here."""
+
+    key: str
+    blocks: tuple[int, ...] = ()  # by position
+    done: int = 0  # tokens every layer holds
+    start: int = 0  # the step under way computes tokens start..end
+    end: int = 0
+    layers_done: int = 0  # of the step under way, in the forward pass's order
+    last: bool = False  # that step computes the prompt's last tokens
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One decode rank's streamed write of one request."""
+
+    agent: str
+    spec: WriteSpec
+    deadline_ns: int  # the loop's clock: nothing of it may be in flight after this
+    written: list[int]  # per layer: tokens written so far (from the first)
+    handles: list[XferHandle] = field(default_factory=list)
+    final: XferHandle | None = None  # the write carrying the notification
+
+
+class Streamer:
+    """The sending part's streamed writes."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.loop = ctx.loop
+        self._apply_send = ctx.apply_send
+        self.keys: dict[str, str] = {}  # join key -> our request
+        self.progress: dict[str, _Progress] = {}
+        self.streams: dict[str, dict[str, _Stream]] = {}  # request -> decode rank -> its stream
+        self._step_reqs: list[str] = []
+        self._index: dict[str, int] | None = None
+        # Model thread only: whether this step computes a streamed request.
+        self._stepping = False
+        self.effects: dict[str, Effect] = {"start_stream": self._start_stream}
+
+    def busy(self) -> bool:
+        return bool(self.streams)
+
+    @property
+    def layers(self) -> dict[str, int]:
+        if self._index is None:
+            transport = self.ctx.transport
+            names = transport.layers() if transport is not None else None
+            self._index = {name: i for i, name in enumerate(names or ())}
+        return self._index
+
+    # -- the model thread: posts only ------------------------------------------------------
+
+    def stepping(self, on: bool) -> None:
+        self._stepping = on
+
+    def layer_saved(self, layer: str) -> None:
+        if self._stepping:
+            self.loop.post(partial(self._guarded, self._on_layer, layer), label="stream layer")
+
+    def step_over(self) -> None:
+        if self._stepping:
+            self._stepping = False
+            self.loop.post(partial(self._guarded, self._on_step_over, None), label="stream step over")
+
+    def _guarded(self, fn: Callable[[Any], object], arg: Any) -> None:
+        self.ctx.guard(None, fn, arg)
+
+    # -- the loop: what the scheduler says ---------------------------------------------------
+
+    def on_step(self, starts: list[SendStart], steps: list[StreamStep]) -> None:
+        for s in starts:
+            if s.stream:
+                self.keys[s.stream] = s.req
+                self.progress.setdefault(s.req, _Progress(s.stream))
+        self._step_reqs = []
+        for st in steps:
+            p = self.progress.get(st.req)
+            if p is None:
+                self.ctx.note("worker.stream_step_unknown", st.req)
+                continue
+            # Tokens before this step are computed: by an earlier step or the prefix cache.
+            p.done = max(p.done, p.end, st.start)
+            p.blocks, p.start, p.end, p.layers_done, p.last = st.block_ids, st.start, st.end, 0, st.last
+            self._step_reqs.append(st.req)
+
+    def _on_layer(self, layer: str) -> None:
+        idx = self.layers.get(layer)
+        if idx is None:
+            return
+        for req in self._step_reqs:
+            p = self.progress.get(req)
+            if p is None:
+                continue
+            p.layers_done = idx + 1
+            for reader, w in list(self.streams.get(req, {}).items()):
+                self.ctx.guard(req, self._write_layer, (req, reader, w, idx, p.end))
+
+    def _on_step_over(self, _: None) -> None:
+        for req in self._step_reqs:
+            p = self.progress.get(req)
+            if p is None:
+                continue
+            p.done, p.layers_done = p.end, len(self.layers)
+            for reader, w in list(self.streams.get(req, {}).items()):
+                self.ctx.guard(req, self._catch_up, (req, reader, w))
+        self._step_reqs = []
+
+    # -- the decode worker's ask ---------------------------------------------------------------
+
+    def on_ask(self, ask: WriteAsk, spec: WriteSpec, agent: str, unreachable: str, wall: int, now: int) -> str:
+        """Answer one streamed write ask: "ok" (taken), "unknown" (not known here yet,
+        or in no state to stream), "expired" (it will never be written)."""
+        req = self.keys.get(spec.req)
+        if req is None or req not in self.ctx.send:
+            return ANSWER_UNKNOWN
+        left = spec.deadline_wall_ns - LEASE_MARGIN_NS - wall
+        if left <= 0 or unreachable or not self.layers:
+            why = unreachable or ("this worker's KV pool has no layers to stream" if left > 0 else
+                                  f"its write ask came {-left / 1e9:.3f} s past its deadline")
+            self._apply_send(ev.RemoteAbandoned(req=req, reason=f"write ask of {ask.requester}: {why}"[:300],
+                                                reader=ask.requester, readers=spec.readers))
+            return "expired"
+        if ask.requester in self.streams.get(req, {}):
+            return ANSWER_OK
+        w = _Stream(agent, spec, now + left, [0] * len(self.layers))
+        self.streams.setdefault(req, {})[ask.requester] = w
+        o = self._apply_send(ev.StreamAsked(req=req, reader=ask.requester, readers=spec.readers,
+                                            num_blocks=len(spec.dst_blocks), deadline_wall_ns=spec.deadline_wall_ns))
+        if o is None or not o.ok or o.stale:
+            self._drop(req, ask.requester)
+            return ANSWER_UNKNOWN
+        return ANSWER_OK
+
+    def _start_stream(self, req: str, o: Outcome) -> None:
+        """Write what is computed already (the ask came after some of it)."""
+        assert isinstance(o.event, ev.StreamAsked)
+        reader = o.event.reader
+        w = self.streams.get(req, {}).get(reader)
+        if w is not None:
+            self._catch_up((req, reader, w))
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def _catch_up(self, item: tuple[str, str, _Stream]) -> None:
+        req, reader, w = item
+        p = self.progress.get(req)
+        if p is None:
+            self._fail(req, reader, w, "nothing is known here of the request's blocks")
+            return
+        for idx in range(len(w.written)):
+            if self.streams.get(req, {}).get(reader) is not w:
+                return  # failed meanwhile
+            self._write_layer((req, reader, w, idx, p.end if idx < p.layers_done else p.done))
+        self._maybe_final(req, reader, w)
+
+    def _write_layer(self, item: tuple[str, str, _Stream, int, int]) -> None:
+        """Write layer ``idx`` of the blocks holding tokens not written yet, up to ``upto``."""
+        req, reader, w, idx, upto = item
+        p = self.progress.get(req)
+        have = w.written[idx]
+        if p is None or upto <= have or self.streams.get(req, {}).get(reader) is not w:
+            return
+        spec, size = w.spec, self.ctx.cfg.block_size
+        first, count = spec.dst_first, len(spec.dst_blocks)
+        lo = max(have // size, first)
+        hi = min((upto - 1) // size, first + count - 1, len(p.blocks) - 1)
+        w.written[idx] = upto
+        if lo > hi:
+            return
+        if self.loop.now_ns() >= w.deadline_ns:
+            self._fail(req, reader, w, "its deadline passed before the prefill computed it", cancelled=True)
+            return
+        # The last write of all carries the notification, once every other one is over.
+        final = self._complete(p, w) and self._settled(req, reader, w)
+        if self.streams.get(req, {}).get(reader) is not w:
+            return
+        transport = self.ctx.transport
+        assert transport is not None
+        layer = self._layer_name(idx)
+        try:
+            h = transport.post_layer_write(w.agent, layer, p.blocks[lo:hi + 1],
+                                           spec.dst_blocks[lo - first:hi - first + 1],
+                                           spec.notif if final else b"", tag=spec.dst_req)
+        except (ValueError, ConnectionError, NotImplementedError) as e:
+            self._fail(req, reader, w, f"{type(e).__name__}: {e}")
+            return
+        if transport.check(h) is TransferState.ERROR:
+            self._fail(req, reader, w, getattr(h, "error", "") or "the write ended in error")
+            return
+        if final:
+            w.final = h
+        else:
+            w.handles.append(h)
+
+    def _layer_name(self, idx: int) -> str:
+        for name, i in self.layers.items():
+            if i == idx:
+                return name
+        raise ValueError(f"no layer {idx}")
+
+    @staticmethod
+    def _complete(p: _Progress, w: _Stream) -> bool:
+        """Every layer of the whole prompt is written (or being written)."""
+        return p.last and all(x >= p.end for x in w.written)
+
+    def _settled(self, req: str, reader: str, w: _Stream) -> bool:
+        """Every write posted so far is over (one that failed fails the stream: False)."""
+        transport = self.ctx.transport
+        assert transport is not None
+        for h in list(w.handles):
+            state = transport.check(h)
+            if state is TransferState.DONE:
+                transport.release(h)
+                w.handles.remove(h)
+            elif state is TransferState.ERROR:
+                self._fail(req, reader, w, getattr(h, "error", "") or "a layer's write ended in error")
+                return False
+        return not w.handles
+
+    def _maybe_final(self, req: str, reader: str, w: _Stream) -> None:
+        """Every layer written and over, but no write carried the notification yet (the
+        last one went out while others were in flight): one small write carries it."""
+        p = self.progress.get(req)
+        if (w.final is not None or p is None or not self._complete(p, w)
+                or not self._settled(req, reader, w)):
+            return
+        spec, size = w.spec, self.ctx.cfg.block_size
+        pos = min((p.end - 1) // size, spec.dst_first + len(spec.dst_blocks) - 1, len(p.blocks) - 1)
+        transport = self.ctx.transport
+        assert transport is not None
+        try:
+            if pos < spec.dst_first:  # nothing of ours wanted: the notification alone
+                transport.send_notif(w.agent, spec.notif)
+                self._drop(req, reader)
+                self._apply_send(ev.WriteDone(req=req, reader=reader, readers=spec.readers))
+                return
+            w.final = transport.post_layer_write(w.agent, self._layer_name(len(w.written) - 1), [p.blocks[pos]],
+                                                 [spec.dst_blocks[pos - spec.dst_first]], spec.notif,
+                                                 tag=spec.dst_req)
+        except (ValueError, ConnectionError, NotImplementedError) as e:
+            self._fail(req, reader, w, f"{type(e).__name__}: {e}")
+
+    # -- the poll ------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        for req, by_reader in list(self.streams.items()):
+            for reader, w in list(by_reader.items()):
+                self.ctx.guard(req, self._check, (req, reader, w))
+
+    def _check(self, item: tuple[str, str, _Stream]) -> None:
+        req, reader, w = item
+        transport = self.ctx.transport
+        assert transport is not None
+        if w.final is not None and self._settled(req, reader, w):
+            state = transport.check(w.final)
+            if state is TransferState.DONE:
+                transport.release(w.final)
+                self._drop(req, reader)
+                self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers))
+                return
+            if state is TransferState.ERROR:
+                self._fail(req, reader, w, getattr(w.final, "error", "") or "the last write ended in error")
+                return
+        if self.streams.get(req, {}).get(reader) is not w:
+            return
+        if self.loop.now_ns() >= w.deadline_ns:
+            self._fail(req, reader, w, "cancelled in flight at its deadline", cancelled=True)
+        else:
+            self._maybe_final(req, reader, w)
+
+    # -- endings --------------------------------------------------------------------------------
+
+    def _stop(self, w: _Stream) -> bool:
+        """Release every write of ``w`` (in flight ones cancelled) and tell its decode
+        rank how it ended; True when some were in flight."""
+        transport = self.ctx.transport
+        if transport is None:
+            return False
+        in_flight = False
+        for h in [*w.handles, *([w.final] if w.final is not None else [])]:
+            in_flight |= transport.check(h) is TransferState.PENDING
+            transport.release(h, force=True)
+        w.handles.clear()
+        w.final = None
+        try:
+            transport.send_notif(w.agent, ended_notif(w.spec.notif, "cancelled" if in_flight else "failed"))
+        except ConnectionError:
+            pass  # its agent is gone: so is the decode rank's process
+        return in_flight
+
+    def _fail(self, req: str, reader: str, w: _Stream, detail: str, cancelled: bool = False) -> None:
+        if self.streams.get(req, {}).get(reader) is not w:
+            return
+        in_flight = self._stop(w)
+        self._drop(req, reader)
+        if in_flight or cancelled:
+            self.ctx.note("worker.write_cancelled", req, reader=reader, why=detail[:200])
+        self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers, ok=False, detail=detail[:300]))
+
+    def cancel(self, req: str) -> None:
+        """The blocks are freed (or the request ends): nothing more of it is written."""
+        for reader, w in list(self.streams.get(req, {}).items()):
+            self._stop(w)
+            self._drop(req, reader)
+
+    def _drop(self, req: str, reader: str) -> None:
+        by_reader = self.streams.get(req)
+        if by_reader is not None:
+            by_reader.pop(reader, None)
+            if not by_reader:
+                del self.streams[req]
+
+    def ended(self, req: str) -> None:
+        self.cancel(req)
+        p = self.progress.pop(req, None)
+        if p is not None and self.keys.get(p.key) == req:
+            del self.keys[p.key]
+        if req in self._step_reqs:
+            self._step_reqs.remove(req)
