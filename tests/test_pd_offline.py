@@ -23,8 +23,11 @@ import json
 import random
 import subprocess
 import sys
+import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,8 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.handoff.facts import PROMPT_FINGERPRINT_KEY, prompt_fingerprint
+from kvsm.handoff.facts import PRODUCER_KEY, PROMPT_FINGERPRINT_KEY, STREAM_KEY, prompt_fingerprint
+from kvsm.handshake.messages import PROTOCOL_VERSION
 from kvsm.replay import analyse
 from kvsm_testing import build_tiny_model
 from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
@@ -66,8 +70,20 @@ FRESH_D = _prompt(RNG, 180)
 PUSH_A = _prompt(RNG, 300)  # push mode (transfer_mode "push"): the prefill engine writes the blocks
 PUSH_B = _prompt(RNG, 40)
 PUSH_C = _prompt(RNG, 200)
+# Streamed push (transfer_mode "stream"): the prefill engine computes these in chunks of
+# CHUNK tokens, and writes each layer of each chunk as its forward pass ends.
+STREAM_A = _prompt(RNG, 450)  # fifteen chunks
+STREAM_B = _prompt(RNG, 60)  # one
+STREAM_C = _prompt(RNG, 300)  # three
+STREAM_PREFIX = LONG[:256] + _prompt(RNG, 150)  # shares LONG's two full blocks
+PREFILL_HIT = _prompt(RNG, 256) + _prompt(RNG, 20)  # its first two blocks: a pulled prompt's, cached there
+PREFILL_HIT_SEEN = PREFILL_HIT[:256] + _prompt(RNG, 30)
+CORRUPT_HIT = _prompt(RNG, 256) + _prompt(RNG, 25)  # the same shape, its prefill-side cache corrupted
+CORRUPT_HIT_SEEN = CORRUPT_HIT[:256] + _prompt(RNG, 35)
+CHUNK = 32
 ALL_PROMPTS = [SHORT, UNDER_BLOCK, ONE_BLOCK, LONG, LONG_PREFIX, FRESH_A, FRESH_B, FRESH_C, FRESH_D, PUSH_A, PUSH_B,
-               PUSH_C]
+               PUSH_C, STREAM_A, STREAM_B, STREAM_C, STREAM_PREFIX, PREFILL_HIT, PREFILL_HIT_SEEN, CORRUPT_HIT,
+               CORRUPT_HIT_SEEN]
 
 
 class Pair:
@@ -76,8 +92,10 @@ class Pair:
         self.logs = tmp / "logs"
         base = free_port_run(4)
         self.prefill, self.decode = started(
+            # Chunked prefill, as a long prompt's on a real deployment: several steps per prompt.
             PDEngine("prefill", "kv_producer", model=self.model, port=base, engine_id="prefill-pd",
-                     log_dir=self.logs, workdir=tmp, cpu=0, wait=False),
+                     log_dir=self.logs, workdir=tmp, cpu=0, wait=False,
+                     llm_kwargs={"max_num_batched_tokens": CHUNK, "enable_chunked_prefill": True}),
             PDEngine("decode", "kv_consumer", model=self.model, port=base + 2, engine_id="decode-pd",
                      log_dir=self.logs, workdir=tmp, cpu=1, wait=False,
                      extra={"kv_recompute_threshold": RECOMPUTE_THRESHOLD}))
@@ -90,6 +108,10 @@ class Pair:
         # to read), blocks read; and the prompts decoded by transfer (cached there now).
         self.ledger: Counter[str] = Counter()
         self.decoded: set[tuple[int, ...]] = set()
+        # What kvsm's router learns from a prefill engine's answers: where its side channel is.
+        self.prefill_coordinates = {"remote_engine_id": "prefill-pd", "remote_host": "127.0.0.1",
+                                    "remote_port": base, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+                                    PRODUCER_KEY: PROTOCOL_VERSION, "remote_block_size": BLOCK}
 
     def record(self, prompts: list[list[int]], *, reads: int, blocks: int, right: bool = True) -> None:
         """These prompts went to the decode engine; ``right``: with their own KV."""
@@ -110,6 +132,23 @@ class Pair:
     def prefill_params(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         # As a user does it: after generate returns, nothing steps the prefill engine again.
         return self.prefill.prefill_params(prompts)
+
+    def stream(self, prompts: list[list[int]], *, decode_first_s: float = 0.0,
+               cache_salt: str | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+        """Both legs of each prompt at once, as kvsm's router sends a streamed pair (a
+        join key in both); ``decode_first_s``: the decode legs that much ahead (a busy
+        prefill engine). The join keys and the decode outputs."""
+        keys = [f"kvsm-stream-{uuid.uuid4().hex}" for _ in prompts]
+        prefill_legs = [{"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "stream",
+                         STREAM_KEY: k} for k in keys]
+        decode_legs = [{"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "stream",
+                        STREAM_KEY: k, "remote_request_id": k, "remote_block_ids": [[]], **self.prefill_coordinates}
+                       for k in keys]
+        with ThreadPoolExecutor(1) as pool:
+            decoded = pool.submit(self.decode.generate, prompts, MAX_TOKENS, decode_legs, cache_salt=cache_salt)
+            time.sleep(decode_first_s)
+            self.prefill.generate(prompts, 1, prefill_legs)
+            return keys, decoded.result(timeout=120)
 
     def close(self) -> None:
         if not self.closed:
@@ -281,6 +320,107 @@ def test_push_mode_a_corrupted_write_breaks_the_comparison(pair: Pair) -> None:
     (out,) = pair.decode.generate([PUSH_C], MAX_TOKENS, [params])
     pair.record([PUSH_C], reads=1, blocks=2, right=False)
     assert out["token_ids"] != pair.reference[tuple(PUSH_C)], "a corrupted write went unnoticed"
+
+
+def _stream_story(pair: Pair, key: str) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """The prefill send machine's steps for the streamed request of join key ``key``
+    (once released), and its worker's ``worker.stream_written`` record."""
+    def written() -> tuple[list[tuple[str, str]], dict[str, Any]] | None:
+        records = [json.loads(line) for f in pair.logs.glob("prefill-pd.worker.*.jsonl")
+                   for line in f.read_text().splitlines() if line.strip()]
+        note = next((r for r in records if r.get("event") == "worker.stream_written" and r.get("key") == key), None)
+        if note is None:
+            return None
+        steps = [(r["event"], r["dst"]) for r in records
+                 if r.get("lifecycle") == "send" and r.get("req") == note["req"]]
+        return (steps, note) if steps and steps[-1][1] == "released" else None
+
+    return wait_until(written, 5, f"the streamed request {key} released in the prefill log")
+
+
+def test_stream_mode_writes_each_layer_while_the_prefill_computes(pair: Pair) -> None:
+    """transfer_mode "stream": both legs at once (the decode leg a little ahead, as when
+    the prefill engine is busy). The decode engine allocates and claims by the join key,
+    the prefill worker writes each layer of each chunk as it is computed, and the
+    last write lands right after the last layer: outputs equal the single engine's,
+    every prompt token came by the writes, and both logs tell that path."""
+    keys, outs = pair.stream([STREAM_A], decode_first_s=0.3)
+    pair.record([STREAM_A], reads=1, blocks=4)
+    (out,) = outs
+    assert out["token_ids"] == pair.reference[tuple(STREAM_A)]
+    assert out["num_cached_tokens"] == len(STREAM_A)
+    assert _matched_tokens(pair.logs, keys)[keys[0]] == len(STREAM_A)
+    steps, note = _stream_story(pair, keys[0])
+    # Asked while the prefill was computing, written over its chunks (2 layers each, and
+    # more blocks than one per write), done before or after the finish pinned the blocks.
+    assert ("stream_asked", "streaming") in steps, steps
+    assert steps[-1] in (("finished_ok", "released"), ("write_done", "released")), steps
+    assert note["steps"] == 15 and note["writes"] >= 2 * 4, note
+    assert note["last_layer_ns"] > 0 and note["done_ns"] >= note["last_layer_ns"], note
+    wait_until(lambda: not pair.prefill.request({"op": "state"})["worker"]["send"], 5, "nothing pinned")
+    records = [json.loads(line) for f in pair.logs.glob("decode-pd.worker.*.jsonl")
+               for line in f.read_text().splitlines() if line.strip()]
+    (mine,) = [r["req"] for r in records if r.get("event") == "matched" and r["input"]["remote_req"] == keys[0]]
+    wait_until(lambda: _machine_steps(pair.logs, "decode-pd.worker.*.jsonl", "recv", mine)[-1][1] == "done", 5,
+               "the decode request done in its log")
+    dsteps = _machine_steps(pair.logs, "decode-pd.worker.*.jsonl", "recv", mine)
+    assert [s for s in dsteps if s[0] in ("writes_asked", "writes_landed", "reads_posted")] == [
+        ("writes_asked", "being_written"), ("writes_landed", "done")], dsteps
+
+
+def test_stream_mode_legs_sent_together(pair: Pair) -> None:
+    """Both legs at the same moment (whichever engine is first): right either way."""
+    prompts = [STREAM_B, STREAM_C]
+    keys, outs = pair.stream(prompts)
+    pair.record(prompts, reads=2, blocks=4)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["token_ids"] == pair.reference[tuple(prompt)], f"{len(prompt)}-token prompt"
+        assert out["num_cached_tokens"] == len(prompt)
+    matched = _matched_tokens(pair.logs, keys)
+    assert [matched[k] for k in keys] == [len(p) for p in prompts]
+
+
+def test_stream_mode_a_local_prefix_hit_is_not_written(pair: Pair) -> None:
+    """STREAM_PREFIX shares LONG's two full blocks, cached on the decode engine: only the
+    blocks after them are asked for (written by position from the third on)."""
+    pair.ensure_decoded(LONG)
+    keys, (out,) = pair.stream([STREAM_PREFIX], decode_first_s=0.2)
+    pair.record([STREAM_PREFIX], reads=1, blocks=2)
+    assert out["token_ids"] == pair.reference[tuple(STREAM_PREFIX)]
+    assert out["num_cached_tokens"] == len(STREAM_PREFIX)
+    assert _matched_tokens(pair.logs, keys)[keys[0]] == len(STREAM_PREFIX) - 256
+
+
+def _pull_and_read(pair: Pair, prompt: list[int]) -> list[int]:
+    """``prompt`` through the pair by pull (its blocks then cached on both engines); its prefill blocks."""
+    (params,) = pair.prefill_params([prompt])
+    (out,) = pair.decode.generate([prompt], MAX_TOKENS, [params])
+    pair.record([prompt], reads=1, blocks=len(params["remote_block_ids"][0]))
+    assert out["token_ids"] == pair.reference[tuple(prompt)]
+    return list(params["remote_block_ids"][0])
+
+
+def test_stream_mode_a_prefill_prefix_hit_is_written_at_the_first_step(pair: Pair) -> None:
+    """The prefill engine holds the prompt's first two blocks in its prefix cache (an
+    earlier request's): computed before any step, they go with the first one. The
+    decode leg carries a cache salt, so that it has no hit of its own."""
+    _pull_and_read(pair, PREFILL_HIT_SEEN)
+    keys, (out,) = pair.stream([PREFILL_HIT], decode_first_s=0.2, cache_salt="stream-prefill-hit")
+    pair.record([PREFILL_HIT], reads=1, blocks=3, right=False)  # (salted: not in the decode's own cache)
+    assert out["token_ids"] == pair.reference[tuple(PREFILL_HIT)]
+    assert out["num_cached_tokens"] == len(PREFILL_HIT)
+    assert _matched_tokens(pair.logs, keys)[keys[0]] == len(PREFILL_HIT)
+
+
+def test_stream_mode_a_corrupted_write_breaks_the_comparison(pair: Pair) -> None:
+    """As above, with the prefill side's cached blocks corrupted first: the streamed
+    writes carry them, and the output differs (the comparison can tell)."""
+    blocks = _pull_and_read(pair, CORRUPT_HIT_SEEN)
+    pair.prefill.request({"op": "corrupt", "block_ids": blocks[:2]})
+    keys, (out,) = pair.stream([CORRUPT_HIT], decode_first_s=0.2, cache_salt="stream-corrupt")
+    pair.record([CORRUPT_HIT], reads=1, blocks=3, right=False)
+    assert _matched_tokens(pair.logs, keys)[keys[0]] == len(CORRUPT_HIT)
+    assert out["token_ids"] != pair.reference[tuple(CORRUPT_HIT)], "a corrupted streamed write went unnoticed"
 
 
 def test_corrupted_prefill_blocks_break_the_comparison(pair: Pair) -> None:

@@ -76,6 +76,7 @@ class WorkerHalf:
         self._relay_timer: TimerHandle | None = None
         self.keys_watch: KeysWatch | None = None
         self._started = False
+        self._posted_early = -1  # the step whose metadata its first layer posted (model thread)
 
     def _on_loop_error(self, err: LoopError) -> None:
         self.ctx.on_error(err)
@@ -123,9 +124,8 @@ class WorkerHalf:
         """Hand one step's metadata to the loop (never blocks). If the loop cannot
         take it (stopped, or drowning), every request in it fails visibly now
         rather than wait forever."""
-        self.sender.writer.streamer.stepping(bool(meta.stream_steps))
-        if not meta:
-            return
+        if not meta or meta.step == self._posted_early:
+            return  # (nothing, or posted already by the step's first layer: streamed push)
         if not self._started:
             raise RuntimeError("KVSMConnector worker: metadata arrived before register_kv_caches")
         if not self.loop.post(lambda: self._on_metadata(meta), label=f"metadata step {meta.step}"):
@@ -149,9 +149,17 @@ class WorkerHalf:
         self.ctx.note("worker.step_refused", None, step=meta.step, recv_start=[s.req for s in meta.recv_start],
                    recv_abort=[a.req for a in meta.recv_abort], send_finish=[f.req for f in meta.send_finish])
 
-    def layer_saved(self, layer: str) -> None:
-        """vLLM's forward pass is done with ``layer`` (model thread; posts only)."""
-        self.sender.writer.streamer.layer_saved(layer)
+    def layer_saved(self, layer: str, meta: StepFacts) -> None:
+        """vLLM's forward pass is done with ``layer`` (model thread; posts only).
+        vLLM hands the step's metadata over (``start_load_kv``) only after the
+        forward pass; a step that computes a streamed request posts it with its
+        first layer instead, so the loop knows the step's blocks before its layers."""
+        streamer = self.sender.writer.streamer
+        if meta.stream_steps and meta.step != self._posted_early:
+            self.submit(meta)
+            self._posted_early = meta.step
+            streamer.stepping(True)
+        streamer.layer_saved(layer)
 
     def step_over(self) -> None:
         """vLLM's forward pass of the step is over (model thread; posts only)."""

@@ -50,6 +50,8 @@ class _Progress:
     end: int = 0
     layers_done: int = 0  # of the step under way, in the forward pass's order
     last: bool = False  # that step computes the prompt's last tokens
+    steps: int = 0  # steps that computed some of it
+    last_layer_ns: int = 0  # when the prompt's last layer was done (the handover's start)
 
 
 @dataclass(slots=True)
@@ -62,6 +64,7 @@ class _Stream:
     written: list[int]  # per layer: tokens written so far (from the first)
     handles: list[XferHandle] = field(default_factory=list)
     final: XferHandle | None = None  # the write carrying the notification
+    writes: int = 0  # posted so far
 
 
 class Streamer:
@@ -98,7 +101,7 @@ class Streamer:
 
     def layer_saved(self, layer: str) -> None:
         if self._stepping:
-            self.loop.post(partial(self._guarded, self._on_layer, layer), label="stream layer")
+            self.loop.post(partial(self._guarded, self._on_layer, (layer, self.loop.now_ns())), label="stream layer")
 
     def step_over(self) -> None:
         if self._stepping:
@@ -124,9 +127,11 @@ class Streamer:
             # Tokens before this step are computed: by an earlier step or the prefix cache.
             p.done = max(p.done, p.end, st.start)
             p.blocks, p.start, p.end, p.layers_done, p.last = st.block_ids, st.start, st.end, 0, st.last
+            p.steps += 1
             self._step_reqs.append(st.req)
 
-    def _on_layer(self, layer: str) -> None:
+    def _on_layer(self, item: tuple[str, int]) -> None:
+        layer, at_ns = item
         idx = self.layers.get(layer)
         if idx is None:
             return
@@ -135,6 +140,8 @@ class Streamer:
             if p is None:
                 continue
             p.layers_done = idx + 1
+            if p.last and p.layers_done == len(self.layers):
+                p.last_layer_ns = at_ns
             for reader, w in list(self.streams.get(req, {}).items()):
                 self.ctx.guard(req, self._write_layer, (req, reader, w, idx, p.end))
 
@@ -230,6 +237,7 @@ class Streamer:
         if transport.check(h) is TransferState.ERROR:
             self._fail(req, reader, w, getattr(h, "error", "") or "the write ended in error")
             return
+        w.writes += 1
         if final:
             w.final = h
         else:
@@ -280,6 +288,7 @@ class Streamer:
             w.final = transport.post_layer_write(w.agent, self._layer_name(len(w.written) - 1), [p.blocks[pos]],
                                                  [spec.dst_blocks[pos - spec.dst_first]], spec.notif,
                                                  tag=spec.dst_req)
+            w.writes += 1
         except (ValueError, ConnectionError, NotImplementedError) as e:
             self._fail(req, reader, w, f"{type(e).__name__}: {e}")
 
@@ -299,6 +308,11 @@ class Streamer:
             if state is TransferState.DONE:
                 transport.release(w.final)
                 self._drop(req, reader)
+                p = self.progress.get(req)
+                # The handover's tail starts when the prompt's last layer was done here.
+                self.ctx.note("worker.stream_written", req, key=p.key if p else "", reader=reader, writes=w.writes,
+                              steps=p.steps if p else 0, last_layer_ns=p.last_layer_ns if p else 0,
+                              done_ns=self.loop.now_ns())
                 self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers))
                 return
             if state is TransferState.ERROR:
