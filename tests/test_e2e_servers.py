@@ -11,6 +11,7 @@ streaming and errors).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import random
 import re
 import socket
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -371,3 +373,50 @@ def test_push_mode_on_api_servers_every_prompt_token_written_by_the_prefill_serv
 
     text = wait_until(counted, 20, "the decode server's metrics to count the written prompts")
     assert metric(text, external, source="local_compute") == metric(decode0, external, source="local_compute")
+
+
+def test_stream_mode_through_kvsms_router(pair: Pair, tmp_path: Path) -> None:
+    """kvsm's router with ``--transfer-mode stream`` in front of the API servers: its
+    first request to the prefill server goes sequentially (push) and teaches it that
+    server's side channel; the next go streamed, both legs at once with one join key,
+    the prefill server writing into the decode server's blocks as it computes. The
+    answers equal the prefill server's own, the router counts the streamed pairs, the
+    logs show the streamed path (claimed by the join key, written, no read), and both
+    sides end clean."""
+    from kvsm_testing.servers import RouterProcess
+
+    rng = random.Random(44)
+    prompts = [_ids(rng, n) for n in (90, 400, 250)]  # never seen before: nothing cached
+    references = [pair.complete(pair.prefill, p, 8)["choices"][0]["text"] for p in prompts]
+    with RouterProcess([pair.prefill.url], [pair.decode.url], tmp_path, timeout_s=60,
+                       extra_args=("--transfer-mode", "stream")) as router:
+        router.start()
+        for prompt, reference in zip(prompts, references, strict=True):
+            body = {"model": pair.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            req = urllib.request.Request(router.url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert json.loads(r.read())["choices"][0]["text"] == reference
+        with urllib.request.urlopen(router.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert metric(text, "kvsm_router_stream_pairs_total") == 2, text
+        assert metric(text, "kvsm_router_stream_fallback_sequential_total", reason="unknown_backend") == 1, text
+    # The streamed requests, by the join keys the decode server's worker matched.
+    def streamed() -> list[dict[str, Any]] | None:
+        records = _records(pair.logs)
+        keys = [r["input"]["remote_req"] for r in records
+                if r.get("event") == "matched" and str(r["input"].get("remote_req", "")).startswith("kvsm-stream-")]
+        written = [r for r in records if r.get("event") == "worker.stream_written" and r.get("key") in keys]
+        return records if len(keys) == 2 and len(written) == 2 else None
+
+    records = wait_until(streamed, 20, "two streamed requests written in the event logs")
+    for note in (r for r in records if r.get("event") == "worker.stream_written"):
+        send = [r["event"] for r in records if r.get("lifecycle") == "send" and r.get("req") == note["req"]]
+        assert "stream_claimed" in send and "stream_asked" in send and "read_notif" not in send, send
+    reqs = {r["req"] for r in records if r.get("event") == "worker.stream_written"}
+
+    def released() -> bool:
+        last = {r["req"]: r["dst"] for r in _records(pair.logs) if r.get("lifecycle") == "send" and r["req"] in reqs}
+        return all(last.get(q) in LIFECYCLES["send"].terminal for q in reqs)
+
+    wait_until(released, 10, "the streamed requests released on the prefill side")
