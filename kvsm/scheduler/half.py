@@ -518,7 +518,7 @@ class SchedulerHalf:
     def pending_counts(self) -> dict[str, int]:
         """Live requests in each state and the indexes' sizes (tests check they drain)."""
         return {**self.requests.count_by_state(), "heartbeat_groups": len(self._claims),
-                "readers": len(self._reader_of), "held_blocks": self._holds.total}
+                "readers": len(self._reader_of), "held_blocks": self._holds.total, "streams": len(self._streams)}
 
     def _note(self, event: str, req: str | None, **fields: Any) -> None:
         if self.log is not None:

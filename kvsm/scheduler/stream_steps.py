@@ -34,8 +34,8 @@ class StreamSteps:
     def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._streams)
+    def __len__(self) -> int:
+        return len(self._streams)
 
     @staticmethod
     def wanted(params: Mapping[str, Any]) -> bool:

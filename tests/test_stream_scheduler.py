@@ -1,0 +1,140 @@
+"""Streamed push (transfer_mode "stream") in KVSMConnector's scheduler half,
+driven by vLLM's real Scheduler (no model).
+
+The prefill side tells its workers, step by step, what each step computes of a
+streamed request (``StreamStep``: the blocks by position, the tokens, the last
+step), starting with its join key (``SendStart.stream``); the decode side
+matches the whole prompt before the prefill computes it and relays its blocks
+by position (``RecvStart.stream``); what cannot be streamed is refused with a
+reason, and the request runs locally.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import require
+
+require("vllm")
+
+from test_connector_scheduler import drained, harness, meta_of, pending
+
+from kvsm.handoff.facts import PRODUCER_KEY, STREAM_KEY
+from kvsm.handshake import PROTOCOL_VERSION
+
+KEY = "kvsm-stream-0123abcd"
+
+
+def prefill_leg(key: str = KEY) -> dict[str, Any]:
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "stream", STREAM_KEY: key}
+
+
+def decode_leg(key: str = KEY, **overrides: Any) -> dict[str, Any]:
+    """What kvsm's router sends the decode engine of a streamed pair."""
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "stream", STREAM_KEY: key,
+              "remote_request_id": key, "remote_block_ids": [[]], "remote_engine_id": "prefill-engine",
+              "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "pp_size": 1,
+              PRODUCER_KEY: PROTOCOL_VERSION, "remote_block_size": 16}
+    params.update(overrides)
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def test_a_streamed_prefill_tells_its_workers_each_steps_tokens_and_blocks() -> None:
+    """A 100-token prompt in chunks of 32: four steps, each saying which tokens it
+    computes and the request's blocks so far, the last one marked; the key with the
+    first step; a plain prefill beside it says nothing of steps."""
+    with harness("kv_producer", max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256) as h:
+        free0 = h.free_blocks()
+        h.add_request(100, kv_transfer_params=prefill_leg(), max_tokens=1, request_id="p-s")
+        h.add_request(20, kv_transfer_params={"do_remote_decode": True}, max_tokens=1, request_id="p-plain")
+        steps = []
+        while "p-s" not in {rid for r in steps for rid in r.finished}:
+            steps.append(h.step())
+            assert len(steps) < 20
+        metas = [meta_of(s) for s in steps]
+        assert [(s.req, s.stream) for s in metas[0].send_start][:1] == [("p-s", KEY)]
+        facts = [(f.start, f.end, f.last, len(f.block_ids)) for m in metas for f in m.stream_steps]
+        # (the plain prefill shares the first steps' budget: what is left of 32 tokens each)
+        assert facts[-1][1:3] == (100, True) and all(not last for _, _, last, _ in facts[:-1]), facts
+        assert [a for a, *_ in facts] == sorted(a for a, *_ in facts) and facts[0][0] == 0, facts
+        assert all(prev[1] == nxt[0] for prev, nxt in zip(facts, facts[1:], strict=False)), facts
+        assert all(n == -(-end // 16) for _, end, _, n in facts), facts  # its blocks, by position
+        assert all(f.req == "p-s" for m in metas for f in m.stream_steps)
+        blocks = [f.block_ids for m in metas for f in m.stream_steps]
+        assert all(b[:len(a)] == a for a, b in zip(blocks, blocks[1:], strict=False)), blocks  # only grown
+        h.run_until_idle(finished_sending={"p-s", "p-plain"})
+        assert h.free_blocks() == free0
+        drained(h)
+
+
+def test_a_streamed_decode_request_is_matched_before_the_prefill_computes(tmp_path: Path) -> None:
+    with harness("kv_consumer", tmp_path) as h:
+        h.add_request(40, kv_transfer_params=decode_leg(), max_tokens=2, request_id="d-s")
+        (start,) = meta_of(h.step()).recv_start
+        assert (start.stream, start.push, start.remote_req, start.remote_block_ids) == (True, True, KEY, ())
+        assert start.local_block_ids == tuple(h.block_ids("d-s")[0]) and len(start.local_block_ids) == 3
+        assert (start.num_tokens, start.first_position, start.awaited) == (40, 0, True)
+        assert h.request("d-s").status.name == "WAITING_FOR_REMOTE_KVS"
+        h.step(finished_recving={"d-s"})
+        h.run_until_idle()
+        drained(h)
+
+
+def test_a_local_prefix_hit_is_not_asked_for() -> None:
+    """The prompt's first two blocks are cached here: only the third is asked for,
+    by its position."""
+    with harness("kv_consumer") as h:
+        prompt = h.make_prompt(40)
+        h.add_request(prompt, max_tokens=1, request_id="local")
+        h.run_until_idle()
+        h.add_request(prompt, kv_transfer_params=decode_leg(), max_tokens=1, request_id="d-hit")
+        (start,) = meta_of(h.step()).recv_start
+        assert (start.num_tokens, start.first_position, len(start.local_block_ids)) == (8, 2, 1)
+        assert start.local_block_ids == tuple(h.block_ids("d-hit")[0][2:])
+        h.step(finished_recving={"d-hit"})
+        h.run_until_idle()
+        drained(h)
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    ({"remote_block_size": 32}, "blocks hold 32 tokens, this engine's 16"),
+    ({"tp_size": 2}, "tensor parallel sizes differ"),
+    ({"pp_size": 2}, "pipeline parallel"),
+    ({STREAM_KEY: "another-key"}, "must be the join key"),
+    ({"remote_block_ids": [[3, 4]]}, "remote_block_ids must be empty"),
+    ({PRODUCER_KEY: None}, "only a kvsm prefill engine streams"),
+    ({"transfer_mode": "streamed"}, "transfer_mode 'streamed'"),
+])
+def test_what_cannot_be_streamed_runs_locally_and_says_why(tmp_path: Path, overrides: dict[str, Any],
+                                                           needle: str) -> None:
+    with harness("kv_consumer", tmp_path) as h:
+        h.add_request(40, kv_transfer_params=decode_leg(**overrides), max_tokens=2, request_id="d-x")
+        s = h.step()
+        assert not meta_of(s).recv_start and "d-x" in s.scheduled
+        assert pending(h)["ignored"] == 1
+        h.run_until_idle()
+        drained(h)
+    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    reasons = [r["reason"] for r in records if r["event"] == "sched.params_ignored"]
+    assert reasons and needle in reasons[0], reasons
+
+
+def test_a_model_of_several_kv_cache_groups_refuses_to_stream(tmp_path: Path) -> None:
+    """Gemma 2's shape (sliding window beside full attention): streamed push moves one
+    group, so both roles say so; the prefill leg runs as a plain one (its finish pins)."""
+    with harness("kv_both", tmp_path, sliding_window=32) as h:
+        h.add_request(40, kv_transfer_params=decode_leg(remote_block_ids=[[], []]), max_tokens=1, request_id="d-g")
+        h.add_request(40, kv_transfer_params=prefill_leg(), max_tokens=1, request_id="p-g")
+        s = h.step()
+        assert not meta_of(s).recv_start and not meta_of(s).stream_steps
+        assert [x.stream for x in meta_of(s).send_start] == [""]
+        h.run_until_idle(finished_sending={"p-g"})
+        drained(h)
+    records = [json.loads(line) for f in (tmp_path / "logs").glob("*.jsonl") for line in f.read_text().splitlines()]
+    said = [r.get("reason") or r.get("why") for r in records
+            if r["event"] in ("sched.params_ignored", "sched.stream_refused")]
+    assert len(said) == 2 and all("2 KV cache groups" in why for why in said), said
