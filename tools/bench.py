@@ -37,7 +37,7 @@ Sections (the default runs those that are implemented):
    default is chosen from.
 10. ``multiturn`` multi-turn conversations, decode-to-prefill reuse
    (``tools/bench_multiturn.py``).
-11. ``push``      push against pull (``tools/bench_push.py``): kvsm and upstream
+11. ``push``      push and streamed push against pull (``tools/bench_push.py``): kvsm and upstream
    (``NixlConnector`` / ``NixlPushConnector``) on real servers, one host and two
    hosts (network namespaces, UCX on TCP, the KV link rate-capped), by prompt
    length: the handover tail (prefill's end of compute to the decode worker
@@ -1585,7 +1585,8 @@ SECTIONS = (
     SectionSpec(9, "disagg", "selective disaggregation: TTFT by P/D against the decode engine alone", bench_disagg),
     SectionSpec(10, "multiturn", "multi-turn conversations: decode-to-prefill reuse, kvsm vs off vs upstream",
                 bench_multiturn),
-    SectionSpec(11, "push", "push against pull: the handover tail, decode TTFT and decode CPU by prompt length, "
+    SectionSpec(11, "push", "push and streamed push against pull: the handover tail, decode TTFT and decode CPU by "
+                "prompt length, "
                 "one host and two hosts", bench_push),
 )
 BY_NAME = {s.name: s for s in SECTIONS}

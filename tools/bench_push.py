@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
-"""Section 11 of tools/bench.py: push against pull, the handover tail by prompt length.
+"""Section 11 of tools/bench.py: push and streamed push against pull, the handover tail by prompt length.
 
     python tools/bench.py --only push [--repeat N] [--quick] [--json FILE]
     python tools/bench_push.py [--quick] [--repeat N] [--topology one|two|both] [--configs ...] [--json FILE]
 
-Four setups, each a pair of real vLLM API servers (the tiny Llama, prefill on
-core 0, decode on core 1, ``max_model_len`` 2048), one pair at a time:
+Five setups, each a pair of real vLLM API servers (the tiny Llama, prefill on
+core 0, decode on core 1, ``max_model_len`` 2048, the prefill server's
+``--max-num-batched-tokens`` ``CHUNK``: a long prompt is computed in chunks, as
+on a deployment), one pair at a time:
 
 * ``kvsm pull``: KVSMConnector as deployed (the decode worker reads);
 * ``kvsm push``: KVSMConnector with ``kv_connector_extra_config``
   ``{"transfer_mode": "push"}`` on both engines (the prefill worker writes);
+* ``kvsm stream``: KVSMConnector as deployed, each request with
+  ``transfer_mode`` "stream": both legs at once with one join key, as kvsm's
+  router sends them (``--transfer-mode stream``; its first request to the pair
+  goes sequentially in push mode and teaches the client the prefill server's
+  side channel); the prefill worker writes each layer of each chunk into the
+  decode engine's blocks as its forward pass ends;
 * ``upstream pull``: vLLM's ``NixlConnector``;
 * ``upstream push``: vLLM's ``NixlPushConnector`` (same package).
 
@@ -53,7 +61,15 @@ What each row measures:
   a time, so the next completion is that request's). Both ends are the same
   hooks for both connectors. In pull mode and in upstream's push mode the tail
   includes the client's hop (the prefill's answer back, the decode leg out),
-  since nothing moves before the decode engine has the request.
+  since nothing moves before the decode engine has the request. Streamed: the
+  decode worker may hold the KV before the prefill scheduler's finish, so the
+  start is the prefill worker's save_kv_layer of the prompt's last layer
+  (its ``worker.stream_written`` record's ``last_layer_ns``) when earlier; the
+  **last write** row is that record's last write, posted to over (the goal:
+  a tail of at most the last layer's write plus 1 ms).
+* **client TTFT**: from the client's first leg sent to the first token (the
+  prefill leg's round trip plus the decode TTFT; streamed, both legs at once:
+  the decode TTFT itself).
 * **decode TTFT**: from sending the decode leg to its first streamed token.
 * **decode CPU per transfer**: the decode server's processes (API server and
   engine core, ``/proc/<pid>/stat`` utime + stime, 10 ms ticks) over a
@@ -112,9 +128,13 @@ if __name__ == "__main__":  # run as a script: the checkout's venv, the checkout
 
 from benchlib import Row, Section, Sizes, stream_ttft_ms  # noqa: E402
 
-CONFIGS = ("kvsm pull", "kvsm push", "upstream pull", "upstream push")
-CONNECTORS = {"kvsm pull": "KVSMConnector", "kvsm push": "KVSMConnector", "upstream pull": "NixlConnector",
-              "upstream push": "NixlPushConnector"}
+CONFIGS = ("kvsm pull", "kvsm push", "kvsm stream", "upstream pull", "upstream push")
+CONNECTORS = {"kvsm pull": "KVSMConnector", "kvsm push": "KVSMConnector", "kvsm stream": "KVSMConnector",
+              "upstream pull": "NixlConnector", "upstream push": "NixlPushConnector"}
+MODES = ("pull", "push", "stream")
+# The prefill server's max_num_batched_tokens: a long prompt is computed in chunks of this
+# many tokens (vLLM's chunked prefill), as on a deployment; the same for every setup.
+CHUNK = 256
 TOPOLOGIES = ("one host", "two hosts")
 MAX_MODEL_LEN = 2048
 LENGTHS = (100, 200, 400, 1000, MAX_MODEL_LEN - 48)
@@ -154,8 +174,10 @@ class Result:
     rep: int
     ttft_ms: float | None = None
     prefill_leg_ms: float | None = None  # the client's: the prefill leg sent -> its answer
+    client_ttft_ms: float | None = None  # the client's: its first leg sent -> the first token
     mode: str | None = None  # the prefill answer's transfer_mode
     error: str | None = None
+    coordinates: dict[str, Any] = field(default_factory=dict)  # the prefill server's, from its answer
 
 
 def _post_json(url: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -178,20 +200,65 @@ def _stream_ttft_ms(url: str, body: dict[str, Any], rid: str) -> float:
     return stream_ttft_ms(url, body, LEG_TIMEOUT_S, {"X-Request-Id": rid})
 
 
-def pd_request(prefill: str, decode: str, model: str, prompt: list[int], res: Result) -> Result:
-    """The prefill leg, then the decode leg streamed; fills ``res`` (an error in ``res.error``)."""
+def pd_request(prefill: str, decode: str, model: str, prompt: list[int], res: Result,
+               mode: str | None = None, coordinates: dict[str, Any] | None = None) -> Result:
+    """The prefill leg, then the decode leg streamed; fills ``res`` (an error in ``res.error``).
+    ``mode`` "push" asks for push on the prefill leg (the setup's own mode otherwise);
+    "stream" with the prefill server's ``coordinates`` sends both legs at once, as
+    kvsm's router does (``kvsm.router_stream``)."""
+    if mode == "stream" and coordinates is not None:
+        return _stream_request(prefill, decode, model, prompt, res, coordinates)
     base = {"model": model, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+    prefill_params = {**PREFILL_PARAMS, **({"transfer_mode": mode} if mode else {})}
     try:
         t0 = time.perf_counter()
-        out = _post_json(prefill, {**base, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS},
+        out = _post_json(prefill, {**base, "max_tokens": 1, "stream": False, "kv_transfer_params": prefill_params},
                          res.rid)
         res.prefill_leg_ms = (time.perf_counter() - t0) * 1e3
         params = out.get("kv_transfer_params")
         if not params:
             raise RuntimeError(f"the prefill's answer has no kv_transfer_params: {str(out)[:300]}")
         res.mode = params.get("transfer_mode")
+        res.coordinates = coordinates_of(params)
         res.ttft_ms = _stream_ttft_ms(decode, {**base, "max_tokens": MAX_TOKENS, "stream": True,
                                                "kv_transfer_params": params}, res.rid)
+        res.client_ttft_ms = res.prefill_leg_ms + res.ttft_ms  # (the client's hop between them: microseconds)
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
+        res.error = f"{type(e).__name__}: {e}"[:400]
+    return res
+
+
+# What a streamed decode leg needs of its prefill server (learned from its answers).
+COORDINATE_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+                   "kvsm_protocol", "remote_block_size")
+
+
+def coordinates_of(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: params[k] for k in COORDINATE_KEYS if k in params}
+
+
+def _stream_request(prefill: str, decode: str, model: str, prompt: list[int], res: Result,
+                    coordinates: dict[str, Any]) -> Result:
+    """Both legs at once with one join key; decode TTFT from sending them."""
+    import concurrent.futures as cf
+    import uuid
+
+    base = {"model": model, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+    key = f"kvsm-stream-{uuid.uuid4().hex}"
+    prefill_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "stream",
+                      "kvsm_stream": key}
+    decode_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "stream",
+                     "kvsm_stream": key, "remote_request_id": key, "remote_block_ids": [[]], **coordinates}
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            t0 = time.perf_counter()
+            leg = pool.submit(_post_json, prefill, {**base, "max_tokens": 1, "stream": False,
+                                                    "kv_transfer_params": prefill_params}, res.rid)
+            res.ttft_ms = res.client_ttft_ms = _stream_ttft_ms(decode, {
+                **base, "max_tokens": MAX_TOKENS, "stream": True, "kv_transfer_params": decode_params}, res.rid)
+            out = leg.result(timeout=LEG_TIMEOUT_S)
+            res.prefill_leg_ms = (time.perf_counter() - t0) * 1e3  # (at least: joined after the decode's token)
+        res.mode = (out.get("kv_transfer_params") or {}).get("transfer_mode")
     except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
         res.error = f"{type(e).__name__}: {e}"[:400]
     return res
@@ -245,6 +312,11 @@ def kvsm_times(events: Path) -> dict[str, dict[str, float]]:
             finished.setdefault(rid, int(r["t_mono_ns"]))
         elif r.get("event") == "blocks_allocated":
             allocated.setdefault(rid, int(r["t_mono_ns"]))
+    streamed: dict[str, dict[str, Any]] = {}  # rid -> the prefill worker's worker.stream_written record
+    for r in _jsonl(sorted(events.glob("prefill.worker.*.jsonl"))):
+        req = r.get("req")
+        if r.get("event") == "worker.stream_written" and isinstance(req, str) and req.startswith("cmpl-"):
+            streamed.setdefault(_rid_of(req), r)
     done: dict[str, int] = {}
     seen: dict[str, int] = {}  # the decode worker's first record of the request
     posted: dict[str, int] = {}
@@ -265,6 +337,13 @@ def kvsm_times(events: Path) -> dict[str, dict[str, float]]:
     for rid in set(end) | set(finished) | set(done):
         got: dict[str, float] = {}
         start = end.get(rid, finished.get(rid))
+        note = streamed.get(rid)
+        if note is not None and note.get("last_layer_ns"):
+            # Streamed: the KV may be held before the scheduler's finish; the tail starts when
+            # the prompt's last layer was done (its save_kv_layer), the last write's time beside it.
+            start = min(start or note["last_layer_ns"], note["last_layer_ns"])
+            if note.get("final_posted_ns"):
+                got["last_write_ms"] = (note["done_ns"] - note["final_posted_ns"]) / 1e6
         if start is not None and rid in done:
             got["tail_ms"] = (done[rid] - start) / 1e6
         if rid in done:
@@ -386,7 +465,8 @@ class PairRun:
         for r in self.ok():
             if r.length != length:
                 continue
-            value = getattr(r, what) if what in ("ttft_ms", "prefill_leg_ms") else self.times.get(r.rid, {}).get(what)
+            value = (getattr(r, what) if what in ("ttft_ms", "prefill_leg_ms", "client_ttft_ms")
+                     else self.times.get(r.rid, {}).get(what))
             if value is not None:
                 reps.setdefault(r.rep, []).append(value)
         return [statistics.median(v) for _, v in sorted(reps.items())]
@@ -406,6 +486,8 @@ def _specs(config: str, workdir: Path, hosts: Any) -> tuple[Any, Any]:
                        (d_spec, None if hosts is None else hosts.decode)):
         spec.max_model_len = MAX_MODEL_LEN
         spec.extra_args = (*spec.extra_args, "--shutdown-timeout", "10")  # the workers close their logs
+        if spec is p_spec:
+            spec.extra_args = (*spec.extra_args, "--max-num-batched-tokens", str(CHUNK))
         if host is not None:
             spec.netns = host.netns
             spec.bind_host = "0.0.0.0"
@@ -430,10 +512,18 @@ def run_pair(config: str, topology: str, hosts: Any, model: str, workdir: Path, 
     prefill, decode = VLLMServer(p_spec, model, workdir), VLLMServer(d_spec, model, workdir)
     tag = re.sub(r"[^a-z0-9]+", "", (config + topology).lower())
     counter = iter(range(1_000_000))
+    coordinates: dict[str, Any] = {}  # streamed: the prefill server's side channel, as a router learns it
 
     def one(n: int, rep: int) -> Result:
         res = Result(f"bp{tag}{next(counter)}", n, rep)
-        return pd_request(prefill.url, decode.url, model, [rng.randrange(10, 1100) for _ in range(n)], res)
+        mode = mode_of(config) if mode_of(config) == "stream" else None
+        if mode == "stream" and not coordinates:
+            mode = "push"  # the first request goes sequentially (kvsm's router does the same)
+        pd_request(prefill.url, decode.url, model, [rng.randrange(10, 1100) for _ in range(n)], res, mode,
+                   coordinates or None)
+        if mode_of(config) == "stream" and res.coordinates:
+            coordinates.update(res.coordinates)
+        return res
 
     t0 = time.monotonic()
     try:
@@ -492,8 +582,8 @@ def bench_push(sizes: Sizes, repeat: int, tmp: Path, *, configs: Sequence[str] =
                lengths: Sequence[int] | None = None, budget_s: float = PAIR_BUDGET_S) -> Section:
     from kvsm_testing import build_tiny_model
 
-    sec = Section(11, "push", "push against pull: the handover tail, decode TTFT and decode CPU by prompt length, "
-                  "one host and two hosts")
+    sec = Section(11, "push", "push and streamed push against pull: the handover tail, decode TTFT and decode CPU "
+                  "by prompt length, one host and two hosts")
     quick = sizes.e2e_requests < 50
     if quick:
         repeat = 1
@@ -557,7 +647,7 @@ def _rows(sec: Section, runs: dict[tuple[str, str], PairRun], lengths: Sequence[
     for topology in topologies:
         if not any(t == topology for t, _ in runs):
             continue
-        for mode in ("pull", "push"):
+        for mode in MODES:
             k, u = runs.get((topology, f"kvsm {mode}")), runs.get((topology, f"upstream {mode}"))
             if k is None and u is None:
                 continue
@@ -573,9 +663,12 @@ def _rows(sec: Section, runs: dict[tuple[str, str], PairRun], lengths: Sequence[
                     return r.per_rep(n, what)
 
                 label = f"{topology}, {mode}, {n} tokens"
-                for what, measure, unit in (("tail_ms", "handover tail", "ms"),
-                                            ("decode_side_ms", "handover, decode side", "ms"),
-                                            ("prefill_leg_ms", "prefill leg", "ms"), ("ttft_ms", "decode TTFT", "ms"),
+                rows = (("tail_ms", "handover tail", "ms"), *((("last_write_ms", "last write", "ms"),)
+                                                              if mode == "stream" else ()),
+                        ("decode_side_ms", "handover, decode side", "ms"),
+                        ("prefill_leg_ms", "prefill leg", "ms"), ("ttft_ms", "decode TTFT", "ms"),
+                        ("client_ttft_ms", "client TTFT", "ms"))
+                for what, measure, unit in (*rows,
                                             ("cpu", "decode CPU per transfer", "ms"),
                                             ("prefill_cpu", "prefill CPU per transfer", "ms")):
                     kv = vals(k, what) if k is not None else []
@@ -606,8 +699,8 @@ def _rows(sec: Section, runs: dict[tuple[str, str], PairRun], lengths: Sequence[
             sec.notes.append(f"{topology}, {config}: no handover tail found in the logs for {missing} of "
                              f"{len(r.ok())} requests")
     for topology in topologies:
-        for side in ("kvsm", "upstream"):
-            pull, push = runs.get((topology, f"{side} pull")), runs.get((topology, f"{side} push"))
+        for side, mode in (("kvsm", "push"), ("kvsm", "stream"), ("upstream", "push")):
+            pull, push = runs.get((topology, f"{side} pull")), runs.get((topology, f"{side} {mode}"))
             if pull is None or push is None or pull.error or push.error:
                 continue
             parts = []
@@ -616,8 +709,19 @@ def _rows(sec: Section, runs: dict[tuple[str, str], PairRun], lengths: Sequence[
                 if a and b:
                     parts.append(f"{n}: {statistics.median(b) - statistics.median(a):+.1f}")
             if parts:
-                sec.notes.append(f"{topology}, {side}: push minus pull handover tail, ms by prompt length "
-                                 f"(negative: push hands over sooner): {', '.join(parts)}")
+                sec.notes.append(f"{topology}, {side}: {mode} minus pull handover tail, ms by prompt length "
+                                 f"(negative: {mode} hands over sooner): {', '.join(parts)}")
+        stream = runs.get((topology, "kvsm stream"))
+        if stream is not None and not stream.error:
+            parts = []
+            for n in lengths:
+                tails, writes = stream.per_rep(n, "tail_ms"), stream.per_rep(n, "last_write_ms")
+                if tails and writes:
+                    over = statistics.median(tails) - statistics.median(writes)
+                    parts.append(f"{n}: {over:+.2f} ms ({'within' if over <= 1.0 else 'OVER'} 1 ms)")
+            if parts:
+                sec.notes.append(f"{topology}, kvsm stream: handover tail minus its last write, by prompt length "
+                                 f"(the goal: at most the last write + 1 ms): {', '.join(parts)}")
     if any(r.failed for r in sec.rows):
         sec.notes.append("FAILED cells: the pair did not run, no request got through, or the prefill's answers "
                          "did not echo the mode the row names")

@@ -65,6 +65,7 @@ class _Stream:
     handles: list[XferHandle] = field(default_factory=list)
     final: XferHandle | None = None  # the write carrying the notification
     writes: int = 0  # posted so far
+    final_posted_ns: int = 0
 
 
 class Streamer:
@@ -239,7 +240,7 @@ class Streamer:
             return
         w.writes += 1
         if final:
-            w.final = h
+            w.final, w.final_posted_ns = h, self.loop.now_ns()
         else:
             w.handles.append(h)
 
@@ -289,6 +290,7 @@ class Streamer:
                                                  [spec.dst_blocks[pos - spec.dst_first]], spec.notif,
                                                  tag=spec.dst_req)
             w.writes += 1
+            w.final_posted_ns = self.loop.now_ns()
         except (ValueError, ConnectionError, NotImplementedError) as e:
             self._fail(req, reader, w, f"{type(e).__name__}: {e}")
 
@@ -312,7 +314,7 @@ class Streamer:
                 # The handover's tail starts when the prompt's last layer was done here.
                 self.ctx.note("worker.stream_written", req, key=p.key if p else "", reader=reader, writes=w.writes,
                               steps=p.steps if p else 0, last_layer_ns=p.last_layer_ns if p else 0,
-                              done_ns=self.loop.now_ns())
+                              final_posted_ns=w.final_posted_ns, done_ns=self.loop.now_ns())
                 self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers))
                 return
             if state is TransferState.ERROR:
