@@ -343,6 +343,94 @@ def test_a_partition_while_the_prefill_writes(kvsm_bed: Bed) -> None:
     push.landed(wait_until(again, 20, "a push landing after the heal", interval=1.0))
 
 
+class _Stream(_Push):
+    """Streamed pairs straight to the two servers, as kvsm's router sends them: both
+    legs at once with a join key, the decode leg carrying the prefill server's
+    side channel (learned from a push answer, as the router learns it)."""
+
+    def __init__(self, bed: Bed, seed: int) -> None:
+        super().__init__(bed, seed)
+        warm = self.prompt(64)
+        rid = f"stream-learn-{uuid.uuid4().hex[:8]}"
+        kv = self.prefill_leg(warm, rid)
+        assert self.decode_leg(warm, kv, rid) == self.reference(warm)
+        self.coordinates = {k: kv[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size",
+                                               "dcp_size", "pp_size", "kvsm_protocol", "remote_block_size")}
+
+    def pair(self, prompt: list[int], rid: str) -> tuple[threading.Thread, dict[str, str]]:
+        """Both legs of ``prompt`` sent now (threads); the decode's answer lands in the dict."""
+        key = f"kvsm-stream-{uuid.uuid4().hex}"
+        answer: dict[str, str] = {}
+        decode_kv = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "stream",
+                     "kvsm_stream": key, "remote_request_id": key, "remote_block_ids": [[]], **self.coordinates}
+        prefill_kv = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "stream",
+                      "kvsm_stream": key}
+
+        def decode() -> None:
+            answer["text"] = self.decode_leg(prompt, decode_kv, rid)
+
+        def prefill() -> None:
+            self.bed.pair.prefill.post("/v1/completions", self.body(prompt, 1, prefill_kv), timeout=60,
+                                       headers={"X-Request-Id": f"{rid}-p"})
+
+        threads = [threading.Thread(target=fn, daemon=True) for fn in (decode, prefill)]
+        for t in threads:
+            t.start()
+        return threads[0], answer
+
+
+def test_a_partition_mid_stream(kvsm_bed: Bed) -> None:
+    """Streamed push across the KV link (capped, as above), partitioned once the
+    prefill worker streams the request's layers into the decode engine's blocks.
+    The decode engine gets its blocks back at the writes' deadline (transfer timeout
+    + 0.5 s after the ask), not before, and recomputes the request right; the
+    prefill worker stops writing at that deadline and frees its blocks then, not at
+    its lease's end; after the heal a streamed pair lands again."""
+    bed, hosts = kvsm_bed, kvsm_bed.hosts
+    stream = _Stream(bed, seed=44)
+    hosts.rate_limit("2mbit")
+    try:
+        victim = stream.prompt(400)
+        vrid = f"stream-victim-{uuid.uuid4().hex[:8]}"
+        reference = stream.reference(victim)
+        thread, answer = stream.pair(victim, vrid)
+        wait_until(lambda: any(r.get("event") == "stream_asked" for r in stream.send_of(vrid)), 10,
+                   f"the prefill worker streaming {vrid}")
+        hosts.partition()
+        thread.join(TRANSFER_TIMEOUT_S + 30)
+        assert answer.get("text") == reference, "the victim was not answered right (recomputed)"
+    finally:
+        hosts.heal()
+
+    recs = bed.recv_of(vrid)
+    moves = [(r.get("event"), r.get("dst")) for r in recs if r.get("kind") == "transition"]
+    assert _final(recs) == "failed" and ("writes_stopped", "failed") in moves, moves
+    asked = next(r for r in recs if r.get("event") == "writes_asked")
+    stopped = next(r for r in recs if r.get("event") == "writes_stopped")
+    held_s = (stopped["t_mono_ns"] - asked["t_mono_ns"]) / 1e9
+    assert TRANSFER_TIMEOUT_S + 0.5 - 0.05 <= held_s <= TRANSFER_TIMEOUT_S + 2.0, held_s
+    sent = wait_until(lambda: (lambda rs: rs if any(r.get("dst") == "released" for r in rs) else None)(
+        stream.send_of(vrid)), 10, f"{vrid} released on the prefill side")
+    ended = [r for r in sent if r.get("kind") == "transition" and r.get("dst") == "released"]
+    done = [r for r in sent if r.get("event") == "write_done"]
+    assert done and done[0]["input"]["ok"] is False, [(r.get("event"), r.get("dst")) for r in sent]
+    stream_asked = next(r for r in sent if r.get("event") == "stream_asked")
+    freed_s = (ended[-1]["t_wall_ns"] - stream_asked["t_wall_ns"]) / 1e9
+    assert freed_s <= TRANSFER_TIMEOUT_S + 2.0 < LEASE_S, freed_s
+
+    # After the heal (and the dead peer's back-off), a streamed pair lands again.
+    def again() -> str | None:
+        prompt = stream.prompt(128)
+        rid = f"stream-heal-{uuid.uuid4().hex[:8]}"
+        thread, answer = stream.pair(prompt, rid)
+        thread.join(60)
+        if answer.get("text") != stream.reference(prompt):
+            raise AssertionError(f"{rid} answered wrong")
+        return rid if _final(bed.ended_recv(rid)) == "done" else None
+
+    stream.landed(wait_until(again, 20, "a streamed pair landing after the heal", interval=1.0))
+
+
 def test_nothing_is_left_held_and_the_logs_replay_clean(kvsm_bed: Bed) -> None:
     """After every scenario (runs last): once a lease has passed, no request is
     live on either side (the prefill worker freed every block the decode side
