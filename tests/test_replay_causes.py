@@ -337,6 +337,38 @@ def test_push_transfer_timeout_names_the_writes(run, tmp_path: Path) -> None:
                              "received it at +0.120 s (via local_socket), held it writing"), c.line
 
 
+def test_a_streamed_request_is_joined_to_its_prefill_by_the_join_key(run, tmp_path: Path) -> None:
+    """Streamed push: the decode request names the router's join key, not the prefill
+    request; the prefill worker's note joins them, so the cause line tells what the
+    prefill side did (streaming while it computed, its writes cancelled at the deadline)."""
+    key = "kvsm-stream-9f"
+    with run() as r:
+        t = r.tracker("decode-0")
+        r.at(100)
+        t.create("d-s")
+        t.apply(ev.Matched(req="d-s", num_tokens=32, remote_engine="prefill-0", remote_req=key,
+                           remote_host="127.0.0.1", remote_port=15600, push=True))
+        t.apply(ev.Allocated(req="d-s", block_ids=(1, 2)))
+        s = r.tracker("prefill-0", SEND)
+        r.at(110)
+        s.create("p-s")
+        r.log("prefill-0").emit("log", "worker.stream_key", "p-s", key=key)
+        s.apply(ev.StreamClaimed(req="p-s", reader="decode-0"))
+        t.apply(ev.HandshakeOk(req="d-s", remote_engine="prefill-0"))
+        r.at(200)
+        t.apply(ev.WritesAsked(req="d-s", num_blocks=2, deadline_wall_ns=5_200 * MS))
+        s.apply(ev.StreamAsked(req="p-s", reader="decode-0", num_blocks=2))
+        r.at(5_200)
+        s.apply(ev.WriteDone(req="p-s", reader="decode-0", ok=False, detail="cancelled in flight at its deadline"))
+        r.at(5_700)
+        t.apply(ev.WritesStopped(req="d-s", why="the deadline every write was bound by passed"))
+    c = cause(report_of(tmp_path), "d-s")
+    assert (c.rule, c.final_state) == ("writes_stopped", "failed")
+    assert c.line == ("the writes asked at +0.200 s did not land: the deadline every write was bound by passed "
+                      "(at +5.700 s); its worker streamed it from +0.200 s, its writes ended at +5.200 s (cancelled "
+                      "in flight at its deadline), held it streamed at the end of its log"), c.line
+
+
 # --- the prefill side: a lease that expired unread ------------------------------------
 
 

@@ -134,6 +134,9 @@ def _send_said(ctx: Context, m: Machine, who: str) -> str:
     got = next((r for r in m.records if r.kind == "transition" and r.event == "finished_ok"), None)
     last = m.records[-1]
     state = m.final_state
+    streamed = next((r for r in m.records if r.kind == "transition" and r.event == "stream_asked"), None)
+    if got is None and streamed is not None:  # streamed push: asked for while it computed
+        return _stream_said(ctx, m, who, streamed)
     if got is None:
         if state == "prefilling" or state is None:
             return f"{who} had it still prefilling (never received the pin)"
@@ -155,6 +158,20 @@ def _send_said(ctx: Context, m: Machine, who: str) -> str:
     if state == "released":
         return text + f", released it at {ctx.at(last)} ({last.event})"
     return text + f", held it {state} at the end of its log"
+
+
+def _stream_said(ctx: Context, m: Machine, who: str, asked: Record) -> str:
+    """A streamed request's prefill side, asked to stream before its finish."""
+    text = f"{who} streamed it from {ctx.at(asked)}"
+    wrote = next((r for r in reversed(m.records) if r.kind == "transition" and r.event == "write_done"), None)
+    if wrote is not None:
+        ok = inp(wrote, "ok", True) is not False
+        text += (f", its writes {'all landed' if ok else 'ended'} at {ctx.at(wrote)}"
+                 + ("" if ok else f" ({clip(inp(wrote, 'detail', '') or 'failed', 120)})"))
+    last = m.records[-1]
+    if m.final_state in ("streaming", "streamed"):
+        return text + f", held it {m.final_state} at the end of its log"
+    return text + f", {m.final_state} at {ctx.at(last)} ({last.event})"
 
 
 def _prefill_said(ctx: Context, remote: tuple[str, str] | None, scheduler: bool = True) -> str:

@@ -25,6 +25,7 @@ CAUSE_STATES = frozenset({"failed", "expired", CLOSED_AT_SHUTDOWN})
 CLAIMS_ANSWERED = "worker.claims_answered"
 CLAIM_FAILED = "worker.claim_failed"
 PEER_DEAD = "worker.peer_dead"
+STREAM_KEY_NOTE = "worker.stream_key"  # a streamed prefill request's join key (kvsm.worker.push_stream)
 NOTE_EVENTS = frozenset({CLAIMS_ANSWERED, CLAIM_FAILED, PEER_DEAD})
 PINNED = "sched.pinned"
 HELD = "sched.held"  # a decode engine's hold for a next turn (bidirectional_kv_xfer)
@@ -117,6 +118,15 @@ class Context:
         self._logs: dict[tuple[str, frozenset[str], str | None], bool] = {}
         self.by_req = by_req
         self.any_recv = any(d.get("recv") for d in by_req.values())
+        # Streamed push: a decode request names its prefill request by the router's join
+        # key; the prefill worker's ``worker.stream_key`` note says which request that is.
+        self.stream_reqs: dict[tuple[str, str], str] = {}
+        for (engine, req), recs in notes.items():
+            for r in recs:
+                if r.event == STREAM_KEY_NOTE:
+                    join = self.lines.fields(r).get("key")
+                    if isinstance(join, str):
+                        self.stream_reqs[(engine, join)] = req
         # The decode requests that read from the failed prefill ones: one pass over
         # the recv machines, only when a send machine needs it.
         want = {(m.engine_id, m.req) for m in todo if m.lifecycle == "send"}
@@ -133,12 +143,14 @@ class Context:
                         remote = (given.remote_engine, given.remote_req)
                     except AttributeError:
                         remote = (inp(matched, "remote_engine", ""), inp(matched, "remote_req", ""))
+                    remote = (remote[0], self.stream_reqs.get(remote, remote[1]))
                     if remote in want:
                         recv_of.setdefault(remote, []).append(m)
 
     def send_of(self, remote: tuple[str, str]) -> list[Machine]:
         """The send machines of a prefill request, one per log of its engine holding it."""
         found = []
+        remote = (remote[0], self.stream_reqs.get(remote, remote[1]))
         for key in self.by_engine.get(remote[0], ()):
             m = self.by_req.get(key, NONE).get("send", NONE).get(remote[1])
             if m is not None:

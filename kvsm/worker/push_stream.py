@@ -119,6 +119,7 @@ class Streamer:
             if s.stream:
                 self.keys[s.stream] = s.req
                 self.progress.setdefault(s.req, _Progress(s.stream))
+                self.ctx.note("worker.stream_key", s.req, key=s.stream)  # (replay joins the two sides by it)
         self._step_reqs = []
         for st in steps:
             p = self.progress.get(st.req)
