@@ -18,6 +18,14 @@ pool, tokens laid out by ``TokenPlanes``) also reads blocks of another size in
 segments, byte run by byte run, from the descriptors the real layout code
 builds (``KVLayout.segment_desc_array``, as the NIXL transport uses them).
 
+An agent built with layers (``layers``: how many, or their names) splits each
+block's bytes into that many equal slices, one per layer in order, and writes
+one layer's slice of blocks at a time (``post_layer_write``, streamed push). A
+layer write reads its source bytes when it is posted (the earliest a DMA engine
+may): the bytes a layer holds after the write was posted never go with it, so a
+write posted before its layer was computed delivers what the block held before.
+Whole-block transfers read their source when they land.
+
 ``on_write`` / ``on_read`` hooks let the simulation check that a read never
 writes into a block its request no longer holds, and never reads a block that
 its sender has freed. ``cancel_lies`` plants a transport bug (for tests that
@@ -54,7 +62,7 @@ DISCONNECT_ERROR = "nixlRemoteDisconnectError: the peer's agent disconnected"
 class MemoryXferHandle(XferHandle):
     """A posted in-memory read; ``error`` says why it ended in ERROR."""
 
-    __slots__ = ("error", "local_heads", "remote_heads", "runs", "write")
+    __slots__ = ("error", "local_heads", "remote_heads", "runs", "write", "span", "sent")
 
     def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                  notif: bytes, tag: str = "", local_heads: Heads | None = None,
@@ -66,6 +74,10 @@ class MemoryXferHandle(XferHandle):
         # A read in segments: (local offset, remote offset, length) of each byte run.
         self.runs: list[tuple[int, int, int]] | None = None
         self.write = False  # a write of our blocks into the peer's (push mode), not a read
+        # A layer write: (offset, length) of the layer's slice in every block, and
+        # the source bytes of each block's slice as they were when it was posted.
+        self.span: tuple[int, int] | None = None
+        self.sent: list[bytes] | None = None
 
 
 @dataclass(eq=False)
@@ -138,7 +150,13 @@ class InMemoryFabric:
             src.on_read(src_blocks, h.tag)
         if dst.on_write is not None:
             dst.on_write(dst_blocks, h.tag)
-        if h.runs is not None:
+        if h.span is not None:
+            at, n = h.span
+            for k, (db, sb) in enumerate(zip(dst_blocks, src_blocks)):
+                to = db * dst.block_bytes + at
+                frm = sb * src.block_bytes + at
+                dst.memory[to:to + n] = h.sent[k] if h.sent is not None else src.memory[frm:frm + n]
+        elif h.runs is not None:
             for local_at, remote_at, n in h.runs:
                 at, frm = (remote_at, local_at) if h.write else (local_at, remote_at)
                 dst.memory[at:at + n] = src.memory[frm:frm + n]
@@ -155,7 +173,7 @@ class InMemoryFabric:
                 at = db * dst.block_bytes + do
                 dst.memory[at:at + dn] = src.memory[sb * src.block_bytes + so:][:sn]
         if t.fault is Fault.CORRUPT and dst_blocks:
-            dst.memory[dst_blocks[0] * dst.block_bytes] ^= 0xFF
+            dst.memory[dst_blocks[0] * dst.block_bytes + (h.span[0] if h.span is not None else 0)] ^= 0xFF
         t.state = TransferState.DONE
         if t.lied:
             self._transfers.pop(h, None)
@@ -235,12 +253,16 @@ class InMemoryAgent(Transport):
     """One engine's registered block pool on an ``InMemoryFabric``."""
 
     def __init__(self, fabric: InMemoryFabric, name: str, num_blocks: int, block_bytes: int,
-                 num_groups: int = 1, layout: KVLayout | None = None) -> None:
+                 num_groups: int = 1, layout: KVLayout | None = None, layers: int | Sequence[str] = 0) -> None:
         if layout is not None and (layout.num_blocks != num_blocks or len(layout.regions) != 1
                                    or layout.regions[0].block_bytes != block_bytes
                                    or layout.regions[0].base_addr != 0):
             raise ValueError(f"agent {name!r}: the layout is not one region over {num_blocks} blocks of "
                              f"{block_bytes} bytes at offset 0 (build it with token_layout_of)")
+        names = tuple(f"layer.{i}" for i in range(layers)) if isinstance(layers, int) else tuple(layers)
+        if names and (layout is not None or block_bytes % len(names) or len(set(names)) != len(names)):
+            raise ValueError(f"agent {name!r}: {len(names)} layers must be distinct and split blocks of "
+                             f"{block_bytes} bytes evenly (and a token layout keeps no layers)")
         self.fabric = fabric
         self.name = name
         # Blocks of another size are read in segments only where a token layout says how.
@@ -249,6 +271,8 @@ class InMemoryAgent(Transport):
         self.num_groups = num_groups
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
+        # Each block's bytes, split evenly: one slice per layer, in this order (none: no layers).
+        self._layers = names
         self.memory = bytearray(num_blocks * block_bytes)
         self.peers: set[str] = set()
         self.inbox: list[tuple[str, bytes]] = []
@@ -300,6 +324,46 @@ class InMemoryAgent(Transport):
         """Our blocks into the peer's (push mode); the notification reaches the peer."""
         return self._post(True, peer, local_blocks, remote_blocks, notif, tag, group_sizes, local_heads,
                           remote_heads, segments)
+
+    def layers(self) -> tuple[str, ...] | None:
+        return self._layers or None
+
+    def layer_span(self, layer: str) -> tuple[int, int]:
+        """(offset, length) of ``layer``'s slice in each block; ``ValueError``
+        naming a layer this pool does not hold."""
+        if layer not in self._layers:
+            raise ValueError(f"layer {layer!r} is not in agent {self.name!r}'s pool")
+        size = self.block_bytes // len(self._layers)
+        return self._layers.index(layer) * size, size
+
+    def post_layer_write(self, peer: str, layer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                         notif: bytes = b"", tag: str = "") -> MemoryXferHandle:
+        """Our ``layer``'s slice of ``local_blocks`` into the same slice of the peer's
+        ``remote_blocks`` (streamed push), read here now; refused as the NIXL
+        transport refuses it: layers, block sizes or KV cache groups that differ."""
+        if self.closed:
+            raise RuntimeError(f"agent {self.name!r} is closed")
+        if peer not in self.peers:
+            raise ConnectionError(f"agent {self.name!r} has no peer {peer!r} (handshake first)")
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        theirs = self.fabric.agents[peer]
+        if (not self._layers or theirs._layers != self._layers or theirs.block_bytes != self.block_bytes
+                or self.num_groups != 1):
+            raise ValueError(f"a layer-by-layer write to {peer!r} needs the same layers, one KV cache group and "
+                             f"blocks of one size on both sides")
+        at, n = self.layer_span(layer)
+        for blocks, pool in ((local_blocks, self), (remote_blocks, theirs)):
+            bad = [b for b in blocks if not 0 <= b < pool.num_blocks]
+            if bad:
+                raise ValueError(f"blocks {bad[:4]} are not in {pool.name!r}'s pool of {pool.num_blocks} blocks")
+        handle = MemoryXferHandle(peer, local_blocks, remote_blocks, notif, tag)
+        handle.write = True
+        handle.span = (at, n)
+        mem = self.memory
+        handle.sent = [bytes(mem[b * self.block_bytes + at:b * self.block_bytes + at + n]) for b in local_blocks]
+        self.fabric._post(self.name, handle)
+        return handle
 
     def _post(self, write: bool, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
               notif: bytes, tag: str, group_sizes: Sequence[int], local_heads: Heads | None,

@@ -120,6 +120,12 @@ class Streamer:
                 self.keys[s.stream] = s.req
                 self.progress.setdefault(s.req, _Progress(s.stream))
                 self.ctx.note("worker.stream_key", s.req, key=s.stream)  # (replay joins the two sides by it)
+                early = self.ctx.send.get(s.stream)
+                if early is not None and early.state == "abandoned_early" and s.req in self.ctx.send:
+                    # Its decode side gave up before this worker knew the key: the abandon
+                    # made a machine of the key's name. The request's own finish frees it.
+                    self._apply_send(ev.RemoteAbandoned(
+                        req=s.req, reason=f"abandoned by its join key {s.stream} before its prefill started here"))
         self._step_reqs = []
         for st in steps:
             p = self.progress.get(st.req)
@@ -209,10 +215,16 @@ class Streamer:
         """Write layer ``idx`` of the blocks holding tokens not written yet, up to ``upto``."""
         req, reader, w, idx, upto = item
         p = self.progress.get(req)
+        size = self.ctx.cfg.block_size
+        if p is not None and not (p.last and upto >= p.end):
+            # Whole blocks only, but for the prompt's last: a block written while partly
+            # computed would be written again, and NIXL does not order the two writes
+            # (the first, stale past its tokens, may land last).
+            upto = upto // size * size
         have = w.written[idx]
         if p is None or upto <= have or self.streams.get(req, {}).get(reader) is not w:
             return
-        spec, size = w.spec, self.ctx.cfg.block_size
+        spec = w.spec
         first, count = spec.dst_first, len(spec.dst_blocks)
         lo = max(have // size, first)
         hi = min((upto - 1) // size, first + count - 1, len(p.blocks) - 1)

@@ -70,6 +70,18 @@ class SimConfig:
     # The share of requests in push mode (the prefill worker writes into the decode
     # worker's blocks; transfer_mode "push"), the rest pull.
     push: float = 0.0
+    # The share of requests streamed (transfer_mode "stream": the router sends both
+    # legs at once, the prefill worker writes each layer as its forward pass computes
+    # it, step by step; kvsm_testing.sim.stream). Their engines' blocks are split into
+    # ``stream_layers`` layers, and a prompt is computed in up to ``stream_max_steps``
+    # steps. Blocks of one size, one KV cache group (as streamed push needs).
+    stream: float = 0.0
+    stream_layers: int = 2
+    stream_max_steps: int = 3
+    # Streamed layer writes land out of the order they were posted: each takes up to
+    # this many times its wire latency longer (0: a request's writes land in order).
+    # NIXL orders a write's notification after that write's bytes, none after another's.
+    stream_reorder: float = 0.0
     arrival_gap_ns: int = 1 * MS
     lease_ns: int = 30 * S
     handshake_timeout_ns: int = 2 * S
@@ -86,6 +98,13 @@ class SimConfig:
     # Virtual time after which the run stops (None: long enough for every
     # request to end by its timeouts); what is still live then is a violation.
     max_virtual_ns: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream and (self.block_tokens is not None or self.kv_groups != 1
+                            or self.stream_layers < 1 or self.block_bytes % self.stream_layers
+                            or self.stream_max_steps < 1):
+            raise ValueError("streamed requests need blocks of one size, one KV cache group, and blocks of "
+                             "block_bytes that split evenly into stream_layers layers, one or more steps")
 
     def horizon_ns(self) -> int:
         if self.max_virtual_ns is not None:

@@ -39,6 +39,7 @@ from kvsm.transport.layout import TokenPlanes
 from kvsm.transport.memory import Fault, InMemoryAgent, InMemoryFabric, token_layout_of
 from kvsm_testing.sim.config import DECODE_FAULTS, MS, SimConfig
 from kvsm_testing.sim.observe import EngineObserver
+from kvsm_testing.sim.stream import PREFIX_HIT, ForwardPasses, check_streamed, stream_block
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvsm.worker import WorkerHalf
@@ -158,6 +159,8 @@ class Simulation(Protocol):
 
     def at(self, delay_ns: int, fn: Callable[[], None]) -> TimerHandle: ...
 
+    def route_stream(self, i: int, num_blocks: int, num_tokens: int) -> None: ...
+
     def chance(self, p: float) -> bool: ...
 
 
@@ -171,7 +174,9 @@ class _Engine:
         self.pool = BlockPool(engine_id, cfg.num_blocks, sim.rng, null_block=cfg.block_tokens is not None)
         if cfg.block_tokens is None:
             self.block_tokens = BLOCK_TOKENS
-            self.agent = InMemoryAgent(sim.fabric, engine_id, cfg.num_blocks, cfg.block_bytes, cfg.kv_groups)
+            # (layers only where requests stream: a pool without them otherwise, as before)
+            self.agent = InMemoryAgent(sim.fabric, engine_id, cfg.num_blocks, cfg.block_bytes, cfg.kv_groups,
+                                       layers=cfg.stream_layers if cfg.stream else 0)
         else:  # blocks of this side's size, tokens laid out by SIM_PLANES
             if cfg.kv_groups != 1:
                 raise ValueError("block sizes that differ are simulated with one KV cache group only")
@@ -187,11 +192,16 @@ class _Engine:
         """The engine steps: this step's facts go to the worker (1 if there were any)."""
         if not self.facts:
             return 0
-        facts, self._step = self.facts, self._step + 1
-        self.facts = StepFacts(self._step)
+        facts = self.take_facts()
         assert self.worker is not None
         self.worker.submit(facts)
         return 1
+
+    def take_facts(self) -> StepFacts:
+        """This step's facts; the next step's are gathered from now on."""
+        facts, self._step = self.facts, self._step + 1
+        self.facts = StepFacts(self._step)
+        return facts
 
     def violation(self, kind: str, req: str | None, detail: str) -> None:
         self.sim.violations.append(InvariantViolation(kind, req, f"{self.engine_id}: {detail}",
@@ -213,6 +223,14 @@ class PrefillEngine(_Engine):
         self.num_tokens: dict[int, int] = {}  # each prompt's tokens (block sizes that differ)
         self.expiry_s: dict[int, float] = {}  # each pin's announced lease end (the params' expiry time)
         self.pins: PinChannelClient | None = None
+        self.passes = ForwardPasses(self)  # the steps that compute streamed requests
+
+    def flush(self) -> int:
+        """As vLLM: no step's facts go while a forward pass runs (its own went with it)."""
+        return 0 if self.passes.current is not None else super().flush()
+
+    def busy(self) -> bool:
+        return self.passes.busy()
 
     def connect(self) -> None:
         """vLLM hands the scheduler its workers' pin targets once they started."""
@@ -222,6 +240,9 @@ class PrefillEngine(_Engine):
 
     def arrive(self, i: int, on_finished_ok: Callable[[int, tuple[int, ...]], None]) -> None:
         sim, f = self.sim, self.sim.config.faults
+        if sim.chance(sim.config.stream):  # streamed: computed step by step, both legs sent now
+            self.passes.arrive(i)
+            return
         req = f"p-{i}"
         n = sim.rng.randint(1, sim.config.max_blocks_per_request)
         blocks = self.blocks[req] = self.pool.allocate(req, n)
@@ -240,6 +261,10 @@ class PrefillEngine(_Engine):
             sim.at(prefill_ns, lambda: self._finish(i, "FINISHED_ERROR", on_finished_ok))
         else:
             sim.at(prefill_ns, lambda: self._finish(i, "FINISHED_STOPPED", on_finished_ok))
+
+    def finish(self, i: int, status: str) -> None:
+        """request_finished of a streamed request (its decode leg was sent with it)."""
+        self._finish(i, status, lambda i, blocks: None)
 
     def _finish(self, i: int, status: str, on_finished_ok: Callable[[int, tuple[int, ...]], None]) -> None:
         """request_finished: pin (delay the free) and hand the pin to the worker, or free now."""
@@ -302,6 +327,12 @@ class _DecodeReq:
     blocks: tuple[int, ...] = ()
     delay_ns: int = 0  # how long its read takes (0: the wire latency)
     segments: dict[str, Any] = field(default_factory=dict)  # RecvStart's segment fields (sizes that differ)
+    # Streamed push: sent with its prefill leg (remote_req is the join key), the
+    # prompt's blocks and tokens known to the router, none of the prefill's blocks.
+    stream: bool = False
+    num_blocks: int = 0
+    num_tokens: int = 0
+    cached: int = 0  # its first blocks, a local prefix cache hit (streamed: not asked for)
 
 
 class DecodeEngine(_Engine):
@@ -321,6 +352,11 @@ class DecodeEngine(_Engine):
         dr = self.reqs.get(req)
         return dr.remote_req if dr is not None else None
 
+    def prefill_req_of(self, req: str) -> str | None:
+        """The prefill request ``req`` gets its KV from (a streamed one's is not its remote_req)."""
+        dr = self.reqs.get(req)
+        return f"p-{dr.index}" if dr is not None else None
+
     def fault_of(self, req: str) -> Fault:
         dr = self.reqs.get(req)
         return TRANSFER_FAULTS.get(dr.fault, Fault.NONE) if dr is not None else Fault.NONE
@@ -331,12 +367,26 @@ class DecodeEngine(_Engine):
 
     def arrive(self, i: int, remote_blocks: tuple[int, ...]) -> None:
         """The router sends the request with the prefill's kv_transfer_params."""
-        sim, cfg = self.sim, self.sim.config
-        f = cfg.faults
-        req = f"d-{i}"
+        dr = self._request(i, f"p-{i}", remote_blocks)
+        self._admit(dr)
+
+    def arrive_stream(self, i: int, num_blocks: int, num_tokens: int) -> None:
+        """The router sends the decode leg of a streamed request with its prefill leg:
+        the join key, the prompt's size, nothing of the prefill's blocks."""
+        dr = self._request(i, f"s-{i}", ())
+        dr.stream, dr.num_blocks, dr.num_tokens = True, num_blocks, num_tokens
+        self._admit(dr)
+
+    def _request(self, i: int, remote_req: str, remote_blocks: tuple[int, ...]) -> _DecodeReq:
+        sim, f = self.sim, self.sim.config.faults
         fault = next((name for name in DECODE_FAULTS if sim.chance(getattr(f, name))), "")
-        dr = _DecodeReq(i, req, f"p-{i}", STALE_ENGINE if fault == "handshake_error" else "prefill-0",
-                        SILENT_HOST if fault == "handshake_silent" else PREFILL_HOST, remote_blocks, fault)
+        return _DecodeReq(i, f"d-{i}", remote_req, STALE_ENGINE if fault == "handshake_error" else "prefill-0",
+                          SILENT_HOST if fault == "handshake_silent" else PREFILL_HOST, remote_blocks, fault)
+
+    def _admit(self, dr: _DecodeReq) -> None:
+        """It waits for blocks (heartbeats meanwhile), then vLLM allocates them."""
+        sim, cfg = self.sim, self.sim.config
+        f, req, fault = cfg.faults, dr.req, dr.fault
         if fault == "transfer_stuck":  # lands a little late, or seconds late (around the transfer timeout)
             timeout = cfg.transfer_timeout_ns
             dr.delay_ns = (5 * cfg.wire_latency_ns if sim.chance(0.5)
@@ -356,6 +406,9 @@ class DecodeEngine(_Engine):
         dr = self.waiting.pop(req, None)
         if dr is None:
             return  # aborted before vLLM allocated
+        if dr.stream:
+            self._allocate_stream(dr)
+            return
         if dr.fault == "nothing_to_read":  # a full local prefix hit: nothing to read, notify only
             local: tuple[int, ...] = ()
             remote: tuple[int, ...] = ()
@@ -372,6 +425,25 @@ class DecodeEngine(_Engine):
             num_tokens=len(local) * BLOCK_TOKENS, awaited=bool(local),
             group_sizes=group_split(len(local), self.sim.config.kv_groups) if local else (),
             remote_expiry_s=self.sim.prefill.expiry_s.get(dr.index, 0.0), push=self.sim.chance(self.sim.config.push)))
+
+    def _allocate_stream(self, dr: _DecodeReq) -> None:
+        """Blocks for the whole prompt, written by position as the prefill computes it
+        (a full local prefix hit: none, notify only)."""
+        local: tuple[int, ...] = ()
+        sim, size = self.sim, self.block_tokens
+        if dr.fault != "nothing_to_read":
+            dr.blocks = self.pool.allocate(dr.req, dr.num_blocks)
+            if dr.num_blocks > 1 and sim.chance(PREFIX_HIT):  # computed here before: the rest is asked for
+                dr.cached = sim.rng.randint(1, dr.num_blocks - 1)
+                for j in range(dr.cached):
+                    self.agent.write_block(dr.blocks[j], stream_block(dr.index, j, self.agent.block_bytes))
+            local = dr.blocks[dr.cached:]
+            self.awaited.add(dr.req)
+        self.facts.recv_start.append(RecvStart(
+            req=dr.req, remote_engine=dr.remote_engine, remote_req=dr.remote_req, remote_host=dr.remote_host,
+            remote_port=SIDE_CHANNEL_PORT, remote_tp_size=1, remote_block_ids=(), local_block_ids=local,
+            num_tokens=dr.num_tokens - dr.cached * size if local else 0, awaited=bool(local), push=True,
+            stream=True, first_position=dr.cached))
 
     def _allocate_segments(self, dr: _DecodeReq) -> None:
         """Blocks of this engine's size for the prompt's tokens, each filled in
@@ -445,12 +517,14 @@ class DecodeEngine(_Engine):
             self.violation("report_mismatch", dr.req, f"reported {'failed' if failed else 'received'} but the "
                                                       f"machine is {final!r}")
         if failed:
-            missing = set(dr.blocks) - self.invalid_seen
+            missing = set(dr.blocks[dr.cached:]) - self.invalid_seen
             if missing:
                 self.violation("load_errors_missing", dr.req, f"failed, but blocks {sorted(missing)} were not "
                                                               "reported by get_block_ids_with_load_errors")
         elif final == "done" and dr.segments:
             self._check_segments(dr)
+        elif final == "done" and dr.stream:
+            self._check_streamed(dr)
         elif final == "done":
             size = self.sim.config.block_bytes
             for j, b in enumerate(dr.blocks):
@@ -458,6 +532,18 @@ class DecodeEngine(_Engine):
                     self.violation("corrupt_delivery", dr.req,
                                    f"block {j} (local {b}) differs from what prefill computed")
                     return
+
+    def _check_streamed(self, dr: _DecodeReq) -> None:
+        """Every prompt token of every layer holds what the prefill computed (the
+        bytes of positions past the prompt are nobody's)."""
+        size, layers = self.block_tokens, len(self.agent.layers() or ())
+        for j, b in enumerate(dr.blocks):
+            want = stream_block(dr.index, j, self.agent.block_bytes)
+            layer = check_streamed(self.agent.read_block(b), want, layers, min(size, dr.num_tokens - j * size), size)
+            if layer is not None:
+                self.violation("corrupt_delivery", dr.req, f"block {j} (local {b}) layer {layer} differs from what "
+                                                           f"prefill computed")
+                return
 
     def _check_segments(self, dr: _DecodeReq) -> None:
         """Every segment read (those holding prompt tokens) holds, byte run by byte

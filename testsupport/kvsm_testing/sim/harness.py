@@ -8,6 +8,9 @@ bytes over ``InMemoryAgent``s on one ``InMemoryFabric``. Around them the
 simulation plays vLLM on each side (``kvsm_testing.sim.engines``): requests arrive,
 blocks are allocated and freed, steps carry the facts, aborts and finishes
 happen, and faults come from a seeded RNG through the workers' real inputs.
+A share of requests is streamed (``SimConfig.stream``): the router sends both
+legs at once and the prefill engine computes the prompt step by step, layer by
+layer, as the worker writes it (``kvsm_testing.sim.stream``).
 
 Time: one ``VirtualClock``. Both workers' loops are ``mode="driven"`` loops
 of one ``DrivenLoops`` group: no loop thread; this thread runs every loop
@@ -49,7 +52,7 @@ from kvsm.lifecycle.machine import IllegalTransition
 from kvsm.lifecycle.timers import TimerHandle, TimerHeap
 from kvsm.runtime.group import DrivenLoops
 from kvsm.transport.base import XferHandle
-from kvsm.transport.memory import InMemoryFabric
+from kvsm.transport.memory import Fault, InMemoryFabric, MemoryXferHandle
 from kvsm.worker import WorkerHalf
 from kvsm_testing.sim.config import MS, Faults, S, SimConfig, SimResult
 from kvsm_testing.sim.engines import (
@@ -64,6 +67,7 @@ from kvsm_testing.sim.engines import (
     block_pattern,
 )
 from kvsm_testing.sim.observe import EngineObserver, ObservedLog, ObserverSink, OutcomeHook
+from kvsm_testing.sim.stream import LEG_SPREAD_NS
 
 __all__ = ["BlockPool", "Faults", "SimConfig", "SimResult", "Simulation", "block_pattern", "run_simulation"]
 
@@ -78,7 +82,8 @@ _DECODE_LIVE = ("reading_unclaimed", "transferring", "failing", "aborting", "bei
 # the blocks are still the request's: pinned, or not yet heard of (vLLM holds the
 # blocks of a finished request until finished_sending; a read posted ahead of its
 # claim may reach them before the worker hears of the finish).
-_PREFILL_READABLE = (None, "prefilling", "read_early", "awaiting_pull", "writing")
+# A streamed request's layers are written as they are computed (streaming).
+_PREFILL_READABLE = (None, "prefilling", "streaming", "read_early", "awaiting_pull", "writing")
 
 
 class Simulation:
@@ -99,7 +104,7 @@ class Simulation:
         self.log_paths: list[Path] = []
         self.violations: list[InvariantViolation] = []
         self.fabric = InMemoryFabric(self.clock, latency_ns=config.wire_latency_ns, fault_for=self._fault_for,
-                                     delay_for=lambda h, fault: self.decode.delay_of(h.tag))
+                                     delay_for=self._delay_for)
         self.prefill: PrefillEngine = PrefillEngine(self)
         self.decode: DecodeEngine = DecodeEngine(self)
         self.prefill_observer = EngineObserver(self.prefill.engine_id, self.observers)
@@ -164,6 +169,15 @@ class Simulation:
         delay = self.config.lease_ns + S if self.chance(f.decode_late) else self.rng.randint(50_000, MS)
         self.at(delay, lambda: self.decode.arrive(i, remote_blocks))
 
+    def route_stream(self, i: int, num_blocks: int, num_tokens: int) -> None:
+        """A streamed request: the router sends its decode leg now, with the prefill
+        leg (it reaches its engine a little before or after the prefill's)."""
+        f = self.config.faults
+        if self.chance(f.decode_never):
+            return
+        delay = self.config.lease_ns + S if self.chance(f.decode_late) else self.rng.randint(0, LEG_SPREAD_NS)
+        self.at(delay, lambda: self.decode.arrive_stream(i, num_blocks, num_tokens))
+
     def _settle(self, after_jump: bool = False) -> None:
         """Run everything that can run at this instant: every loop until idle, then
         the engines' steps (results in, facts out), again while a step carried facts.
@@ -187,7 +201,7 @@ class Simulation:
         """Nothing left to happen: no request live anywhere, no block held for one,
         and the workers' per-request state drained (a message in flight to a
         silent peer waits for its deadline)."""
-        return (not self.agenda and not self.decode.busy() and not self.prefill.pinned
+        return (not self.agenda and not self.decode.busy() and not self.prefill.busy() and not self.prefill.pinned
                 and not self.prefill_observer.requests_live() and not self.decode_observer.requests_live()
                 and self.fabric.next_completion_ns() is None and not self._held_by_workers())
 
@@ -207,7 +221,8 @@ class Simulation:
     def _start(self) -> None:
         cfg = self.config
         self.loops = DrivenLoops(self.clock, zmq.Context())
-        compat = CompatInfo(model="kvsm-sim", dtype="uint8", num_layers=1, num_kv_heads=1,
+        compat = CompatInfo(model="kvsm-sim", dtype="uint8", num_layers=cfg.stream_layers if cfg.stream else 1,
+                            num_kv_heads=1,
                             head_size=cfg.block_bytes, block_size=BLOCK_TOKENS, kv_layout="in-memory")
         for engine, observer, role in ((self.prefill, self.prefill_observer, "kv_producer"),
                                        (self.decode, self.decode_observer, "kv_consumer")):
@@ -260,6 +275,15 @@ class Simulation:
     def _fault_for(self, handle: XferHandle) -> Any:
         return self.decode.fault_of(handle.tag)
 
+    def _delay_for(self, handle: XferHandle, fault: Fault) -> int:
+        """How long a transfer takes: its decode request's latency (a streamed layer
+        write up to ``stream_reorder`` times that longer, so writes overtake others)."""
+        delay = self.decode.delay_of(handle.tag)
+        reorder = self.config.stream_reorder
+        if reorder and isinstance(handle, MemoryXferHandle) and handle.span is not None:
+            delay += self.rng.randint(0, int(reorder * delay))
+        return delay
+
     def _check_write(self, blocks: Sequence[int], tag: str) -> None:
         owners = {self.decode.pool.owner.get(b) for b in blocks}
         state = self.decode_observer.state("recv", tag)
@@ -270,7 +294,7 @@ class Simulation:
                 f"while the request was {state}"))
 
     def _check_read(self, blocks: Sequence[int], tag: str) -> None:
-        remote_req = self.decode.remote_req_of(tag) or "?"
+        remote_req = self.decode.prefill_req_of(tag) or "?"
         owners = {self.prefill.pool.owner.get(b) for b in blocks}
         state = self.prefill_observer.state("send", remote_req)
         if owners != {remote_req} or state not in _PREFILL_READABLE:  # a violation if it is served (_finish)
