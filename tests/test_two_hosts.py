@@ -285,6 +285,19 @@ class _Push:
         assert _final(recs) == "done" and "writes_landed" in events and "reads_posted" not in events, events
 
 
+def _blocks_back_at_the_deadline(bed: Bed, rid: str) -> None:
+    """``rid``'s decode request failed by writes_stopped at the writes' deadline
+    (transfer timeout + 0.5 s after the ask): not before (a write may land until
+    then), and promptly at it."""
+    recs = bed.recv_of(rid)
+    moves = [(r.get("event"), r.get("dst")) for r in recs if r.get("kind") == "transition"]
+    assert _final(recs) == "failed" and ("writes_stopped", "failed") in moves, moves
+    asked = next(r for r in recs if r.get("event") == "writes_asked")
+    stopped = next(r for r in recs if r.get("event") == "writes_stopped")
+    held_s = (stopped["t_mono_ns"] - asked["t_mono_ns"]) / 1e9
+    assert TRANSFER_TIMEOUT_S + 0.5 - 0.05 <= held_s <= TRANSFER_TIMEOUT_S + 2.0, held_s
+
+
 def test_a_partition_while_the_prefill_writes(kvsm_bed: Bed) -> None:
     """Push mode across the KV link, capped so that a 400-token prompt's write
     takes about 1.6 s, partitioned once the prefill worker is writing. The
@@ -317,14 +330,7 @@ def test_a_partition_while_the_prefill_writes(kvsm_bed: Bed) -> None:
     finally:
         hosts.heal()
 
-    recs = bed.recv_of(vrid)
-    moves = [(r.get("event"), r.get("dst")) for r in recs if r.get("kind") == "transition"]
-    assert _final(recs) == "failed" and ("writes_stopped", "failed") in moves, moves
-    asked = next(r for r in recs if r.get("event") == "writes_asked")
-    stopped = next(r for r in recs if r.get("event") == "writes_stopped")
-    held_s = (stopped["t_mono_ns"] - asked["t_mono_ns"]) / 1e9
-    # Not before the deadline (a write may land until then), and promptly at it.
-    assert TRANSFER_TIMEOUT_S + 0.5 - 0.05 <= held_s <= TRANSFER_TIMEOUT_S + 2.0, held_s
+    _blocks_back_at_the_deadline(bed, vrid)
     sent = push.send_of(vrid)
     ended = [r for r in sent if r.get("kind") == "transition" and r.get("dst") == "released"]
     assert ended and ended[-1]["event"] == "write_done", [(r.get("event"), r.get("dst")) for r in sent]
@@ -402,13 +408,7 @@ def test_a_partition_mid_stream(kvsm_bed: Bed) -> None:
     finally:
         hosts.heal()
 
-    recs = bed.recv_of(vrid)
-    moves = [(r.get("event"), r.get("dst")) for r in recs if r.get("kind") == "transition"]
-    assert _final(recs) == "failed" and ("writes_stopped", "failed") in moves, moves
-    asked = next(r for r in recs if r.get("event") == "writes_asked")
-    stopped = next(r for r in recs if r.get("event") == "writes_stopped")
-    held_s = (stopped["t_mono_ns"] - asked["t_mono_ns"]) / 1e9
-    assert TRANSFER_TIMEOUT_S + 0.5 - 0.05 <= held_s <= TRANSFER_TIMEOUT_S + 2.0, held_s
+    _blocks_back_at_the_deadline(bed, vrid)
     sent = wait_until(lambda: (lambda rs: rs if any(r.get("dst") == "released" for r in rs) else None)(
         stream.send_of(vrid)), 10, f"{vrid} released on the prefill side")
     ended = [r for r in sent if r.get("kind") == "transition" and r.get("dst") == "released"]

@@ -336,17 +336,21 @@ class InMemoryAgent(Transport):
         size = self.block_bytes // len(self._layers)
         return self._layers.index(layer) * size, size
 
-    def post_layer_write(self, peer: str, layer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-                         notif: bytes = b"", tag: str = "") -> MemoryXferHandle:
-        """Our ``layer``'s slice of ``local_blocks`` into the same slice of the peer's
-        ``remote_blocks`` (streamed push), read here now; refused as the NIXL
-        transport refuses it: layers, block sizes or KV cache groups that differ."""
+    def _pair_check(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> None:
+        """A transfer's peer is known (``ConnectionError``), its block counts equal."""
         if self.closed:
             raise RuntimeError(f"agent {self.name!r} is closed")
         if peer not in self.peers:
             raise ConnectionError(f"agent {self.name!r} has no peer {peer!r} (handshake first)")
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+
+    def post_layer_write(self, peer: str, layer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+                         notif: bytes = b"", tag: str = "") -> MemoryXferHandle:
+        """Our ``layer``'s slice of ``local_blocks`` into the same slice of the peer's
+        ``remote_blocks`` (streamed push), read here now; refused as the NIXL
+        transport refuses it: layers, block sizes or KV cache groups that differ."""
+        self._pair_check(peer, local_blocks, remote_blocks)
         theirs = self.fabric.agents[peer]
         if (not self._layers or theirs._layers != self._layers or theirs.block_bytes != self.block_bytes
                 or self.num_groups != 1):
@@ -368,12 +372,7 @@ class InMemoryAgent(Transport):
     def _post(self, write: bool, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
               notif: bytes, tag: str, group_sizes: Sequence[int], local_heads: Heads | None,
               remote_heads: Heads | None, segments: Segments | None) -> MemoryXferHandle:
-        if self.closed:
-            raise RuntimeError(f"agent {self.name!r} is closed")
-        if peer not in self.peers:
-            raise ConnectionError(f"agent {self.name!r} has no peer {peer!r} (handshake first)")
-        if len(local_blocks) != len(remote_blocks):
-            raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        self._pair_check(peer, local_blocks, remote_blocks)
         if group_sizes and (sum(group_sizes) != len(local_blocks) or len(group_sizes) != self.num_groups):
             raise ValueError(f"group sizes {list(group_sizes)} for {len(local_blocks)} blocks of "
                              f"{self.num_groups} KV cache group(s)")

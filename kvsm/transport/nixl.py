@@ -289,12 +289,7 @@ class NixlTransport(Transport):
         """One NIXL WRITE of ``layer``'s part of ``local_blocks`` into the peer's
         ``remote_blocks`` (whole blocks, one KV cache group: the streamed write's
         limits). Unknown peer or layer: as ``_post``."""
-        self._check_open()
-        p = self._peers.get(peer)
-        if p is None:
-            raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
-        if len(local_blocks) != len(remote_blocks):
-            raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        p = self._pair_check(peer, local_blocks, remote_blocks)
         mine = p.mine
         if mine is None or p.block_tokens_differ or self.num_groups != 1:
             raise ValueError(f"a layer-by-layer write to {peer!r} needs the same layers, one KV cache group and "
@@ -323,12 +318,7 @@ class NixlTransport(Transport):
         pipeline parallel stage: the layers both hold only; none: the read is
         only its notification.
         """
-        self._check_open()
-        p = self._peers.get(peer)
-        if p is None:
-            raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
-        if len(local_blocks) != len(remote_blocks):
-            raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        p = self._pair_check(peer, local_blocks, remote_blocks)
         mine = p.mine
         if mine is None:  # no layer in common: nothing to move, only the notification
             return self._launch(p, NixlXferHandle(peer, (), (), notif, tag), lambda: None)
@@ -350,6 +340,16 @@ class NixlTransport(Transport):
         return self._launch(p, NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag),
                             lambda: self._agent.make_prepped_xfer(op, local_list, local_idx, remote_list,
                                                                   remote_idx, notif_msg=notif))
+
+    def _pair_check(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> Peer:
+        """The peer of a transfer (``ConnectionError`` when unknown), its block counts equal."""
+        self._check_open()
+        p = self._peers.get(peer)
+        if p is None:
+            raise ConnectionError(f"NIXL agent {self.name!r} has no peer {peer!r} (handshake first)")
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+        return p
 
     def _launch(self, p: Peer, h: NixlXferHandle, make: Callable[[], Any]) -> NixlXferHandle:
         """Create (``make``) and start one READ; nothing to read: only the notification."""
