@@ -25,6 +25,16 @@ one reply on stdout. Commands (``w`` names a worker):
 ``clear_faults`` w          restore every handler ``inject`` replaced
 ``fill``    w, blocks, seed overwrite those blocks of every layer with ``pattern(seed)``'s
                             (the prefill engine reusing freed blocks for another request)
+``stream_step`` w, step, send_start [[req, key]], stream_steps [[req, blocks, start, end, last]],
+            fill_seed, fill_first_seed, layer_delay_s, saved_first, wait
+                            one forward pass of vLLM's model thread over streamed requests
+                            (``_Worker.model_step``, on a thread of its own): replies once it is
+                            over with {"saving": [when each layer_saved was called], "layers":
+                            [when each returned], "over": when submit returned}
+                            (``time.monotonic()``), or at once with ``wait`` false
+                            (``step_wait`` then). ``step`` must differ from every other step
+                            number the worker was given
+``step_wait`` w, within     wait for w's last stream_step; its reply
 ``flush``                   flush every event log
 ``quit``                    shut every worker down and exit
 
@@ -327,6 +337,9 @@ class _Worker:
         self.sent: dict[str, float] = {}
         self.other: dict[str, list[str]] = {"recving": [], "failed": [], "invalid": []}
         self.faults: list[Fault] = []
+        self.patterns: dict[int, np.ndarray] = {}
+        self.step_thread: threading.Thread | None = None
+        self.step_out: dict[str, Any] = {}
 
     def start(self) -> None:
         if not self.started:
@@ -361,6 +374,94 @@ class _Worker:
             if name not in self.caches:
                 continue  # another pipeline stage's layer
             self.caches[name].view(torch.int32).numpy()[blocks] = new[i][blocks][:, self.heads]
+
+    def _pattern(self, seed: int) -> np.ndarray:
+        if seed not in self.patterns:
+            self.patterns[seed] = pattern(seed, self.geom)
+        return self.patterns[seed]
+
+    def fill_tokens(self, layer: int, blocks: list[int], start: int, end: int, seed: int) -> None:
+        """Tokens ``start..end`` of layer ``layer`` (a global index) of a request whose
+        blocks by position are ``blocks`` take ``pattern(seed)``'s bytes (its same blocks)."""
+        import torch
+
+        name = layer_names(geometry(self.geom)["layers"])[layer]
+        if name not in self.caches or end <= start:
+            return
+        size = geometry(self.geom)["block_size"]
+        cache, src = self.caches[name].view(torch.int32).numpy(), self._pattern(seed)[layer]
+        for pos in range(start // size, (end - 1) // size + 1):
+            b, base = blocks[pos], pos * size
+            lo, hi = max(start, base) - base, min(end, base + size) - base
+            cache[b, :, lo:hi] = src[b, self.heads, lo:hi]
+
+    def model_step(self, cmd: dict[str, Any]) -> None:
+        """vLLM's model thread for one step that computes streamed requests. The step's
+        tokens first take ``pattern(fill_first_seed)`` in every layer (not computed yet);
+        then, layer by layer in the forward pass's order, they take ``pattern(fill_seed)``
+        (computed) and ``half.layer_saved`` is called (``save_kv_layer``), then a pause of
+        ``layer_delay_s``; ``saved_first`` plants a fault: ``layer_saved`` comes before
+        the layer is computed (its pause in between), so its write may carry stale
+        bytes. Then ``half.step_over()`` (``wait_for_save``) and ``half.submit(meta)``
+        (``start_load_kv``, a no-op once the first layer posted the step)."""
+        from kvsm.handoff.facts import SendStart, StreamStep
+        from kvsm.vllm.metadata import KVSMConnectorMetadata
+
+        meta = KVSMConnectorMetadata(cmd["step"])
+        meta.send_start = [SendStart(req=r, stream=k) for r, k in cmd.get("send_start", [])]
+        steps = [StreamStep(req=r, block_ids=tuple(b), start=s, end=e, last=bool(last))
+                 for r, b, s, e, last in cmd.get("stream_steps", [])]
+        meta.stream_steps = steps
+        delay, saved_first = cmd.get("layer_delay_s", 0.0), cmd.get("saved_first", False)
+        names = layer_names(geometry(self.geom)["layers"])
+        mine = [(i, n) for i, n in enumerate(names) if n in self.caches]
+
+        def compute(i: int, seed: int) -> None:
+            for st in steps:
+                self.fill_tokens(i, list(st.block_ids), st.start, st.end, seed)
+
+        for i, _ in mine:
+            compute(i, cmd["fill_first_seed"])
+        saving: list[float] = []
+        saved: list[float] = []
+        for i, name in mine:
+            if not saved_first:
+                compute(i, cmd["fill_seed"])
+            saving.append(time.monotonic())
+            self.half.layer_saved(name, meta)
+            saved.append(time.monotonic())
+            time.sleep(delay)
+            if saved_first:
+                compute(i, cmd["fill_seed"])
+        self.half.step_over()
+        self.half.submit(meta)
+        self.step_out = {"saving": saving, "layers": saved, "over": time.monotonic()}
+
+    def begin_step(self, cmd: dict[str, Any]) -> None:
+        if self.step_thread is not None and self.step_thread.is_alive():
+            raise RuntimeError(f"worker {self.name}: a step is under way already")
+
+        def run() -> None:
+            try:
+                self.model_step(cmd)
+            except Exception as e:  # noqa: BLE001 - reported by step_wait
+                self.step_out = {"error": f"{type(e).__name__}: {e}"}
+
+        self.step_out = {}
+        self.step_thread = threading.Thread(target=run, name=f"model-{self.name}", daemon=True)
+        self.step_thread.start()
+
+    def end_step(self, within: float) -> dict[str, Any]:
+        t = self.step_thread
+        if t is None:
+            raise RuntimeError(f"worker {self.name}: no step to wait for")
+        t.join(within)
+        if t.is_alive():
+            raise TimeoutError(f"worker {self.name}: the step is not over after {within} s")
+        self.step_thread = None
+        if "error" in self.step_out:
+            raise RuntimeError(self.step_out["error"])
+        return dict(self.step_out)
 
     def drain(self) -> None:
         if not self.started:
@@ -449,6 +550,12 @@ class Peer:
         if op == "fill":
             self.workers[cmd["w"]].fill(cmd["blocks"], cmd["seed"])
             return {}
+        if op == "stream_step":
+            w = self.workers[cmd["w"]]
+            w.begin_step(cmd)
+            return w.end_step(cmd.get("within", 10.0)) if cmd.get("wait", True) else {}
+        if op == "step_wait":
+            return self.workers[cmd["w"]].end_step(cmd.get("within", 10.0))
         if op == "flush":
             for w in self.workers.values():
                 if w.log is not None:
