@@ -50,6 +50,7 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "write_asked": ev.WriteAsked(req="r", reader="d0", readers=2, num_blocks=2),
     "stream_asked": ev.StreamAsked(req="r", reader="d0", num_blocks=2),
     "stream_claimed": ev.StreamClaimed(req="r", reader="d0"),
+    "stream_joined": ev.StreamJoined(req="r", joined="p"),
     "write_done": ev.WriteDone(req="r", reader="d0", readers=2),
     "finished_ok": ev.FinishedOk(req="r", block_ids=(5, 6), expected_reads=2, lease_ns=1_000),
     "finished_abnormally": ev.FinishedAbnormally(req="r", reason="length"),

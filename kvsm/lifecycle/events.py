@@ -242,6 +242,13 @@ class StreamClaimed(Event, frozen=True, tag="stream_claimed"):
     reader: str = ""
 
 
+class StreamJoined(Event, frozen=True, tag="stream_joined"):
+    """Streamed push: the machine named by a join key (an input by the key that came
+    before this worker knew it) meets the prefill request the key names, ``joined``."""
+
+    joined: str
+
+
 class WriteDone(Event, frozen=True, tag="write_done"):
     """Push mode: the write to ``reader`` is over (``ok``: completed, its
     notification sent with it; else failed, ``detail`` says why, or cancelled at
@@ -368,6 +375,7 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     WriteAsked,
     StreamAsked,
     StreamClaimed,
+    StreamJoined,
     WriteDone,
     LeaseExpired,
     RemoteAbandoned,

@@ -81,6 +81,11 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "remote_abandoned", "source": "streaming", "dest": "abandoned_early",
      "after": ["cancel_writes", "arm_abandon_timer"]},
     {"trigger": "shutdown", "source": "streaming", "dest": "closed_at_shutdown", "after": "cancel_writes"},
+    # The decode side gave up by the join key before this worker knew it (an early
+    # abandon named by the key): once the key names a request here, that request
+    # hears the abandon, so that its finish frees its blocks.
+    {"trigger": "stream_joined", "source": "abandoned_early", "dest": "forgotten",
+     "after": ["cancel_abandon_timer", "pass_abandon"]},
     {"trigger": "shutdown", "source": "streamed", "dest": "closed_at_shutdown"},
     # A decode engine's hold for a next turn ends unread at its time to live: the
     # conversation did not come back (no warning: that is what holds are for).
@@ -150,6 +155,9 @@ SEND_STALE: list[dict[str, Any]] = [
     {"trigger": ["stream_claimed", "stream_asked"], "source": ["abandoned_early", "read_early", "releasing"],
      "why": "not a streamed request here any more (given up, or a hold being released): answered unknown"},
     {"trigger": "stream_asked", "source": "streamed", "why": "written already: the ask is answered unknown"},
+    {"trigger": "stream_joined", "source": ["prefilling", "streaming", "streamed", "read_early", "awaiting_pull",
+                                            "writing", "releasing"],
+     "why": "a machine of the key's name that holds no early abandon: nothing to pass on"},
     {"trigger": ["heartbeat", "read_notif", "write_asked"], "source": ["streaming", "streamed"],
      "why": "a streamed request is claimed by its join key and written layer by layer, not read"},
     {"trigger": "remote_abandoned", "source": "streamed",

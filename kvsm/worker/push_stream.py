@@ -82,7 +82,7 @@ class Streamer:
         self._index: dict[str, int] | None = None
         # Model thread only: whether this step computes a streamed request.
         self._stepping = False
-        self.effects: dict[str, Effect] = {"start_stream": self._start_stream}
+        self.effects: dict[str, Effect] = {"start_stream": self._start_stream, "pass_abandon": self._pass_abandon}
 
     def busy(self) -> bool:
         return bool(self.streams)
@@ -120,12 +120,8 @@ class Streamer:
                 self.keys[s.stream] = s.req
                 self.progress.setdefault(s.req, _Progress(s.stream))
                 self.ctx.note("worker.stream_key", s.req, key=s.stream)  # (replay joins the two sides by it)
-                early = self.ctx.send.get(s.stream)
-                if early is not None and early.state == "abandoned_early" and s.req in self.ctx.send:
-                    # Its decode side gave up before this worker knew the key: the abandon
-                    # made a machine of the key's name. The request's own finish frees it.
-                    self._apply_send(ev.RemoteAbandoned(
-                        req=s.req, reason=f"abandoned by its join key {s.stream} before its prefill started here"))
+                if s.stream in self.ctx.send:  # an input by the key came before the key was known here
+                    self._apply_send(ev.StreamJoined(req=s.stream, joined=s.req))
         self._step_reqs = []
         for st in steps:
             p = self.progress.get(st.req)
@@ -188,6 +184,12 @@ class Streamer:
             self._drop(req, ask.requester)
             return ANSWER_UNKNOWN
         return ANSWER_OK
+
+    def _pass_abandon(self, key: str, o: Outcome) -> None:
+        """The decode side gave up by the key before it named a request here: that request hears it."""
+        assert isinstance(o.event, ev.StreamJoined)
+        self._apply_send(ev.RemoteAbandoned(
+            req=o.event.joined, reason=f"abandoned by its join key {key} before its prefill started here"))
 
     def _start_stream(self, req: str, o: Outcome) -> None:
         """Write what is computed already (the ask came after some of it)."""
