@@ -37,13 +37,26 @@ import hashlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvsm.handoff.facts import SendStart, StepFacts, StreamStep
 from kvsm_testing.sim.config import MS
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kvsm_testing.sim.engines import PrefillEngine
+
+class PrefillEngine(Protocol):
+    """What the forward passes use of the prefill engine (``kvsm_testing.sim.engines``,
+    which imports this module: named here by what it has, not imported)."""
+
+    sim: Any
+    block_tokens: int
+    blocks: dict[str, tuple[int, ...]]
+    pool: Any
+    agent: Any
+    facts: StepFacts
+    worker: Any
+
+    def finish(self, i: int, status: str) -> None: ...
+    def take_facts(self) -> StepFacts: ...
 
 # How long one layer of a forward pass takes (virtual ns): a step's layers are
 # done over about the wire's latency, so writes posted as they are done overlap.
