@@ -93,33 +93,18 @@ SLACK_S = 0.5  # a loaded 2-core machine
 # ----------------------------------------------------------------------------- processes
 
 
-class Peers(PrefillPeers):
-    def __init__(self, log_dir: Path) -> None:
-        super().__init__(log_dir, ENGINES)
+class SpawnedPeers(PrefillPeers):
+    """A module's prefill processes (``_spawn``) and its chain of incarnations to
+    kill: flushed and closed together (a stopped one resumed first)."""
+
+    def __init__(self, log_dir: Path, engines: dict[str, str]) -> None:
+        super().__init__(log_dir, engines)
         self.procs: list[PeerProc] = []
         self.chain: Chain | None = None
-
-        def spec(w: str) -> dict[str, Any]:
-            return {"name": w, "engine_id": ENGINES[w], "port": self.port[w], "lease_s": 30.0, "seed": SEEDS[w],
-                    "log": str(self.log[w])}
-
-        try:
-            self.main = self._spawn("main", [spec("P"), spec("H")])
-            self.stop = self._spawn("stop", [spec("T"), spec("G")])
-            self.chain = Chain("KP", log_dir, incarnations=2, seed0=510)
-            for p in self.procs:
-                p.ready()
-            self.chain.ready()
-        except BaseException:
-            self.close()
-            raise
 
     def _spawn(self, label: str, workers: list[dict[str, Any]]) -> PeerProc:
         self.procs.append(PeerProc(label, workers, self.log_dir))
         return self.procs[-1]
-
-    def proc_of(self, w: str) -> PeerProc:
-        return self.main if w in ("P", "H") else self.stop
 
     def flush(self) -> None:
         for p in self.procs:
@@ -136,6 +121,29 @@ class Peers(PrefillPeers):
             p.close()
         if self.chain is not None:
             self.chain.close()
+
+
+class Peers(SpawnedPeers):
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(log_dir, ENGINES)
+
+        def spec(w: str) -> dict[str, Any]:
+            return {"name": w, "engine_id": ENGINES[w], "port": self.port[w], "lease_s": 30.0, "seed": SEEDS[w],
+                    "log": str(self.log[w])}
+
+        try:
+            self.main = self._spawn("main", [spec("P"), spec("H")])
+            self.stop = self._spawn("stop", [spec("T"), spec("G")])
+            self.chain = Chain("KP", log_dir, incarnations=2, seed0=510)
+            for p in self.procs:
+                p.ready()
+            self.chain.ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def proc_of(self, w: str) -> PeerProc:
+        return self.main if w in ("P", "H") else self.stop
 
 
 log_dir, peers, decode = harness_fixtures(Peers, GDecode, "push-worker-logs")

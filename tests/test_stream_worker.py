@@ -81,6 +81,7 @@ from test_push_worker import (
     MARGIN_S,
     SLACK_S,
     DecodeProc,
+    SpawnedPeers,
     _on_ask,
     _path,
     _records,
@@ -89,7 +90,7 @@ from test_push_worker import (
 )
 from test_reliability_worker import FAST, Chain, GDecode
 
-from test_worker_nixl import PeerProc, PrefillPeers, harness_fixtures, replay_logs
+from test_worker_nixl import PeerProc, harness_fixtures, replay_logs
 from worker_peer import GEOMETRY
 
 from kvsm.replay import analyse
@@ -115,11 +116,9 @@ _step_numbers = itertools.count(1)  # (a worker ignores a step number it was giv
 # ----------------------------------------------------------------------------- processes
 
 
-class Peers(PrefillPeers):
+class Peers(SpawnedPeers):
     def __init__(self, log_dir: Path) -> None:
         super().__init__(log_dir, ENGINES)
-        self.procs: list[PeerProc] = []
-        self.chain: Chain | None = None
 
         def spec(w: str, geom: dict[str, int] | None) -> dict[str, Any]:
             return {"name": w, "engine_id": ENGINES[w], "port": self.port[w], "lease_s": 30.0, "seed": SEEDS[w],
@@ -136,25 +135,6 @@ class Peers(PrefillPeers):
             self.close()
             raise
 
-    def _spawn(self, label: str, workers: list[dict[str, Any]]) -> PeerProc:
-        self.procs.append(PeerProc(label, workers, self.log_dir))
-        return self.procs[-1]
-
-    def flush(self) -> None:
-        for p in self.procs:
-            if p.proc.poll() is None:
-                p.call("flush")
-        c = self.chain
-        if c is not None and c.current.proc.poll() is None and c.current.hello:
-            c.current.call("flush")
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.proc.poll() is None:
-                os.kill(p.proc.pid, signal.SIGCONT)  # (a scenario that failed half-way)
-            p.close()
-        if self.chain is not None:
-            self.chain.close()
 
 
 def _decode(name: str, log_dir: Path, **kw: Any) -> GDecode:
