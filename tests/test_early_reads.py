@@ -35,6 +35,13 @@ def replayed(vp: VirtualPair, findings: set[tuple[str, str | None]] | None = Non
     return {(m.lifecycle, m.req): m.final_state for m in report.machines if m.lifecycle != "peer"}
 
 
+def served(vp: VirtualPair, w: str) -> int:
+    """Prefill engine ``w``'s reads_served counter (what its metrics say)."""
+    worker = vp.prefills[w].worker
+    assert worker is not None
+    return int(worker.stats.totals()["reads_served"])
+
+
 def know(vp: VirtualPair, w: str) -> None:
     """A first request to ``w``: its claim fetches the agent (reads wait for it)."""
     vp.finish(w, {f"p-first-{w}": (9,)})
@@ -184,6 +191,7 @@ def test_a_read_before_the_prefill_worker_heard_of_the_finish_waits_for_it(pair:
     keeps its notification (read_early) until the finish pins the blocks, and
     counts it when the claim, asked again meanwhile, is granted."""
     know(pair, "A")
+    served_before = served(pair, "A")
     pair.start("d-5", "A", "p-5", (6, 7))
     pair.run(0.02)
     assert pair.state("d-5") == "read_unclaimed"  # claims answered "unknown", asked again
@@ -197,6 +205,8 @@ def test_a_read_before_the_prefill_worker_heard_of_the_finish_waits_for_it(pair:
     pair.run(0.01)
     assert [(ev, dst) for ev, src, dst, _ in transitions(pair, "p-5", "prefill-A") if src != dst or ev != "heartbeat"
             ] == [("read_notif", "read_early"), ("finished_ok", "awaiting_pull"), ("heartbeat", "released")]
+    # Served, in the metrics too: the held read counted when its claim did.
+    assert served(pair, "A") - served_before == 1
     assert replayed(pair)[("send", "p-5")] == "released"
 
 

@@ -94,7 +94,7 @@ def test_lifecycles_of_design() -> None:
     assert s.apply(SAMPLE_EVENTS["read_notif"]).dst == "awaiting_pull"  # 1 of 2 readers
     assert s.apply(SAMPLE_EVENTS["read_notif"]).dst == "awaiting_pull"  # the same reader again: still 1
     out = s.apply(ev.ReadNotif(req="r", reader="d1"))
-    assert (out.dst, out.effects) == ("released", ("cancel_lease", "free_blocks"))
+    assert (out.dst, out.effects) == ("released", ("cancel_lease", "count_served", "free_blocks"))
 
 
 def test_reads_posted_with_their_claims() -> None:
@@ -172,7 +172,7 @@ def test_a_read_notification_before_its_claim_is_held() -> None:
     assert s.apply(ev.ReadNotif(req="r", reader="d0", early=True)).dst == "awaiting_pull"
     assert s.get("r").reads_held == {"d0"} and s.get("r").reads_seen == 0
     out = s.apply(ev.Heartbeat(req="r", lease_ns=1_000, reader="d0"))
-    assert (out.dst, out.effects) == ("released", ("cancel_lease", "free_blocks"))
+    assert (out.dst, out.effects) == ("released", ("cancel_lease", "count_served", "free_blocks"))
     # Before the finish: the notification makes the machine, the finish pins, the claim releases.
     s.create("q")
     out = s.apply(ev.ReadNotif(req="q", reader="d0", early=True))
@@ -185,7 +185,7 @@ def test_a_read_notification_before_its_claim_is_held() -> None:
     s.apply(ev.ReadNotif(req="a", reader="d0", early=True))
     assert s.apply(ev.RemoteAbandoned(req="a", reader="d0")).dst == "read_early"
     out = s.apply(ev.FinishedOk(req="a", block_ids=(7,), lease_ns=1_000))
-    assert (out.dst, out.effects) == ("released", ("cancel_abandon_timer", "pin_blocks", "free_blocks"))
+    assert (out.dst, out.effects) == ("released", ("cancel_abandon_timer", "pin_blocks", "count_served", "free_blocks"))
     # The finish never comes: forgotten after a lease; its late notification is stale.
     s.create("f")
     s.apply(ev.ReadNotif(req="f", reader="d0", early=True))

@@ -27,10 +27,10 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     # claim (held, see note_read) counts now.
     {"trigger": "heartbeat", "source": "awaiting_pull", "dest": "released",
      "prepare": ["extend_lease_data", "note_claimant"], "conditions": "all_reads_in",
-     "after": ["cancel_lease", "free_blocks"]},
+     "after": ["cancel_lease", "count_served", "free_blocks"]},
     {"trigger": "heartbeat", "source": "awaiting_pull", "dest": "=", "after": "extend_lease"},
     {"trigger": "read_notif", "source": "awaiting_pull", "dest": "released", "prepare": "note_read",
-     "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
+     "conditions": "all_reads_in", "after": ["cancel_lease", "count_served", "free_blocks"]},
     {"trigger": "read_notif", "source": "awaiting_pull", "dest": "="},
     # Each decode rank that has business with these blocks is through once (its
     # read's notification or its abandon); the blocks go once all are.
@@ -101,7 +101,7 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "release_asked", "source": "awaiting_pull", "dest": "releasing", "prepare": "end_lease_soon",
      "after": "arm_lease"},
     {"trigger": "read_notif", "source": "releasing", "dest": "released", "prepare": "note_read",
-     "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
+     "conditions": "all_reads_in", "after": ["cancel_lease", "count_served", "free_blocks"]},
     {"trigger": "read_notif", "source": "releasing", "dest": "=", "prepare": "note_read"},
     {"trigger": "remote_abandoned", "source": "releasing", "dest": "released", "prepare": "count_read",
      "conditions": "all_reads_in", "after": ["cancel_lease", "free_blocks"]},
@@ -132,7 +132,7 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "read_notif", "source": "read_early", "dest": "=", "prepare": "note_read"},
     {"trigger": "remote_abandoned", "source": "read_early", "dest": "=", "prepare": "count_read"},
     {"trigger": "finished_ok", "source": "read_early", "dest": "released", "prepare": "pin_blocks_data",
-     "conditions": "all_reads_in", "after": ["cancel_abandon_timer", "pin_blocks", "free_blocks"]},
+     "conditions": "all_reads_in", "after": ["cancel_abandon_timer", "pin_blocks", "count_served", "free_blocks"]},
     {"trigger": "finished_ok", "source": "read_early", "dest": "awaiting_pull",
      "after": ["cancel_abandon_timer", "pin_blocks", "arm_lease"]},
     *_each(["abort", "finished_abnormally"], source="read_early", dest="released", after="cancel_abandon_timer"),

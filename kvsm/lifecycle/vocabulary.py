@@ -44,6 +44,8 @@ EFFECTS: Mapping[str, str] = {
     "post_write": "push mode: post the NIXL WRITE of the pinned blocks into the asking decode rank's blocks",
     "cancel_writes": "push mode: cancel the request's writes still in flight (before its blocks are freed)",
     "count_write": "count a write that completed, or failed (metrics, log)",
+    "count_served": ("count a request whose blocks its decode ranks read (the last read's notification, or "
+                     "one held until its claim or the prefill's finish)"),
     "pass_abandon": ("streamed push: the early abandon a join key's machine held goes to the prefill request "
                      "the key names (its finish then frees its blocks)"),
     "start_stream": ("streamed push: write what is computed of the request already, then each layer as its "

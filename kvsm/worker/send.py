@@ -95,6 +95,7 @@ class Sender:
             "extend_lease": self._arm_lease,
             "cancel_lease": self._cancel_lease,
             "free_blocks": self._free_blocks,
+            "count_served": lambda req, o: self.stats.read_served(),
             "count_expired_lease": self._count_expired_lease,
             "count_hold_ended": self._count_hold_ended,
             "arm_abandon_timer": self._arm_abandon_timer,
@@ -291,8 +292,6 @@ class Sender:
             io.abandon_timer = None
 
     def _free_blocks(self, req: str, o: Outcome) -> None:
-        if o.trigger == "read_notif":
-            self.stats.read_served()
         self.results.sent(req)
 
     def _count_expired_lease(self, req: str, o: Outcome) -> None:
