@@ -285,6 +285,40 @@ class _Push:
         assert _final(recs) == "done" and "writes_landed" in events and "reads_posted" not in events, events
 
 
+def _lands_after_the_heal(push: _Push, victim: str, send: Callable[[list[int], str], str | None]) -> None:
+    """After the heal, a write lands again (``send``: one pair, its answer), and
+    nothing of ``victim``'s writes, cut off by the partition, lands afterwards:
+    its notification (``landed``) would say so. UCX sends what it queued for a
+    connection once the connection is back: that landed 10 s after the decode
+    engine had given the blocks back, before the prefill worker dropped the
+    decode's agent at the deadline (its ``cancelled`` word may still come late:
+    a word, not bytes). Allowed: the dead peer's back-off (4 s at most), a probe, and an
+    attempt cut off meanwhile waiting out its deadline (6.5 s); each failed
+    attempt is named if none lands."""
+    tries: list[tuple[str, Any]] = []
+
+    def again() -> str | None:
+        prompt = push.prompt(128)
+        rid = f"{victim.split('-')[0]}-heal-{uuid.uuid4().hex[:8]}"
+        if send(prompt, rid) != push.reference(prompt):
+            raise AssertionError(f"{rid} answered wrong")
+        recs = push.bed.ended_recv(rid)
+        if _final(recs) == "done":
+            return rid
+        tries.append((rid, [(r.get("event"), r.get("dst"), r.get("input")) for r in recs][-2:]))
+        return None
+
+    try:
+        rid = wait_until(again, 45, "a write landing after the heal", interval=1.0)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the attempts: {tries}") from None
+    push.landed(rid)
+    late = [r for r in push.bed.records("decode.worker")
+            if r.get("event") == "worker.write_notif_unmatched" and victim in (r.get("req") or "")
+            and r.get("how") == "landed"]
+    assert not late, f"a write of {victim} landed after the heal: {late}"
+
+
 def _blocks_back_at_the_deadline(bed: Bed, rid: str) -> None:
     """``rid``'s decode request failed by writes_stopped at the writes' deadline
     (transfer timeout + 0.5 s after the ask): not before (a write may land until
@@ -338,15 +372,7 @@ def test_a_partition_while_the_prefill_writes(kvsm_bed: Bed) -> None:
     freed_s = (ended[-1]["t_wall_ns"] - write_asked["t_wall_ns"]) / 1e9
     assert freed_s <= TRANSFER_TIMEOUT_S + 2.0 < LEASE_S, freed_s
 
-    # After the heal (and the dead peer's back-off), a push lands again.
-    def again() -> str | None:
-        prompt = push.prompt(128)
-        rid = f"push-heal-{uuid.uuid4().hex[:8]}"
-        if push.decode_leg(prompt, push.prefill_leg(prompt, rid), rid) != push.reference(prompt):
-            raise AssertionError(f"{rid} answered wrong")
-        return rid if _final(bed.ended_recv(rid)) == "done" else None
-
-    push.landed(wait_until(again, 20, "a push landing after the heal", interval=1.0))
+    _lands_after_the_heal(push, vrid, lambda prompt, rid: push.decode_leg(prompt, push.prefill_leg(prompt, rid), rid))
 
 
 class _Stream(_Push):
@@ -418,17 +444,12 @@ def test_a_partition_mid_stream(kvsm_bed: Bed) -> None:
     freed_s = (ended[-1]["t_wall_ns"] - stream_asked["t_wall_ns"]) / 1e9
     assert freed_s <= TRANSFER_TIMEOUT_S + 2.0 < LEASE_S, freed_s
 
-    # After the heal (and the dead peer's back-off), a streamed pair lands again.
-    def again() -> str | None:
-        prompt = stream.prompt(128)
-        rid = f"stream-heal-{uuid.uuid4().hex[:8]}"
+    def streamed(prompt: list[int], rid: str) -> str | None:
         thread, answer = stream.pair(prompt, rid)
         thread.join(60)
-        if answer.get("text") != stream.reference(prompt):
-            raise AssertionError(f"{rid} answered wrong")
-        return rid if _final(bed.ended_recv(rid)) == "done" else None
+        return answer.get("text")
 
-    stream.landed(wait_until(again, 20, "a streamed pair landing after the heal", interval=1.0))
+    _lands_after_the_heal(stream, vrid, streamed)
 
 
 def test_nothing_is_left_held_and_the_logs_replay_clean(kvsm_bed: Bed) -> None:

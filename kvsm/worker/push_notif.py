@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvsm.transport.base import Transport
+
 MARK = b"\x1ekvsm-push\x1f"
 _SEP = "\x1f"
 LANDED, FAILED, CANCELLED = "landed", "failed", "cancelled"
@@ -61,3 +63,16 @@ def parse_write_notif(msg: bytes) -> WriteNotif:
     if kind != "landed" or not req or not link.isdigit() or len(link) > 4:
         raise ValueError(f"malformed push notification {msg[:80]!r}")
     return WriteNotif(req, int(link), how)
+
+
+def cut_off(transport: Transport, agent: str) -> None:
+    """A write was still in flight at its deadline (cancelled, its decode rank
+    told): remove that rank's agent, so that nothing of the write is left queued
+    for it. UCX keeps what it queued for a connection and sends it once the
+    connection comes back: after a partition healed, a write cancelled at its
+    deadline landed 10 s later, with its notification, in blocks the decode
+    engine had long given back; with the agent removed, only the ``cancelled``
+    notification came (tests/test_two_hosts.py). Every other write to that agent
+    fails with it (the same link missed its deadline); its next ask loads it
+    again."""
+    transport.remove_peer(agent)

@@ -24,7 +24,7 @@ from kvsm.lifecycle.table import ANSWER_OK, ANSWER_UNKNOWN, CLAIM_ANSWERS
 from kvsm.transport.base import TransferState, XferHandle
 from kvsm.transport.regions import Segments
 from kvsm.worker.context import WorkerContext
-from kvsm.worker.push_notif import ended_notif
+from kvsm.worker.push_notif import cut_off, ended_notif
 from kvsm.worker.push_stream import Streamer
 from kvsm.worker.runner import Effect
 
@@ -177,7 +177,7 @@ class Writer:
         elif state is TransferState.ERROR:
             self._end(req, reader, w, getattr(w.handle, "error", "") or "the transfer ended in error")
         elif self.loop.now_ns() >= w.deadline_ns:
-            self._cancel(req, reader, w, "its deadline passed")
+            self._cancel(req, reader, w, "its deadline passed", at_deadline=True)
             self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers, ok=False,
                                           detail="cancelled in flight at its deadline"))
 
@@ -191,7 +191,8 @@ class Writer:
         self._drop(req, reader)
         self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers, ok=False, detail=detail[:300]))
 
-    def _cancel(self, req: str, reader: str, w: _Write, why: str) -> None:
+    def _cancel(self, req: str, reader: str, w: _Write, why: str, at_deadline: bool = False) -> None:
+        """Cancel ``w``; in flight, its decode rank is told, and at its deadline cut off."""
         transport = self.ctx.transport
         if transport is None or w.handle is None:
             self._drop(req, reader)
@@ -200,6 +201,8 @@ class Writer:
         transport.release(w.handle, force=True)
         if in_flight:
             self._tell(w, "cancelled")
+            if at_deadline:
+                cut_off(transport, w.agent)
             self.ctx.note("worker.write_cancelled", req, reader=reader, why=why)
         self._drop(req, reader)
 

@@ -35,7 +35,7 @@ from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import ANSWER_OK, ANSWER_UNKNOWN
 from kvsm.transport.base import TransferState, XferHandle
 from kvsm.worker.context import WorkerContext
-from kvsm.worker.push_notif import ended_notif
+from kvsm.worker.push_notif import cut_off, ended_notif
 from kvsm.worker.runner import Effect
 
 
@@ -234,7 +234,7 @@ class Streamer:
         if lo > hi:
             return
         if self.loop.now_ns() >= w.deadline_ns:
-            self._fail(req, reader, w, "its deadline passed before the prefill computed it", cancelled=True)
+            self._fail(req, reader, w, "its deadline passed before the prefill computed it", at_deadline=True)
             return
         # The last write of all carries the notification, once every other one is over.
         final = self._complete(p, w) and self._settled(req, reader, w)
@@ -338,15 +338,16 @@ class Streamer:
         if self.streams.get(req, {}).get(reader) is not w:
             return
         if self.loop.now_ns() >= w.deadline_ns:
-            self._fail(req, reader, w, "cancelled in flight at its deadline", cancelled=True)
+            self._fail(req, reader, w, "cancelled in flight at its deadline", at_deadline=True)
         else:
             self._maybe_final(req, reader, w)
 
     # -- endings --------------------------------------------------------------------------------
 
-    def _stop(self, w: _Stream) -> bool:
+    def _stop(self, w: _Stream, at_deadline: bool = False) -> bool:
         """Release every write of ``w`` (in flight ones cancelled) and tell its decode
-        rank how it ended; True when some were in flight."""
+        rank how it ended (in flight at its deadline, cut it off too); True when
+        some were in flight."""
         transport = self.ctx.transport
         if transport is None:
             return False
@@ -360,14 +361,16 @@ class Streamer:
             transport.send_notif(w.agent, ended_notif(w.spec.notif, "cancelled" if in_flight else "failed"))
         except ConnectionError:
             pass  # its agent is gone: so is the decode rank's process
+        if in_flight and at_deadline:
+            cut_off(transport, w.agent)
         return in_flight
 
-    def _fail(self, req: str, reader: str, w: _Stream, detail: str, cancelled: bool = False) -> None:
+    def _fail(self, req: str, reader: str, w: _Stream, detail: str, at_deadline: bool = False) -> None:
         if self.streams.get(req, {}).get(reader) is not w:
             return
-        in_flight = self._stop(w)
+        in_flight = self._stop(w, at_deadline)
         self._drop(req, reader)
-        if in_flight or cancelled:
+        if in_flight or at_deadline:
             self.ctx.note("worker.write_cancelled", req, reader=reader, why=detail[:200])
         self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers, ok=False, detail=detail[:300]))
 
