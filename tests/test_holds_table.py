@@ -54,7 +54,7 @@ def test_a_claimed_hold_waits_for_its_read_and_is_no_longer_extended() -> None:
     assert t.apply(ev.Heartbeat(req="h", lease_ns=30 * S, reader="d1")).stale
     assert m.lease_deadline_ns == 30 * S
     out = t.apply(ev.ReadNotif(req="h", reader="d0"))
-    assert (out.dst, out.effects) == ("released", ("cancel_lease", "free_blocks"))
+    assert (out.dst, out.effects) == ("released", ("cancel_lease", "count_served", "free_blocks"))
 
 
 def test_a_claimed_hold_whose_read_never_comes_ends_with_its_lease() -> None:

@@ -198,6 +198,13 @@ def test_a_partition_while_a_read_is_in_flight(kvsm_bed: Bed) -> None:
         f"the peer was not found dead by the stalled-read probe: {deaths}"
 
 
+# -m extended: the scenario needs its 2-block read (about 1 s) to finish before the
+# stalled-read probe can find the peer dead (2.5 s in). On CI's slower machines the
+# read took over 2.5 s twice in three runs (the probe then failed it, and the request
+# was recomputed right): the lost notification never happened. The lease freeing the
+# blocks after a lost notification runs in CI on virtual time
+# (tests/test_stall_probe_virtual.py loses the notification outright).
+@pytest.mark.extended
 def test_a_partition_between_the_read_and_its_notification(kvsm_bed: Bed) -> None:
     """What the decode host says is dropped from the middle of a read (its bare
     acknowledgements pass: the read goes on to the end), then the link is
@@ -471,7 +478,8 @@ def test_nothing_is_left_held_and_the_logs_replay_clean(kvsm_bed: Bed) -> None:
     report = analyse(files)
     # The one finding expected: the notification the partition held back reached
     # the prefill side after its lease (test_a_partition_between_the_read_and_its_notification).
-    late = next(r for r in bed.results if r.name == "partition_after_reads").extra.get("late_notif_req")
+    # (That scenario runs with -m extended only.)
+    late = next((r.extra.get("late_notif_req") for r in bed.results if r.name == "partition_after_reads"), None)
     findings = [(f.kind, f.req) for f in report.findings]
     assert findings in ([], [("read_after_lease_expiry", late)]), [str(f) for f in report.findings][:20]
     assert report.shutdowns, "no clean-stop record"

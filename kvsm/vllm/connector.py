@@ -304,7 +304,8 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Streamed push: the layer's KV of this step is in place (posted to the loop,
-        which writes it; nothing is waited for)."""
+        which writes it; only a streamed prompt's very last layer waits, 5 ms at
+        most, for that post to be served)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVSMConnectorMetadata), f"unexpected connector metadata {type(meta).__name__}"
         self._require_worker().layer_saved(layer_name, meta)

@@ -150,7 +150,8 @@ class WorkerHalf:
                    recv_abort=[a.req for a in meta.recv_abort], send_finish=[f.req for f in meta.send_finish])
 
     def layer_saved(self, layer: str, meta: StepFacts) -> None:
-        """vLLM's forward pass is done with ``layer`` (model thread; posts only).
+        """vLLM's forward pass is done with ``layer`` (model thread; posts only, and
+        for a streamed prompt's very last layer waits a moment for the post to be served).
         vLLM hands the step's metadata over (``start_load_kv``) only after the
         forward pass; a step that computes a streamed request posts it with its
         first layer instead, so the loop knows the step's blocks before its layers."""
@@ -158,7 +159,7 @@ class WorkerHalf:
         if meta.stream_steps and meta.step != self._posted_early:
             self.submit(meta)
             self._posted_early = meta.step
-            streamer.stepping(True)
+            streamer.stepping(True, final=any(st.last for st in meta.stream_steps))
         streamer.layer_saved(layer)
 
     def step_over(self) -> None:

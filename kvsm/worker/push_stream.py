@@ -8,7 +8,9 @@ tells this worker, step by step, which tokens of which streamed request a step
 computes and in which blocks (``StreamStep``). vLLM calls ``save_kv_layer``
 after each attention layer and ``wait_for_save`` after the forward pass: both
 only post to the loop (``layer_saved``, ``step_over``), which posts one NIXL
-WRITE per layer of the blocks the step filled. An ask that comes late (the
+WRITE per layer of the blocks the step filled. The prompt's very last layer
+waits a moment (``LAST_LAYER_HANDOFF_S`` at most) for the loop to have posted
+its write, so that the loop need not wait for the interpreter behind the model. An ask that comes late (the
 prefill under way or over) first writes what is computed already.
 
 The decode worker hears of the end by the notification the last write
@@ -22,6 +24,7 @@ so it waits for its deadline), as for push mode's whole write.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,6 +40,13 @@ from kvsm.transport.base import TransferState, XferHandle
 from kvsm.worker.context import WorkerContext
 from kvsm.worker.push_notif import cut_off, ended_notif
 from kvsm.worker.runner import Effect
+
+# The model thread hands the loop the last layer of a streamed prompt's last step
+# and waits, this long at most, for the loop to have posted that layer's write.
+# Only posting, the loop thread waited for the interpreter behind the model thread
+# (0.4-1.9 ms on the prefill engine's busy core, docs/benchmarks.md section 11),
+# and that wait was most of the handover's tail beyond the write itself.
+LAST_LAYER_HANDOFF_S = 0.005
 
 
 @dataclass(slots=True)
@@ -80,8 +90,10 @@ class Streamer:
         self.streams: dict[str, dict[str, _Stream]] = {}  # request -> decode rank -> its stream
         self._step_reqs: list[str] = []
         self._index: dict[str, int] | None = None
-        # Model thread only: whether this step computes a streamed request.
+        # Model thread only: whether this step computes a streamed request (and the
+        # last tokens of one: ``_final``).
         self._stepping = False
+        self._final = False
         self.effects: dict[str, Effect] = {"start_stream": self._start_stream, "pass_abandon": self._pass_abandon}
 
     def busy(self) -> bool:
@@ -95,22 +107,36 @@ class Streamer:
             self._index = {name: i for i, name in enumerate(names or ())}
         return self._index
 
-    # -- the model thread: posts only ------------------------------------------------------
+    # -- the model thread: posts only (the very last layer: waits for its post) --------------
 
-    def stepping(self, on: bool) -> None:
-        self._stepping = on
+    def stepping(self, on: bool, final: bool = False) -> None:
+        self._stepping, self._final = on, on and final
 
     def layer_saved(self, layer: str) -> None:
-        if self._stepping:
-            self.loop.post(partial(self._guarded, self._on_layer, (layer, self.loop.now_ns())), label="stream layer")
+        if not self._stepping:
+            return
+        item = (layer, self.loop.now_ns())
+        if self._final and self.layers.get(layer) == len(self.layers) - 1:
+            # The handover's tail starts now: let the loop post this write at once.
+            posted = threading.Event()
+            self.loop.post(partial(self._layer_then_set, item, posted), label="stream last layer")
+            posted.wait(LAST_LAYER_HANDOFF_S)
+            return
+        self.loop.post(partial(self._guarded, self._on_layer, item), label="stream layer")
 
     def step_over(self) -> None:
         if self._stepping:
-            self._stepping = False
+            self._stepping = self._final = False
             self.loop.post(partial(self._guarded, self._on_step_over, None), label="stream step over")
 
     def _guarded(self, fn: Callable[[Any], object], arg: Any) -> None:
         self.ctx.guard(None, fn, arg)
+
+    def _layer_then_set(self, item: tuple[str, int], posted: threading.Event) -> None:
+        try:
+            self._guarded(self._on_layer, item)
+        finally:
+            posted.set()
 
     # -- the loop: what the scheduler says ---------------------------------------------------
 
