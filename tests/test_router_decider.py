@@ -249,7 +249,7 @@ def test_a_list_of_prompts_is_decided_per_prompt_and_a_streamed_one_goes_by_pd()
 
 
 def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvsm import router
+    from kvsm import router, router_cli
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(router, "create_app", lambda *a, **kw: seen.update(kw))
@@ -261,7 +261,7 @@ def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen == {"disagg_threshold": 7, "prefix_block_size": 128, "prefix_affinity": True,
                     "affinity_max_inflight": 3, "first_token_seeding": True, "reuse_holds": True}
     router.main(urls)
-    assert seen == {"disagg_threshold": router.DEFAULT_DISAGG_THRESHOLD, "prefix_block_size": 16,
+    assert seen == {"disagg_threshold": router_cli.DEFAULT_DISAGG_THRESHOLD, "prefix_block_size": 16,
                     "prefix_affinity": False, "affinity_max_inflight": None, "first_token_seeding": False,
                     "reuse_holds": False}
     with pytest.raises(SystemExit):
