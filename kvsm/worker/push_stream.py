@@ -10,8 +10,9 @@ after each attention layer and ``wait_for_save`` after the forward pass: both
 only post to the loop (``layer_saved``, ``step_over``), which posts one NIXL
 WRITE per layer of the blocks the step filled. The prompt's very last layer
 waits a moment (``LAST_LAYER_HANDOFF_S`` at most) for the loop to have posted
-its write, so that the loop need not wait for the interpreter behind the model. An ask that comes late (the
-prefill under way or over) first writes what is computed already.
+its write, so that the loop need not wait for the interpreter behind the
+model. An ask that comes late (the prefill under way or over) first writes
+what is computed already.
 
 The decode worker hears of the end by the notification the last write
 carries: posted only once every earlier write is over (NIXL orders a write's
@@ -43,9 +44,9 @@ from kvsm.worker.runner import Effect
 
 # The model thread hands the loop the last layer of a streamed prompt's last step
 # and waits, this long at most, for the loop to have posted that layer's write.
-# Only posting, the loop thread waited for the interpreter behind the model thread
-# (0.4-1.9 ms on the prefill engine's busy core, docs/benchmarks.md section 11),
-# and that wait was most of the handover's tail beyond the write itself.
+# Only posting, the loop thread waited for the interpreter behind the model thread:
+# the write went out 0.4-1.9 ms after the layer on the prefill engine's busy core,
+# 0.41-0.56 ms with the hand-off (docs/benchmarks.md section 11).
 LAST_LAYER_HANDOFF_S = 0.005
 
 
