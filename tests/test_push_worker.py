@@ -60,7 +60,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,18 @@ class SpawnedPeers(PrefillPeers):
         self.procs.append(PeerProc(label, workers, self.log_dir))
         return self.procs[-1]
 
+    def _start(self, spawn: Callable[[], Chain]) -> None:
+        """Run ``spawn`` (it spawns the module's processes and returns its chain), then
+        wait until every one is ready; on any failure, close what was started."""
+        try:
+            self.chain = spawn()
+            for p in self.procs:
+                p.ready()
+            self.chain.ready()
+        except BaseException:
+            self.close()
+            raise
+
     def flush(self) -> None:
         for p in self.procs:
             if p.proc.poll() is None:
@@ -131,16 +143,12 @@ class Peers(SpawnedPeers):
             return {"name": w, "engine_id": ENGINES[w], "port": self.port[w], "lease_s": 30.0, "seed": SEEDS[w],
                     "log": str(self.log[w])}
 
-        try:
+        def spawn() -> Chain:
             self.main = self._spawn("main", [spec("P"), spec("H")])
             self.stop = self._spawn("stop", [spec("T"), spec("G")])
-            self.chain = Chain("KP", log_dir, incarnations=2, seed0=510)
-            for p in self.procs:
-                p.ready()
-            self.chain.ready()
-        except BaseException:
-            self.close()
-            raise
+            return Chain("KP", log_dir, incarnations=2, seed0=510)
+
+        self._start(spawn)
 
     def proc_of(self, w: str) -> PeerProc:
         return self.main if w in ("P", "H") else self.stop

@@ -124,16 +124,12 @@ class Peers(SpawnedPeers):
             return {"name": w, "engine_id": ENGINES[w], "port": self.port[w], "lease_s": 30.0, "seed": SEEDS[w],
                     "log": str(self.log[w]), "geometry": geom}
 
-        try:
+        def spawn() -> Chain:
             self.main = self._spawn("main", [spec("P", GEOM)])
             self.stop = self._spawn("stop", [spec("T", GEOM), spec("G", None)])
-            self.chain = Chain("KS", log_dir, incarnations=1, geom=GEOM, seed0=610)
-            for p in self.procs:
-                p.ready()
-            self.chain.ready()
-        except BaseException:
-            self.close()
-            raise
+            return Chain("KS", log_dir, incarnations=1, geom=GEOM, seed0=610)
+
+        self._start(spawn)
 
 
 
