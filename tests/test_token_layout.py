@@ -25,7 +25,7 @@ require("nixl._api")
 torch = require("torch")
 
 from kvsm.handshake import CompatInfo, compat_hash, compat_mismatch
-from kvsm.scheduler.half import _pair_segments
+from kvsm.scheduler.block_pairing import pair_segments as _pair_segments
 from kvsm.transport.base import TransferState
 from kvsm.transport.layout import KVLayout, Segments, TokenPlanes, describe_kv_caches
 from kvsm.transport.nixl import NixlTransport

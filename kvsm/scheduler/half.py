@@ -36,7 +36,6 @@ from kvsm.handoff.facts import (
     HeartbeatTarget,
     RecvAbandon,
     RecvAbort,
-    RecvStart,
     SendFinish,
     SendStart,
     StepFacts,
@@ -58,8 +57,7 @@ from kvsm.lifecycle.sched import (
     SchedulerStopped,
 )
 from kvsm.lifecycle.table import SCHED
-from kvsm.scheduler.block_pairing import NULL_BLOCK, pair_blocks
-from kvsm.scheduler.block_pairing import pair_segments as _pair_segments
+from kvsm.scheduler.block_pairing import NULL_BLOCK
 from kvsm.scheduler.holds import HOLD_ASKED_KEY, HoldIndex, held_tokens, hold_offer, judge_hold_params
 from kvsm.scheduler.params import (
     HELD_BACK_KEY,
@@ -70,6 +68,7 @@ from kvsm.scheduler.params import (
     remote_block_sizes,
 )
 from kvsm.scheduler.pin_handoff import PIN_VIA_STEP_ENV, PinHandoff
+from kvsm.scheduler.recv_start import plan_recv_start
 from kvsm.scheduler.stream_steps import StreamSteps
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["HELD_BACK_KEY", "PIN_VIA_STEP_ENV", "SchedulerHalf", "_pair_segments"]
+__all__ = ["HELD_BACK_KEY", "PIN_VIA_STEP_ENV", "SchedulerHalf"]
 
 log = logging.getLogger("kvsm.scheduler")
 
@@ -352,39 +351,11 @@ class SchedulerHalf:
         self._relay_start(m, context, 0)
 
     def _relay_start(self, m: SchedMachine, context: tuple[Request, KVCacheBlocks], num_external_tokens: int) -> None:
-        """The request's one transfer (awaited: vLLM waits for finished_recving), or,
-        with nothing to read (a full local prefix hit), the prefill side's unpin."""
+        """The request's one transfer, or with nothing to read its prefill side's unpin."""
         request, blocks = context
         remote, m.remote = m.remote, None  # used up: vLLM may allocate again, nothing more is matched
-        sizes: tuple[int, ...] = ()
-        problem = ""
-        segmented: dict[str, Any] = {}
-        remote_size = remote_block_sizes(remote, self._group_block_sizes)[0]
-        first = 0
-        local: tuple[int, ...]
-        remote_ids: tuple[int, ...]
-        if remote.stream and num_external_tokens > 0:  # written by position as the prefill computes
-            new = [(j, b.block_id) for j, b in enumerate(blocks.blocks[0]) if b.block_hash is None and not b.is_null]
-            first = new[0][0] if new else 0
-            local, remote_ids = tuple(b for _, b in new), ()
-        elif num_external_tokens > 0 and remote_size != self._group_block_sizes[0]:
-            local, remote_ids, segmented, problem = _pair_segments(
-                blocks.blocks[0], remote.remote_block_ids[0], self._group_block_sizes[0], remote_size,
-                num_external_tokens)
-        elif num_external_tokens > 0:
-            local, remote_ids, sizes, problem = pair_blocks(blocks.blocks, remote.remote_block_ids)
-            if len(sizes) == 1:
-                sizes = ()  # one group: the plain form
-        else:
-            local = remote_ids = ()
-        self._meta.recv_start.append(RecvStart(
-            req=m.req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
-            remote_host=remote.remote_host, remote_port=remote.remote_port,
-            remote_tp_size=remote.remote_tp_size, remote_block_ids=remote_ids,
-            local_block_ids=local, num_tokens=num_external_tokens, awaited=num_external_tokens > 0,
-            group_sizes=sizes, problem=problem, remote_pp_size=remote.remote_pp_size,
-            remote_expiry_s=remote.remote_expiry_s, push=remote.push, stream=remote.stream, first_position=first,
-            **segmented))
+        self._meta.recv_start.append(plan_recv_start(m.req, remote, blocks.blocks, num_external_tokens,
+                                                     self._group_block_sizes))
         # Only one transfer per request (vLLM may call again once it is loaded).
         request.kv_transfer_params["do_remote_prefill"] = False
 
