@@ -65,8 +65,12 @@ What each row measures:
   decode worker may hold the KV before the prefill scheduler's finish, so the
   start is the prefill worker's save_kv_layer of the prompt's last layer
   (its ``worker.stream_written`` record's ``last_layer_ns``) when earlier; the
-  **last write** row is that record's last write, posted to over (the goal:
-  a tail of at most the last layer's write plus 1 ms).
+  **last write** row is that record's last write, from the start of its
+  NIXL post call (NIXL sends some of the bytes in the call) to the prefill
+  worker's check that found it over (the goal: a tail of at most the last
+  layer's write plus 1 ms). Beside it: from the last layer's save_kv_layer to
+  that post call, and the call's own time. (Before 2026-12-07 the last write
+  was timed from the call's return.)
 * **client TTFT**: from the client's first leg sent to the first token (the
   prefill leg's round trip plus the decode TTFT; streamed, both legs at once:
   the decode TTFT itself).
@@ -342,8 +346,14 @@ def kvsm_times(events: Path) -> dict[str, dict[str, float]]:
             # Streamed: the KV may be held before the scheduler's finish; the tail starts when
             # the prompt's last layer was done (its save_kv_layer), the last write's time beside it.
             start = min(start or note["last_layer_ns"], note["last_layer_ns"])
-            if note.get("final_posted_ns"):
-                got["last_write_ms"] = (note["done_ns"] - note["final_posted_ns"]) / 1e6
+            # The last write: from its NIXL post call's start (NIXL sends some of the
+            # bytes in the call) to the check that found it over.
+            posting = note.get("final_posting_ns") or note.get("final_posted_ns")
+            if posting:
+                got["last_write_ms"] = (note["done_ns"] - posting) / 1e6
+            if note.get("final_posting_ns"):  # (kvsm from 2026-12-07 on)
+                got["to_post_ms"] = (note["final_posting_ns"] - note["last_layer_ns"]) / 1e6
+                got["post_call_ms"] = (note["final_posted_ns"] - note["final_posting_ns"]) / 1e6
         if start is not None and rid in done:
             got["tail_ms"] = (done[rid] - start) / 1e6
         if rid in done:
@@ -663,8 +673,10 @@ def _rows(sec: Section, runs: dict[tuple[str, str], PairRun], lengths: Sequence[
                     return r.per_rep(n, what)
 
                 label = f"{topology}, {mode}, {n} tokens"
-                rows = (("tail_ms", "handover tail", "ms"), *((("last_write_ms", "last write", "ms"),)
-                                                              if mode == "stream" else ()),
+                streamed = (("last_write_ms", "last write", "ms"),
+                            ("to_post_ms", "last layer to its write's post", "ms"),
+                            ("post_call_ms", "last write's post call", "ms"))
+                rows = (("tail_ms", "handover tail", "ms"), *(streamed if mode == "stream" else ()),
                         ("decode_side_ms", "handover, decode side", "ms"),
                         ("prefill_leg_ms", "prefill leg", "ms"), ("ttft_ms", "decode TTFT", "ms"),
                         ("client_ttft_ms", "client TTFT", "ms"))

@@ -76,7 +76,8 @@ class _Stream:
     handles: list[XferHandle] = field(default_factory=list)
     final: XferHandle | None = None  # the write carrying the notification
     writes: int = 0  # posted so far
-    final_posted_ns: int = 0
+    final_posting_ns: int = 0  # when the last write's post began (NIXL may send some of it in the call)
+    final_posted_ns: int = 0  # ... and returned
 
 
 class Streamer:
@@ -270,6 +271,7 @@ class Streamer:
         transport = self.ctx.transport
         assert transport is not None
         layer = self._layer_name(idx)
+        posting_ns = self.loop.now_ns()
         try:
             h = transport.post_layer_write(w.agent, layer, p.blocks[lo:hi + 1],
                                            spec.dst_blocks[lo - first:hi - first + 1],
@@ -282,7 +284,7 @@ class Streamer:
             return
         w.writes += 1
         if final:
-            w.final, w.final_posted_ns = h, self.loop.now_ns()
+            w.final, w.final_posting_ns, w.final_posted_ns = h, posting_ns, self.loop.now_ns()
         else:
             w.handles.append(h)
 
@@ -322,6 +324,7 @@ class Streamer:
         pos = min((p.end - 1) // size, spec.dst_first + len(spec.dst_blocks) - 1, len(p.blocks) - 1)
         transport = self.ctx.transport
         assert transport is not None
+        w.final_posting_ns = self.loop.now_ns()
         try:
             if pos < spec.dst_first:  # nothing of ours wanted: the notification alone
                 transport.send_notif(w.agent, spec.notif)
@@ -356,7 +359,8 @@ class Streamer:
                 # The handover's tail starts when the prompt's last layer was done here.
                 self.ctx.note("worker.stream_written", req, key=p.key if p else "", reader=reader, writes=w.writes,
                               steps=p.steps if p else 0, last_layer_ns=p.last_layer_ns if p else 0,
-                              final_posted_ns=w.final_posted_ns, done_ns=self.loop.now_ns())
+                              final_posting_ns=w.final_posting_ns, final_posted_ns=w.final_posted_ns,
+                              done_ns=self.loop.now_ns())
                 self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers))
                 return
             if state is TransferState.ERROR:
