@@ -12,7 +12,9 @@ reason, and the request runs locally.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from test_connector_scheduler import drained, harness, meta_of, pending
 
 from kvsm.handoff.facts import PRODUCER_KEY, STREAM_KEY
 from kvsm.handshake import PROTOCOL_VERSION
+from kvsm.scheduler.stream_steps import StreamSteps
 
 KEY = "kvsm-stream-0123abcd"
 
@@ -138,3 +141,31 @@ def test_a_model_of_several_kv_cache_groups_refuses_to_stream(tmp_path: Path) ->
     said = [r.get("reason") or r.get("why") for r in records
             if r["event"] in ("sched.params_ignored", "sched.stream_refused")]
     assert len(said) == 2 and all("2 KV cache groups" in why for why in said), said
+
+
+
+def test_a_preempted_streamed_prefill_is_told_to_the_workers() -> None:
+    """A step whose scheduling preempted a streamed prefill (vLLM's
+    ``preempted_req_ids``: it freed the blocks) says so to the workers, timed no
+    earlier than the free; a plain request preempted beside it is none of theirs.
+    Resumed, the request's blocks are its new list, from its first token again."""
+    streams = StreamSteps()
+    request = SimpleNamespace(request_id="p-s", num_computed_tokens=0, num_prompt_tokens=100)
+    streams.add(request, prefill_leg())
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    first = SimpleNamespace(num_scheduled_tokens={"p-s": 32},
+                            scheduled_new_reqs=[SimpleNamespace(req_id="p-s", block_ids=([4, 5],))],
+                            scheduled_cached_reqs=cached, preempted_req_ids=set())
+    assert [(s.start, s.end, s.block_ids) for s in streams.steps(first)] == [(0, 32, (4, 5))]
+    assert streams.preempted(first, 1) == []
+    request.num_computed_tokens = 0  # (vLLM resets it at the preemption)
+    freed_at = time.monotonic_ns()
+    out = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                          preempted_req_ids={"p-s", "p-plain"})
+    assert streams.steps(out) == []
+    (gone,) = streams.preempted(out, time.monotonic_ns())
+    assert gone.req == "p-s" and gone.at_ns >= freed_at
+    resumed = SimpleNamespace(req_ids=["p-s"], new_block_ids=[([9, 7, 8],)], resumed_req_ids={"p-s"})
+    again = SimpleNamespace(num_scheduled_tokens={"p-s": 48}, scheduled_new_reqs=[], scheduled_cached_reqs=resumed,
+                            preempted_req_ids=set())
+    assert [(s.start, s.end, s.block_ids) for s in streams.steps(again)] == [(0, 48, (9, 7, 8))]

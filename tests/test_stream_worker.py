@@ -154,6 +154,7 @@ class Stream:
         self.seed = seed
         self.stale = seed + 1000  # what the step's tokens hold before it computes them
         self.done = 0  # steps run
+        self.resumed = False  # preempted and computed again: the scheduler tells no key again
 
     def step(self, *, wait: bool = True, saved_first: bool = False, delay: float = LAYER_DELAY_S) -> dict[str, Any]:
         """Run the next step (the first one carries the SendStart with the join key)."""
@@ -161,7 +162,7 @@ class Stream:
         size = GEOMETRY["block_size"]
         self.done += 1
         return self.proc.call("stream_step", w=self.w, step=next(_step_numbers),
-                              send_start=[[self.req, self.key]] if start == 0 else [],
+                              send_start=[[self.req, self.key]] if start == 0 and not self.resumed else [],
                               stream_steps=[[self.req, self.blocks[:-(-end // size)], start, end, end >= TOKENS]],
                               fill_seed=self.seed, fill_first_seed=self.stale, layer_delay_s=delay,
                               saved_first=saved_first, wait=wait)
@@ -179,6 +180,12 @@ class Stream:
         t = time.monotonic()
         self.proc.call("submit", w=self.w, step=next(_step_numbers), send_finish=[[self.req, self.blocks]])
         return t
+
+    def preempt(self, at_ns: int, new_blocks: list[int]) -> None:
+        """vLLM preempted the request at ``at_ns`` (its blocks freed); it is computed
+        again from its first token into ``new_blocks``."""
+        self.proc.call("submit", w=self.w, step=next(_step_numbers), stream_preempted=[[self.req, at_ns]])
+        self.blocks, self.done, self.resumed = new_blocks, 0, True
 
     def abort(self) -> float:
         t = time.monotonic()
@@ -588,6 +595,81 @@ def test_decode_aborted_while_being_written_waits_for_the_last_write(peers: Peer
     findings, finals, _ = replay_logs(peers, [d], {start.req, s.req}, [peers.log["P"]])
     assert findings == []
     assert finals == {("recv", start.req): "aborted", ("send", s.req): "released"}
+
+
+def _new_blocks(rng: random.Random, old: list[int]) -> list[int]:
+    return rng.sample([b for b in range(GEOMETRY["num_blocks"]) if b not in old], len(old))
+
+
+def test_a_preempted_prefill_streams_on_from_its_new_blocks(peers: Peers, decode) -> None:
+    """vLLM preempts the prefill after its first step, every write of it seen over
+    before: the tokens written stay (the same KV), and the request, computed again
+    into other blocks, streams the rest from them. The decode blocks hold the first
+    block's bytes from the old blocks and the others' from the new ones."""
+    d = decode("stream-preempt", **STREAM_CFG)
+    rng = random.Random(8)
+    s = Stream(peers.main, "P", "preempt", rng, seed=780)
+    start = stream_start(d, "preempt", s.coords(peers), s.key)
+    d.submit(recv_start=[start])
+    d.wait_state(start.req, "pending_handshake")
+    s.run(1)
+    _wait_tokens(d, start, s, WHOLE)
+    deadline = time.monotonic() + 2.0
+    while _handles(peers.main, "P"):  # every write of the first step seen over
+        assert time.monotonic() < deadline, "the first step's writes were never seen over"
+        time.sleep(0.002)
+    old = s.blocks
+    s.preempt(time.monotonic_ns(), _new_blocks(rng, old))
+    s.run()
+    finished_at = s.finish()
+    d.wait([start.req], timeout=3.0)
+    assert not d.failed and not d.invalid and d.reports[start.req] == 1, [
+        (r.get("event"), r.get("input"), r.get("failed")) for r in _records(peers.log["P"], s.req)]
+    local = start.local_block_ids
+    assert d.holds(local[:1], old[:1], s.seed) and d.holds(local[1:], s.blocks[1:], s.seed)
+    assert not d.holds(local[1:], old[1:], s.seed)  # (the comparison can fail)
+    assert _path(d, start.req) == [*HEAD, ("writes_landed", "done")], d.transitions(start.req)
+    sent = peers.main.wait_sent("P", [s.req], timeout=3.0)
+    assert sent[s.req] - finished_at < 1.0, "the pin outlived the finish"
+    notes = [r for r in _records(peers.log["P"], s.req) if r.get("event") == "worker.stream_preempted"]
+    assert [n["failed"] for n in notes] == [0], notes
+    assert _handles(peers.main, "P") == 0
+    findings, finals, _ = replay_logs(peers, [d], {start.req, s.req}, [peers.log["P"]])
+    assert findings == []
+    assert finals == {("recv", start.req): "done", ("send", s.req): "released"}
+
+
+def test_a_prefill_preempted_under_its_writes_fails_the_stream(peers: Peers, decode) -> None:
+    """vLLM (scheduling one step ahead) preempts the prefill while its step runs:
+    the step's writes were posted after the free, so what they carried is not sure.
+    The stream fails (the decode request fails, its blocks invalid, never done); the
+    prefill request, computed again, ends with its finish and frees its pin."""
+    d = decode("stream-preempt-unsure", **STREAM_CFG)
+    rng = random.Random(9)
+    s = Stream(peers.main, "P", "preempt-unsure", rng, seed=790)
+    start = stream_start(d, "preempt-unsure", s.coords(peers), s.key)
+    d.submit(recv_start=[start])
+    d.wait_state(start.req, "pending_handshake")
+    s.run(1)
+    d.wait_state(start.req, "being_written")
+    freed = s.step()["saving"][0]  # the second step: preempted as its first layer was saved
+    s.preempt(int(freed * 1e9), _new_blocks(rng, s.blocks))
+    d.wait([start.req], timeout=_deadline_s(d) + 2 * SLACK_S)
+    assert start.req in d.failed and set(start.local_block_ids) <= d.invalid and d.reports[start.req] == 1
+    errors = [inp for ev, _, _, inp in d.transitions(start.req) if ev == "error"]
+    assert [e["kind"] for e in errors] == ["write_failed"], errors
+    done = [inp for ev, _, inp in _send_path(peers, peers.log["P"], s.req) if ev == "write_done"]
+    assert done and done[0]["ok"] is False and "preempted" in done[0]["detail"], done
+    notes = [r for r in _records(peers.log["P"], s.req) if r.get("event") == "worker.stream_preempted"]
+    assert [n["failed"] for n in notes] == [1], notes
+    s.run()
+    finished_at = s.finish()
+    sent = peers.main.wait_sent("P", [s.req], timeout=3.0)
+    assert sent[s.req] - finished_at < 1.0, "the pin outlived the finish"
+    assert _handles(peers.main, "P") == 0
+    findings, finals, _ = replay_logs(peers, [d], {start.req, s.req}, [peers.log["P"]])
+    assert findings == []
+    assert finals == {("recv", start.req): "failed", ("send", s.req): "released"}
 
 
 # ============================================================================ replay of everything

@@ -15,7 +15,8 @@ one reply on stdout. Commands (``w`` names a worker):
 
 ``start``                   start the deferred workers (bind their side channels)
 ``submit``  w, step, send_start [req], send_finish [[req, [blocks]]],
-            send_abort [req]                        post one step's metadata
+            send_abort [req], stream_preempted [[req, at_ns]]
+                                                    post one step's metadata
 ``sent``                    {w: {req: t_monotonic}} of every finished_sending so far
 ``wait_sent`` w, reqs, within                        block until all reqs are sent
 ``state``   w               WorkerHalf.debug_state()
@@ -502,6 +503,7 @@ class Peer:
             self.start()
             return {}
         if op == "submit":
+            from kvsm.handoff.facts import StreamPreempted
             from kvsm.vllm.metadata import KVSMConnectorMetadata, SendFinish, SendStart
 
             meta = KVSMConnectorMetadata(cmd.get("step", 0))
@@ -509,6 +511,7 @@ class Peer:
             meta.send_finish = [SendFinish(req=r, ok=True, block_ids=tuple(b)) for r, b in cmd.get("send_finish", [])]
             meta.send_finish += [SendFinish(req=r, ok=False, reason="FINISHED_ABORTED")
                                  for r in cmd.get("send_abort", [])]
+            meta.stream_preempted = [StreamPreempted(req=r, at_ns=int(t)) for r, t in cmd.get("stream_preempted", [])]
             self.workers[cmd["w"]].half.submit(meta)
             return {}
         if op == "sent":

@@ -125,6 +125,17 @@ class StreamStep(msgspec.Struct, frozen=True):
     last: bool
 
 
+class StreamPreempted(msgspec.Struct, frozen=True):
+    """Prefill side, transfer_mode "stream": vLLM preempted ``req`` and freed its
+    blocks (at ``at_ns`` at the latest, CLOCK_MONOTONIC: the scheduler's step).
+    The next step may compute other requests into them, so a write from them not
+    seen over before then may carry those bytes; the request is computed again
+    later, into the blocks its later ``StreamStep`` names."""
+
+    req: str
+    at_ns: int
+
+
 class SendFinish(msgspec.Struct, frozen=True):
     """Prefill side: the request finished. ``ok``: its blocks are pinned for
     the decode side (``block_ids``) from ``pinned_ns`` (the scheduler's
@@ -170,7 +181,7 @@ class StepFacts:
     """
 
     __slots__ = ("heartbeats", "recv_abandon", "recv_abort", "recv_start", "send_finish", "send_start", "step",
-                 "stopping", "stream_steps")
+                 "stopping", "stream_preempted", "stream_steps")
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -186,10 +197,12 @@ class StepFacts:
         self.stopping = False
         # Streamed push: what this step computes of each streamed prefill request.
         self.stream_steps: list[StreamStep] = []
+        self.stream_preempted: list[StreamPreempted] = []
 
     def __bool__(self) -> bool:
         return bool(self.recv_start or self.recv_abort or self.recv_abandon or self.send_start
-                    or self.send_finish or self.heartbeats or self.stopping or self.stream_steps)
+                    or self.send_finish or self.heartbeats or self.stopping or self.stream_steps
+                    or self.stream_preempted)
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in StepFacts.__slots__}

@@ -456,6 +456,9 @@ class SchedulerHalf:
         meta = self._meta
         if self._streams:
             meta.stream_steps = self._streams.steps(scheduler_output)
+            meta.stream_preempted = self._streams.preempted(scheduler_output, self.requests.clock.monotonic_ns())
+            for p in meta.stream_preempted:
+                self._note("sched.stream_preempted", p.req, at_ns=p.at_ns)
         self._step += 1
         self._meta = self._step_facts(self._step)
         if self._claims:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsm.handoff.facts import STREAM_KEY, STREAM_MODE, StreamStep
+from kvsm.handoff.facts import STREAM_KEY, STREAM_MODE, StreamPreempted, StreamStep
 
 # A join key is an id like a request's: printable, bounded.
 MAX_KEY_LENGTH = 256
@@ -53,6 +53,13 @@ class StreamSteps:
 
     def discard(self, req: str) -> None:
         self._streams.pop(req, None)
+
+    def preempted(self, out: Any, now_ns: int) -> list[StreamPreempted]:
+        """The streamed requests vLLM preempted in this step's scheduling (it freed
+        their blocks; ``out.preempted_req_ids``), with the time, no earlier than the
+        free and before any later step could compute into those blocks."""
+        ids = getattr(out, "preempted_req_ids", None) or ()
+        return [StreamPreempted(req=req, at_ns=now_ns) for req in ids if req in self._streams]
 
     def steps(self, out: Any) -> list[StreamStep]:
         """This step's part of each streamed request's prompt (``out``: vLLM's SchedulerOutput)."""

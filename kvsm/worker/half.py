@@ -204,8 +204,8 @@ class WorkerHalf:
             if self.send.known(s.req):
                 continue  # its finish came first, straight from the scheduler
             self.send.create(s.req)
-        if meta.send_start or meta.stream_steps:
-            sender.writer.streamer.on_step(meta.send_start, meta.stream_steps)
+        if meta.send_start or meta.stream_steps or meta.stream_preempted:
+            sender.writer.streamer.on_step(meta.send_start, meta.stream_steps, meta.stream_preempted)
         for finish in meta.send_finish:
             guard(finish.req, sender._on_send_finish, (finish, "next_step"))
         for target in meta.heartbeats:

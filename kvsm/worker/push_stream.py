@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from kvsm.handoff.facts import SendStart, StreamStep
+from kvsm.handoff.facts import SendStart, StreamPreempted, StreamStep
 from kvsm.handshake.messages import WriteAsk, WriteSpec
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.folds import LEASE_MARGIN_NS
@@ -74,6 +74,7 @@ class _Stream:
     deadline_ns: int  # the loop's clock: nothing of it may be in flight after this
     written: list[int]  # per layer: tokens written so far (from the first)
     handles: list[XferHandle] = field(default_factory=list)
+    seen_over_ns: int = 0  # when a check last found one of ``handles`` over
     final: XferHandle | None = None  # the write carrying the notification
     writes: int = 0  # posted so far
     final_posting_ns: int = 0  # when the last write's post began (NIXL may send some of it in the call)
@@ -142,7 +143,10 @@ class Streamer:
 
     # -- the loop: what the scheduler says ---------------------------------------------------
 
-    def on_step(self, starts: list[SendStart], steps: list[StreamStep]) -> None:
+    def on_step(self, starts: list[SendStart], steps: list[StreamStep],
+                preempted: list[StreamPreempted] | tuple[()] = ()) -> None:
+        for gone in preempted:
+            self._preempted(gone)
         for s in starts:
             if s.stream:
                 self.keys[s.stream] = s.req
@@ -161,6 +165,29 @@ class Streamer:
             p.blocks, p.start, p.end, p.layers_done, p.last = st.block_ids, st.start, st.end, 0, st.last
             p.steps += 1
             self._step_reqs.append(st.req)
+
+    def _preempted(self, gone: StreamPreempted) -> None:
+        """vLLM preempted the request and freed its blocks: what they held is
+        computed again later, into other blocks. Tokens written before are kept
+        (the same KV); a write not seen over before the free may have read bytes
+        another request computed into them, so its stream fails (its decode rank
+        is told, and gives up the request rather than use the blocks)."""
+        p = self.progress.get(gone.req)
+        if p is None:
+            return
+        p.blocks, p.done, p.start, p.end, p.layers_done, p.last = (), 0, 0, 0, 0, False
+        if gone.req in self._step_reqs:
+            self._step_reqs.remove(gone.req)
+        unsure = 0
+        for reader, w in list(self.streams.get(gone.req, {}).items()):
+            settled = self._settled(gone.req, reader, w)
+            if self.streams.get(gone.req, {}).get(reader) is not w:
+                continue  # a write had failed: failed already
+            if not settled or w.final is not None or w.seen_over_ns >= gone.at_ns:
+                unsure += 1
+                self._fail(gone.req, reader, w, "vLLM preempted the prefill and freed its blocks while a write "
+                                                 "from them was in flight: the bytes it carried are not sure")
+        self.ctx.note("worker.stream_preempted", gone.req, at_ns=gone.at_ns, failed=unsure)
 
     def _on_layer(self, item: tuple[str, int]) -> None:
         layer, at_ns = item
@@ -308,6 +335,7 @@ class Streamer:
             if state is TransferState.DONE:
                 transport.release(h)
                 w.handles.remove(h)
+                w.seen_over_ns = self.loop.now_ns()
             elif state is TransferState.ERROR:
                 self._fail(req, reader, w, getattr(h, "error", "") or "a layer's write ended in error")
                 return False
@@ -350,7 +378,11 @@ class Streamer:
         req, reader, w = item
         transport = self.ctx.transport
         assert transport is not None
-        if w.final is not None and self._settled(req, reader, w):
+        # Every check releases the writes over (and notes when: a preemption asks).
+        settled = self._settled(req, reader, w)
+        if self.streams.get(req, {}).get(reader) is not w:
+            return  # a write had failed
+        if w.final is not None and settled:
             state = transport.check(w.final)
             if state is TransferState.DONE:
                 transport.release(w.final)
