@@ -416,8 +416,9 @@ def test_silent_prefill_gives_the_blocks_back_at_the_deadline(peers: Peers, deco
 
 def test_abort_while_being_written_waits_for_the_landing(peers: Peers, decode) -> None:
     """The prefill wrote (and freed its pin), the landing's notification is held
-    back on the decode side. vLLM aborts the request: nothing is reported until
-    the landing is heard, then it is reported finished (aborted, not failed)."""
+    back on the decode side. vLLM aborts the request: the prefill worker is told at
+    once (nothing to stop there any more), and nothing is reported until the
+    landing is heard, then it is reported finished (aborted, not failed)."""
     d = decode("push-abort", **FAST)
     rng = random.Random(4)
     gate = _hold_notifs(d)
@@ -438,8 +439,9 @@ def test_abort_while_being_written_waits_for_the_landing(peers: Peers, decode) -
     assert start.req not in d.failed and not d.invalid
     assert _path(d, start.req) == [*HEAD, ("abort", "aborting_writes"), ("writes_landed", "aborted")], \
         d.transitions(start.req)
-    path = _send_path(peers, peers.log["P"], start.remote_req)
-    assert [(ev, dst) for ev, dst, _ in path][-1] == ("write_done", "released"), path
+    path = [(ev, dst) for ev, dst, _ in _send_path(peers, peers.log["P"], start.remote_req)]
+    # The abort told the prefill worker at once (it had written already: a stale input there).
+    assert path[-2:] == [("write_done", "released"), ("remote_abandoned", "released")], path
     findings, finals, _ = replay(peers, [d], {start.req, start.remote_req}, [peers.log["P"]])
     assert findings == []
     assert finals == {("recv", start.req): "aborted", ("send", start.remote_req): "released"}

@@ -98,12 +98,16 @@ RECV_TRANSITIONS: list[dict[str, Any]] = [
     # notification rides on its write) delivers the blocks. Any failure or abort
     # first waits until no write can land any more (each landed, failed or was
     # refused, its writer is gone, or the deadline every write is bound by
-    # passed): only then do the blocks go back to vLLM.
+    # passed): only then do the blocks go back to vLLM. Each prefill worker not
+    # through is told at once, so it stops writing (a stream would go on to its
+    # end) and says when nothing of its writes is in flight any more.
     {"trigger": "writes_asked", "source": "remote_known", "dest": "being_written", "after": "arm_transfer_timer"},
     {"trigger": "writes_landed", "source": "being_written", "dest": "done",
      "after": ["deliver_blocks", "cancel_timers"]},
-    *_each(_FAILURES, source="being_written", dest="stopping_writes", prepare="note_failure", after="stop_writes"),
-    {"trigger": "abort", "source": "being_written", "dest": "aborting_writes", "after": "stop_writes"},
+    *_each(_FAILURES, source="being_written", dest="stopping_writes", prepare="note_failure",
+           after=["notify_abandon", "stop_writes"]),
+    {"trigger": "abort", "source": "being_written", "dest": "aborting_writes",
+     "after": ["notify_abandon", "stop_writes"]},
     {"trigger": "abort", "source": "stopping_writes", "dest": "aborting_writes"},
     *_each(_FAILURES, source=["stopping_writes", "aborting_writes"], dest="="),
     # Every write settled without all landing, or the deadline passed: it failed.

@@ -24,7 +24,7 @@ from kvsm.lifecycle.table import ANSWER_OK, ANSWER_UNKNOWN, CLAIM_ANSWERS
 from kvsm.transport.base import TransferState, XferHandle
 from kvsm.transport.regions import Segments
 from kvsm.worker.context import WorkerContext
-from kvsm.worker.push_notif import cut_off, ended_notif
+from kvsm.worker.push_notif import Drains, tell
 from kvsm.worker.push_stream import Streamer
 from kvsm.worker.runner import Effect
 
@@ -51,14 +51,15 @@ class Writer:
         self.loop = ctx.loop
         self._apply_send = ctx.apply_send
         self.writes: dict[str, dict[str, _Write]] = {}  # prefill request -> decode rank -> its write
-        self.streamer = Streamer(ctx)  # streamed push
+        self.drains = Drains(lambda: ctx.transport, self.loop.now_ns)  # stopped writes still on their way
+        self.streamer = Streamer(ctx, self.drains)  # streamed push
         self.effects: dict[str, Effect] = {
             "post_write": self._post_write, "cancel_writes": self._cancel_writes, "count_write": self._count_write,
             **self.streamer.effects}
 
     def busy(self) -> bool:
         """Writes are in flight (the poll keeps its full speed)."""
-        return bool(self.writes) or self.streamer.busy()
+        return bool(self.writes) or self.streamer.busy() or bool(self.drains)
 
     # -- the side channel's ask ------------------------------------------------------------
 
@@ -137,12 +138,14 @@ class Writer:
             return
         self._check(req, reader, w)
 
-    def _cancel_writes(self, req: str, o: Outcome) -> None:
-        """Before the blocks are freed: nothing of this request may still be read out of them."""
+    def _cancel_writes(self, req: str, o: Outcome | None) -> None:
+        """Before the blocks are freed: nothing of this request may land as written
+        out of them (``Drains``: a write the decode rank gave up on may finish)."""
+        given_up = o is not None and o.trigger == "remote_abandoned"
         for reader, w in list(self.writes.get(req, {}).items()):
-            self._cancel(req, reader, w, "its blocks were freed")
+            self._cancel(req, reader, w, "its blocks were freed", given_up=given_up)
         self.writes.pop(req, None)
-        self.streamer.cancel(req)
+        self.streamer.cancel(req, given_up=given_up)
 
     def _count_write(self, req: str, o: Outcome) -> None:
         assert isinstance(o.event, ev.WriteDone)
@@ -158,6 +161,7 @@ class Writer:
     def poll(self) -> None:
         """Check every write in flight (from the notification poll)."""
         self.streamer.poll()
+        self.ctx.guard(None, lambda _: self.drains.poll(), None)
         for req, by_reader in list(self.writes.items()):
             for reader, w in list(by_reader.items()):
                 if w.handle is not None:
@@ -187,32 +191,21 @@ class Writer:
         if transport is not None:
             if w.handle is not None:
                 transport.release(w.handle, force=True)
-            self._tell(w, "failed")
+            tell(transport, w.agent, w.spec.notif, "failed")
         self._drop(req, reader)
         self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers, ok=False, detail=detail[:300]))
 
-    def _cancel(self, req: str, reader: str, w: _Write, why: str, at_deadline: bool = False) -> None:
-        """Cancel ``w``; in flight, its decode rank is told, and at its deadline cut off."""
+    def _cancel(self, req: str, reader: str, w: _Write, why: str, at_deadline: bool = False,
+                given_up: bool = False) -> None:
+        """Stop ``w`` (``Drains``): its decode rank hears how it ended."""
         transport = self.ctx.transport
         if transport is None or w.handle is None:
             self._drop(req, reader)
             return
-        in_flight = transport.check(w.handle) is TransferState.PENDING
-        transport.release(w.handle, force=True)
-        if in_flight:
-            self._tell(w, "cancelled")
-            if at_deadline:
-                cut_off(transport, w.agent)
+        if self.drains.stop(w.agent, w.spec.notif, [w.handle], w.handle, w.deadline_ns, at_deadline=at_deadline,
+                            given_up=given_up):
             self.ctx.note("worker.write_cancelled", req, reader=reader, why=why)
         self._drop(req, reader)
-
-    def _tell(self, w: _Write, how: str) -> None:
-        transport = self.ctx.transport
-        assert transport is not None
-        try:
-            transport.send_notif(w.agent, ended_notif(w.spec.notif, how))
-        except ConnectionError:
-            pass  # its agent is gone: so is the decode rank's process
 
     def _drop(self, req: str, reader: str) -> None:
         by_reader = self.writes.get(req)
@@ -224,5 +217,5 @@ class Writer:
     def ended(self, req: str) -> None:
         """The request's machine ended: nothing of its writes is left (cancelled first)."""
         if req in self.writes:
-            self._cancel_writes(req, None)  # type: ignore[arg-type]
+            self._cancel_writes(req, None)
         self.streamer.ended(req)

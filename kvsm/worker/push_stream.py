@@ -39,7 +39,7 @@ from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import ANSWER_OK, ANSWER_UNKNOWN
 from kvsm.transport.base import TransferState, XferHandle
 from kvsm.worker.context import WorkerContext
-from kvsm.worker.push_notif import cut_off, ended_notif
+from kvsm.worker.push_notif import Drains
 from kvsm.worker.runner import Effect
 
 # The model thread hands the loop the last layer of a streamed prompt's last step
@@ -84,8 +84,9 @@ class _Stream:
 class Streamer:
     """The sending part's streamed writes."""
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx: WorkerContext, drains: Drains) -> None:
         self.ctx = ctx
+        self.drains = drains
         self.loop = ctx.loop
         self._apply_send = ctx.apply_send
         self.keys: dict[str, str] = {}  # join key -> our request
@@ -407,25 +408,13 @@ class Streamer:
 
     # -- endings --------------------------------------------------------------------------------
 
-    def _stop(self, w: _Stream, at_deadline: bool = False) -> bool:
-        """Release every write of ``w`` (in flight ones cancelled) and tell its decode
-        rank how it ended (in flight at its deadline, cut it off too); True when
-        some were in flight."""
-        transport = self.ctx.transport
-        if transport is None:
-            return False
-        in_flight = False
-        for h in [*w.handles, *([w.final] if w.final is not None else [])]:
-            in_flight |= transport.check(h) is TransferState.PENDING
-            transport.release(h, force=True)
+    def _stop(self, w: _Stream, at_deadline: bool = False, given_up: bool = False) -> bool:
+        """Stop every write of ``w`` and tell its decode rank how it ended, now or
+        once none is in flight (``Drains``); True when some were in flight."""
+        in_flight = self.drains.stop(w.agent, w.spec.notif, [*w.handles, *([w.final] if w.final else [])],
+                                     w.final, w.deadline_ns, at_deadline=at_deadline, given_up=given_up)
         w.handles.clear()
         w.final = None
-        try:
-            transport.send_notif(w.agent, ended_notif(w.spec.notif, "cancelled" if in_flight else "failed"))
-        except ConnectionError:
-            pass  # its agent is gone: so is the decode rank's process
-        if in_flight and at_deadline:
-            cut_off(transport, w.agent)
         return in_flight
 
     def _fail(self, req: str, reader: str, w: _Stream, detail: str, at_deadline: bool = False) -> None:
@@ -437,10 +426,11 @@ class Streamer:
             self.ctx.note("worker.write_cancelled", req, reader=reader, why=detail[:200])
         self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers, ok=False, detail=detail[:300]))
 
-    def cancel(self, req: str) -> None:
-        """The blocks are freed (or the request ends): nothing more of it is written."""
+    def cancel(self, req: str, given_up: bool = False) -> None:
+        """The blocks are freed (or the request ends): nothing more of it is written
+        (``given_up``: by its decode ranks)."""
         for reader, w in list(self.streams.get(req, {}).items()):
-            self._stop(w)
+            self._stop(w, given_up=given_up)
             self._drop(req, reader)
 
     def _drop(self, req: str, reader: str) -> None:
