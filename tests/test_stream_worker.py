@@ -67,6 +67,7 @@ import itertools
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,12 @@ def _wait_tokens(d: GDecode, start: RecvStart, s: Stream, upto: int, timeout: fl
     return time.monotonic()
 
 
+def _stream_poll_threads() -> list[str]:
+    """The decode workers' stream-poll tickers alive in this process (one per worker
+    while a streamed request's writes are awaited)."""
+    return [t.name for t in threading.enumerate() if t.name.endswith("-stream-poll") and t.is_alive()]
+
+
 def _deadline_s(d: GDecode) -> float:
     """The bound a decode worker sets every write of a request: transfer_timeout + 0.5 s from its ask."""
     return d.cfg.transfer_timeout_s + MARGIN_S
@@ -286,6 +293,8 @@ def test_healthy_stream_writes_the_computed_bytes_and_frees_the_pin_at_the_finis
         time.sleep(0.05)  # claims out, answered "unknown"
         s.run(1)
         _wait_tokens(d, start, s, WHOLE)  # written as computed, before the next step
+        # Its writes awaited, the decode worker polls their notifications every 250 us.
+        assert _stream_poll_threads() == [f"{d.half.loop.name}-stream-poll"], _stream_poll_threads()
         # A block partly computed is not written yet (written again whole, the two
         # unordered writes could land stale bytes last).
         assert not _holds_tokens(d, start.local_block_ids, s.blocks, s.seed, STEPS[0][1], since=WHOLE)
@@ -312,6 +321,10 @@ def test_healthy_stream_writes_the_computed_bytes_and_frees_the_pin_at_the_finis
         d.submit(recv_start=[start])
     d.wait([start.req], timeout=3.0)
     assert not d.failed and not d.invalid and d.reports[start.req] == 1
+    deadline = time.monotonic() + 1.0
+    while _stream_poll_threads():  # nothing awaited: the ticker ends at its next wake
+        assert time.monotonic() < deadline, _stream_poll_threads()
+        time.sleep(0.001)
     local = start.local_block_ids
     assert d.holds(local, s.blocks, s.seed), "not the computed bytes"
     assert d.zero_except(set(local)), "a write outside the request's blocks"

@@ -291,6 +291,7 @@ class WorkerContext:
         self.writes_awaited: set[str] = set()
         self.on_write_notif: Callable[[str, bytes], None] = _ignore_notif
         self.poll_notifs_soon: Callable[[], None] = _nothing
+        self.poll_notifs_now: Callable[[], None] = _nothing
         self.runner = EffectRunner(self._on_error)
         self.on_error: Callable[[LoopError], None] = _no_recovery
 

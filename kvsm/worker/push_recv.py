@@ -17,6 +17,7 @@ the bound: a prefill worker that goes silent costs a request at most
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from functools import partial
 
@@ -32,6 +33,7 @@ from kvsm.handshake.messages import (
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.folds import LEASE_MARGIN_NS
 from kvsm.lifecycle.machine import Outcome
+from kvsm.runtime.loop import EventLoop
 from kvsm.worker.context import Link, RecvIO, S, WorkerContext
 from kvsm.worker.peers import PeersAndClaims
 from kvsm.worker.push_notif import FAILED, LANDED, WriteNotif, landed_notif, parse_write_notif
@@ -39,6 +41,40 @@ from kvsm.worker.runner import Effect
 
 # How a link's write may stand; the settled ones can no longer land anything.
 SETTLED = frozenset({LANDED, FAILED, "refused", "gone"})
+# While a streamed request's writes are awaited, NIXL's notifications are polled
+# this often, so that the last write's landing is seen soon after it lands: the
+# loop's own timers wake in whole milliseconds (zmq's poll), so a thread of its
+# own ticks and posts the poll (docs/benchmarks.md section 11).
+STREAM_POLL_S = 0.00025
+
+
+class PollTicker:
+    """Posts ``tick`` to the loop every ``interval_s`` until stopped; one post
+    at a time (a tick not run yet is not posted again)."""
+
+    def __init__(self, loop: EventLoop, tick: Callable[[], None], interval_s: float) -> None:
+        self._loop, self._tick, self._interval_s = loop, tick, interval_s
+        self._stop = threading.Event()
+        self._posted = False
+        self._thread = threading.Thread(target=self._run, name=f"{loop.name}-stream-poll", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            if self._posted:
+                continue
+            self._posted = True
+            if not self._loop.post(self._run_tick, label="stream poll"):
+                return  # the loop is stopped
+
+    def _run_tick(self) -> None:
+        self._posted = False
+        if not self._stop.is_set():
+            self._tick()
+
+    def stop(self) -> None:
+        """Stop ticking (the thread ends at its next wake, within ``interval_s``)."""
+        self._stop.set()
 
 
 class WriteAsker:
@@ -53,6 +89,8 @@ class WriteAsker:
         self.sources_ready = sources_ready
         self._apply_recv = ctx.apply_recv
         ctx.on_write_notif = self.on_notif
+        self._streams_awaited: set[str] = set()
+        self._ticker: PollTicker | None = None
         self.effects: dict[str, Effect] = {"ask_writes": self._ask_writes, "stop_writes": self._stop_writes}
 
     # -- effects -------------------------------------------------------------------------
@@ -84,7 +122,7 @@ class WriteAsker:
             self.ctx.write_asks[rid] = partial(self._answered, req, link.index)
             link.write = "asked"
         self.peers._after_send()
-        self.ctx.writes_awaited.add(req)
+        self._await(req, start.stream)
         io.write_timer = self.loop.call_at(io.write_deadline_ns, lambda: self._deadline(req), req=req,
                                            label="write deadline")
         self.ctx.poll_notifs_soon()
@@ -185,7 +223,7 @@ class WriteAsker:
         for link in io.reads:
             if link.write not in SETTLED:
                 self.peers.mark_dead(link.peer, f"writes into {req} not over by their deadline", "unsettled")
-        self.ctx.writes_awaited.discard(req)
+        self._not_awaited(req)
         self._apply_recv(ev.WritesStopped(req=req, why="the deadline every write was bound by passed"))
 
     def _settle(self, io: RecvIO) -> None:
@@ -195,8 +233,23 @@ class WriteAsker:
         settled = [link.write for link in io.reads]
         if req not in self.ctx.recv or not all(w in SETTLED for w in settled) or all(w == LANDED for w in settled):
             return
-        self.ctx.writes_awaited.discard(req)
+        self._not_awaited(req)
         self._apply_recv(ev.WritesStopped(req=req, why="every write settled: " + ", ".join(sorted(set(settled)))))
+
+    def _await(self, req: str, stream: bool) -> None:
+        self.ctx.writes_awaited.add(req)
+        if stream:
+            self._streams_awaited.add(req)
+            # (Not on a driven loop: a simulation's time is virtual, and its runs repeat.)
+            if self._ticker is None and self.loop.thread is not None:
+                self._ticker = PollTicker(self.loop, self.ctx.poll_notifs_now, STREAM_POLL_S)
+
+    def _not_awaited(self, req: str) -> None:
+        self.ctx.writes_awaited.discard(req)
+        self._streams_awaited.discard(req)
+        if not self._streams_awaited and self._ticker is not None:
+            self._ticker.stop()
+            self._ticker = None
 
     @staticmethod
     def _link(io: RecvIO, index: int) -> Link | None:
@@ -204,4 +257,4 @@ class WriteAsker:
         return reads[index] if 0 <= index < len(reads) and reads[index].index == index else None
 
     def ended(self, req: str) -> None:
-        self.ctx.writes_awaited.discard(req)
+        self._not_awaited(req)

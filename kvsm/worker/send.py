@@ -106,6 +106,7 @@ class Sender:
         self.writer = Writer(ctx)  # push mode
         self.effects.update(self.writer.effects)
         ctx.poll_notifs_soon = lambda: self._arm_notif_poll(soon=True)
+        ctx.poll_notifs_now = self._progress_now
         ctx.runner.register(self.send, EffectTable(self.effects, _same, self._ended, self._effects_failed))
 
     def periodic(self) -> dict[Periodic, Callable[[], None]]:
