@@ -49,7 +49,7 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "write_done", "source": "writing", "dest": "=", "after": "count_write"},
     {"trigger": "heartbeat", "source": "writing", "dest": "=", "prepare": "extend_lease_data", "after": "extend_lease"},
     {"trigger": "remote_abandoned", "source": "writing", "dest": "released", "prepare": "count_read",
-     "conditions": "all_reads_in", "after": ["cancel_lease", "cancel_writes", "free_blocks"]},
+     "conditions": "all_reads_in", "after": ["cancel_lease", "abandon_writes", "free_blocks"]},
     {"trigger": "remote_abandoned", "source": "writing", "dest": "="},
     {"trigger": "lease_expired", "source": "writing", "dest": "expired",
      "after": ["cancel_writes", "count_expired_lease", "free_blocks"]},
@@ -79,7 +79,7 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     *_each(["abort", "finished_abnormally"], source="streaming", dest="released", after="cancel_writes"),
     *_each(["abort", "finished_abnormally"], source="streamed", dest="released"),
     {"trigger": "remote_abandoned", "source": "streaming", "dest": "abandoned_early",
-     "after": ["cancel_writes", "arm_abandon_timer"]},
+     "after": ["abandon_writes", "arm_abandon_timer"]},
     {"trigger": "shutdown", "source": "streaming", "dest": "closed_at_shutdown", "after": "cancel_writes"},
     # The decode side gave up by the join key before this worker knew it (an early
     # abandon named by the key): once the key names a request here, that request

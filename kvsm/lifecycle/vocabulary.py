@@ -42,7 +42,10 @@ EFFECTS: Mapping[str, str] = {
                     "refused, its writer is gone, or the deadline passed); the table hears it as writes_stopped"),
     # sending side
     "post_write": "push mode: post the NIXL WRITE of the pinned blocks into the asking decode rank's blocks",
-    "cancel_writes": "push mode: cancel the request's writes still in flight (before its blocks are freed)",
+    "cancel_writes": "push mode: stop the request's writes (before its blocks are freed): those in flight finish, "
+                     "but one carrying its landed notification is cancelled",
+    "abandon_writes": "push mode: stop the writes of decode ranks that gave up; those in flight finish (the ranks "
+                      "will not use the bytes)",
     "count_write": "count a write that completed, or failed (metrics, log)",
     "count_served": ("count a request whose blocks its decode ranks read (the last read's notification, or "
                      "one held until its claim or the prefill's finish)"),

@@ -54,7 +54,9 @@ class Writer:
         self.drains = Drains(lambda: ctx.transport, self.loop.now_ns)  # stopped writes still on their way
         self.streamer = Streamer(ctx, self.drains)  # streamed push
         self.effects: dict[str, Effect] = {
-            "post_write": self._post_write, "cancel_writes": self._cancel_writes, "count_write": self._count_write,
+            "post_write": self._post_write, "cancel_writes": self._cancel_writes,
+            "abandon_writes": lambda req, o: self._cancel_writes(req, o, given_up=True),
+            "count_write": self._count_write,
             **self.streamer.effects}
 
     def busy(self) -> bool:
@@ -138,10 +140,10 @@ class Writer:
             return
         self._check(req, reader, w)
 
-    def _cancel_writes(self, req: str, o: Outcome | None) -> None:
+    def _cancel_writes(self, req: str, o: Outcome | None, given_up: bool = False) -> None:
         """Before the blocks are freed: nothing of this request may land as written
-        out of them (``Drains``: a write the decode rank gave up on may finish)."""
-        given_up = o is not None and o.trigger == "remote_abandoned"
+        out of them (``Drains``; ``given_up``: its decode ranks gave up, so a write
+        in flight may finish, landed notification and all)."""
         for reader, w in list(self.writes.get(req, {}).items()):
             self._cancel(req, reader, w, "its blocks were freed", given_up=given_up)
         self.writes.pop(req, None)
