@@ -265,6 +265,27 @@ def _stream_poll_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.endswith("-stream-poll") and t.is_alive()]
 
 
+def _given_back(d: GDecode, start: RecvStart) -> None:
+    """vLLM has the request's blocks back (another request's now): zeroed, so that
+    ``d.untouched`` shows any write that lands in them afterwards."""
+    for i in range(d.geom["layers"]):
+        d.layer(i)[list(start.local_block_ids)] = 0
+
+
+def _first_step_streamed(peers: Peers, decode: Any, name: str, rng: random.Random,
+                         seed: int) -> tuple[GDecode, Stream, RecvStart]:
+    """A streamed request on worker P, the decode's RecvStart first: its first step
+    run, and its decode request being written."""
+    d = decode(f"stream-{name}", **STREAM_CFG)
+    s = Stream(peers.main, "P", name, rng, seed=seed)
+    start = stream_start(d, name, s.coords(peers), s.key)
+    d.submit(recv_start=[start])
+    d.wait_state(start.req, "pending_handshake")
+    s.run(1)
+    d.wait_state(start.req, "being_written")
+    return d, s, start
+
+
 def _deadline_s(d: GDecode) -> float:
     """The bound a decode worker sets every write of a request: transfer_timeout + 0.5 s from its ask."""
     return d.cfg.transfer_timeout_s + MARGIN_S
@@ -457,8 +478,7 @@ def test_prefill_stopped_mid_step_gives_the_blocks_back_at_the_deadline(peers: P
                                        ("writes_stopped", "failed")], d.transitions(start.req)
         why = [inp["why"] for ev, _, _, inp in d.transitions(start.req) if ev == "writes_stopped"]
         assert why == ["the deadline every write was bound by passed"], why
-        for i in range(d.geom["layers"]):  # vLLM has them back: another request's now
-            d.layer(i)[list(start.local_block_ids)] = 0
+        _given_back(d, start)
     s.step_wait()
     s.run()
     finished_at = s.finish()
@@ -584,13 +604,7 @@ def test_decode_aborted_while_being_written_stops_the_stream_at_once(peers: Peer
     long before the stream would have ended, and nothing is written into its
     blocks afterwards. The prefill request computes on, and its finish frees the
     pin at once."""
-    d = decode("stream-dabort", **STREAM_CFG)
-    s = Stream(peers.main, "P", "dabort", random.Random(7), seed=770)
-    start = stream_start(d, "dabort", s.coords(peers), s.key)
-    d.submit(recv_start=[start])
-    d.wait_state(start.req, "pending_handshake")
-    s.run(1)
-    d.wait_state(start.req, "being_written")
+    d, s, start = _first_step_streamed(peers, decode, "dabort", random.Random(7), 770)
     _wait_send_state(peers.main, "P", s.req, {"streaming"})
     s.step(wait=False, delay=0.03)
     time.sleep(0.04)
@@ -605,8 +619,7 @@ def test_decode_aborted_while_being_written_stops_the_stream_at_once(peers: Peer
     assert path[-1] == ("writes_stopped", "aborted"), d.transitions(start.req)
     why = [inp["why"] for ev, _, _, inp in d.transitions(start.req) if ev == "writes_stopped"]
     assert why == ["every write settled: failed"], why
-    for i in range(d.geom["layers"]):  # vLLM has them back: another request's now
-        d.layer(i)[list(start.local_block_ids)] = 0
+    _given_back(d, start)
     s.step_wait()
     s.run()
     finished_at = s.finish()
@@ -632,13 +645,8 @@ def test_a_preempted_prefill_streams_on_from_its_new_blocks(peers: Peers, decode
     before: the tokens written stay (the same KV), and the request, computed again
     into other blocks, streams the rest from them. The decode blocks hold the first
     block's bytes from the old blocks and the others' from the new ones."""
-    d = decode("stream-preempt", **STREAM_CFG)
     rng = random.Random(8)
-    s = Stream(peers.main, "P", "preempt", rng, seed=780)
-    start = stream_start(d, "preempt", s.coords(peers), s.key)
-    d.submit(recv_start=[start])
-    d.wait_state(start.req, "pending_handshake")
-    s.run(1)
+    d, s, start = _first_step_streamed(peers, decode, "preempt", rng, 780)
     _wait_tokens(d, start, s, WHOLE)
     deadline = time.monotonic() + 2.0
     while _handles(peers.main, "P"):  # every write of the first step seen over
@@ -670,14 +678,8 @@ def test_a_prefill_preempted_under_its_writes_fails_the_stream(peers: Peers, dec
     the step's writes were posted after the free, so what they carried is not sure.
     The stream fails (the decode request fails, its blocks invalid, never done); the
     prefill request, computed again, ends with its finish and frees its pin."""
-    d = decode("stream-preempt-unsure", **STREAM_CFG)
     rng = random.Random(9)
-    s = Stream(peers.main, "P", "preempt-unsure", rng, seed=790)
-    start = stream_start(d, "preempt-unsure", s.coords(peers), s.key)
-    d.submit(recv_start=[start])
-    d.wait_state(start.req, "pending_handshake")
-    s.run(1)
-    d.wait_state(start.req, "being_written")
+    d, s, start = _first_step_streamed(peers, decode, "preempt-unsure", rng, 790)
     freed = s.step()["saving"][0]  # the second step: preempted as its first layer was saved
     s.preempt(int(freed * 1e9), _new_blocks(rng, s.blocks))
     d.wait([start.req], timeout=_deadline_s(d) + 2 * SLACK_S)
