@@ -98,6 +98,12 @@ class _Draining:
     deadline_ns: int
 
 
+def _release(transport: Transport, d: _Draining, handles: list[XferHandle]) -> None:
+    """Release ``handles`` and the write carrying the notification, each once."""
+    for h in {id(h): h for h in [*handles, *([d.final] if d.final is not None else [])]}.values():
+        transport.release(h, force=True)
+
+
 class Drains:
     """Writes stopped before their deadline (the request given up on either side,
     its blocks freed, another of its writes failed) whose bytes are still on the
@@ -166,8 +172,7 @@ class Drains:
         """Nothing in flight: the decode rank hears ``failed``, unless its landed
         notification went with a write that completed."""
         landed = d.final is not None and transport.check(d.final) is TransferState.DONE
-        for h in {id(h): h for h in [*handles, *([d.final] if d.final is not None else [])]}.values():
-            transport.release(h, force=True)
+        _release(transport, d, handles)
         if not landed:
             tell(transport, d.agent, d.notif, FAILED)
 
@@ -175,8 +180,7 @@ class Drains:
     def _cancel(transport: Transport, d: _Draining, handles: list[XferHandle], cut: bool = True) -> None:
         """Cancel what is in flight: bytes may still land (``cancelled``); at the
         deadline (``cut``), its decode rank's agent goes too (``cut_off``)."""
-        for h in {id(h): h for h in [*handles, *([d.final] if d.final is not None else [])]}.values():
-            transport.release(h, force=True)
+        _release(transport, d, handles)
         tell(transport, d.agent, d.notif, CANCELLED)
         if cut:
             cut_off(transport, d.agent)
