@@ -25,6 +25,7 @@ from kvsm.lifecycle.machine import LifecycleTracker
 from kvsm.lifecycle.table import RECV, SEND
 from kvsm.replay import analyse, main, render_text
 from kvsm.replay.causes import RULES
+from kvsm.replay.render import story
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -362,8 +363,12 @@ def test_a_streamed_request_is_joined_to_its_prefill_by_the_join_key(run, tmp_pa
         s.apply(ev.WriteDone(req="p-s", reader="decode-0", ok=False, detail="cancelled in flight at its deadline"))
         r.at(5_700)
         t.apply(ev.WritesStopped(req="d-s", why="the deadline every write was bound by passed"))
-    c = cause(report_of(tmp_path), "d-s")
+    report = report_of(tmp_path)
+    c = cause(report, "d-s")
     assert (c.rule, c.final_state) == ("writes_stopped", "failed")
+    # Its story (``tools/replay.py --request``) takes in the prefill request, from either side.
+    assert {(m.engine_id, m.req) for m in story(report, "d-s")} == {("decode-0", "d-s"), ("prefill-0", "p-s")}
+    assert {(m.engine_id, m.req) for m in story(report, "p-s")} == {("decode-0", "d-s"), ("prefill-0", "p-s")}
     assert c.line == ("the writes asked at +0.200 s did not land: the deadline every write was bound by passed "
                       "(at +5.700 s); its worker streamed it from +0.200 s, its writes ended at +5.200 s (cancelled "
                       "in flight at its deadline), held it streamed at the end of its log"), c.line

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvsm.eventlog.reader import RECORD_FIELDS, Record, input_dict, read_back
 from kvsm.eventlog.schema import HEADER_FIELDS
+from kvsm.replay.evidence import STREAM_KEY_NOTE
 from kvsm.replay.model import _MACHINE_KINDS, SHUTDOWN_EVENT, Machine, Report
 
 
@@ -17,18 +18,40 @@ def _stream_key(r: Record) -> tuple[str, str, int, int]:
     return (r.engine_id, r.role, r.rank, r.pid)
 
 
+def _joined(report: Report) -> dict[tuple[str, str], str]:
+    """Streamed push: (prefill engine, join key) -> the prefill request the key
+    names there (its worker's ``worker.stream_key`` note): a decode request names
+    its prefill request by the key."""
+    lines_of: dict[str, list[bytes] | None] = {}
+    out: dict[tuple[str, str], str] = {}
+    for (engine, req), recs in report.notes.items():
+        for r in recs:
+            if r.event == STREAM_KEY_NOTE:
+                key = (read_back(r, lines_of) or {}).get("key")
+                if isinstance(key, str):
+                    out[(engine, key)] = req
+    return out
+
+
 def story(report: Report, req: str) -> list[Machine]:
     """The machines of one request across processes: its own, and the other side's."""
+    joined = _joined(report)
+
+    def remote_of(m: Machine) -> tuple[str, str] | None:
+        remote = m.remote
+        return (remote[0], joined.get(remote, remote[1])) if remote else None
+
     picked = [m for m in report.machines if m.req == req]
     linked: set[tuple[str, str]] = set()
     for m in list(picked):
-        if m.remote:
-            linked.add(m.remote)
+        remote = remote_of(m)
+        if remote:
+            linked.add(remote)
     for m in report.machines:
-        remote = m.remote
+        remote = remote_of(m)
         if remote and remote[1] == req and m not in picked:
             picked.append(m)
-            linked.add((remote[0], remote[1]))
+            linked.add(remote)
     for m in report.machines:
         if (m.engine_id, m.req) in linked and m not in picked:
             picked.append(m)
