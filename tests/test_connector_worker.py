@@ -19,6 +19,7 @@ from kvsm.runtime.loop import THREAD_NAME_PREFIX
 from kvsm.vllm.connector import KVSMConnector
 from kvsm.vllm.metadata import KVSMConnectorMetadata
 from kvsm_testing.ports import free_port as _free_port
+from kvsm_testing.reliability import wait_until
 from kvsm_testing.scheduler import make_scheduler
 
 
@@ -296,7 +297,7 @@ def test_hostile_write_asks_are_refused_naming_what_was_wrong(connector: KVSMCon
     nothing either."""
     import zmq
 
-    from kvsm.handoff.facts import SendFinish
+    from kvsm.handoff.facts import SendFinish, SendStart, StepFacts
     from kvsm.handshake.codec import decode_reply, encode
     from kvsm.handshake.messages import PROTOCOL_VERSION, ClaimsReply, ErrorReply, WriteAsk, WriteSpec
 
@@ -344,6 +345,16 @@ def test_hostile_write_asks_are_refused_naming_what_was_wrong(connector: KVSMCon
         late = ask(deadline_wall_ns=time.time_ns() - 10**9)
         assert isinstance(late, ClaimsReply) and late.claims == {"p-1": "expired"}
         assert worker.debug_state()["send"] == {}
+        # A streamed ask whose blocks come in KV cache groups this pool does not have
+        # (one group here): never written, so its asker hears so at once.
+        facts = StepFacts(1)
+        facts.send_start = [SendStart(req="p-s", stream="key-s")]
+        worker.submit(facts)
+        wait_until(lambda: "p-s" in worker.debug_state()["send"], 5, "the streamed prefill known")
+        grouped = ask(req="key-s", src_blocks=[], dst_blocks=[3, 4], group_sizes=[1, 1], dst_firsts=[0, 0],
+                      stream=True)
+        assert isinstance(grouped, ClaimsReply) and grouped.claims == {"key-s": "expired"}, grouped
+        assert not worker.sender.writer.streamer.streams
     finally:
         ctx.term()
         other.shutdown()

@@ -410,7 +410,7 @@ class _Worker:
 
         meta = KVSMConnectorMetadata(cmd["step"])
         meta.send_start = [SendStart(req=r, stream=k) for r, k in cmd.get("send_start", [])]
-        steps = [StreamStep(req=r, block_ids=tuple(b), start=s, end=e, last=bool(last))
+        steps = [StreamStep(req=r, block_ids=(tuple(b),), start=s, end=e, last=bool(last))
                  for r, b, s, e, last in cmd.get("stream_steps", [])]
         meta.stream_steps = steps
         delay, saved_first = cmd.get("layer_delay_s", 0.0), cmd.get("saved_first", False)
@@ -419,7 +419,7 @@ class _Worker:
 
         def compute(i: int, seed: int) -> None:
             for st in steps:
-                self.fill_tokens(i, list(st.block_ids), st.start, st.end, seed)
+                self.fill_tokens(i, list(st.block_ids[0]), st.start, st.end, seed)
 
         for i, _ in mine:
             compute(i, cmd["fill_first_seed"])

@@ -68,9 +68,12 @@ class RecvStart(_RemoteRequest, frozen=True):
     push: bool = False
     # transfer_mode "stream": push while the prefill computes. ``remote_req`` is then the
     # join key both legs carry (the prefill engine names its request itself), there are
-    # no remote blocks, and ``local_block_ids`` are those of positions ``first_position`` on.
+    # no remote blocks, and ``local_block_ids`` are those of positions ``first_position`` on
+    # (several KV cache groups: group after group, ``group_sizes`` of them, each from its
+    # own first position, ``group_firsts``; ``first_position`` is then the least).
     stream: bool = False
     first_position: int = 0
+    group_firsts: tuple[int, ...] = ()
 
     @property
     def remote_expiry_ns(self) -> int:
@@ -112,14 +115,20 @@ class SendStart(msgspec.Struct, frozen=True):
     stream: str = ""
 
 
+# A streamed prefill's position whose block is not written (``StreamStep``).
+UNWRITTEN = -1
+
+
 class StreamStep(msgspec.Struct, frozen=True):
     """Prefill side, transfer_mode "stream": this step computes the prompt's tokens
     ``start`` to ``end`` of ``req`` (``last``: the prompt's last ones), whose blocks
-    by position are ``block_ids`` (one KV cache group). Each layer's KV of them can
-    be written once that layer's forward pass is done (``save_kv_layer``)."""
+    by position are ``block_ids``, one tuple per KV cache group. A position its
+    decode side never reads (a sliding window's, before the window of the prompt's
+    last token) is ``UNWRITTEN``: vLLM may free it under the prefill mid-prompt.
+    Each layer's KV can be written once its forward pass is done (``save_kv_layer``)."""
 
     req: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     start: int
     end: int
     last: bool

@@ -249,9 +249,12 @@ class WriteSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     deadline_wall_ns: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
     # Streamed push: ``req`` is the join key of a prefill still computing, ``src_blocks``
     # is empty (the prefill worker pairs its blocks by position) and ``dst_blocks`` are
-    # the decode's of positions ``dst_first`` on; each layer is written as it is computed.
+    # the decode's of positions ``dst_first`` on (several KV cache groups: group after
+    # group, ``group_sizes`` of them, from positions ``dst_firsts``); each layer is
+    # written as it is computed.
     stream: bool = False
     dst_first: Count = 0
+    dst_firsts: Annotated[list[Count], msgspec.Meta(max_length=64)] = []
 
 
 class WriteAsk(_Message, tag="write_ask", kw_only=True, frozen=True):

@@ -3,10 +3,19 @@ streamed request (``StreamStep``), for the workers that write it layer by layer.
 
 vLLM's scheduler output says which requests a step computes and how many
 tokens; their blocks come as lists for new requests and as additions for
-running ones (a whole new list for one resumed after preemption). The request
-itself says how many tokens were computed before the step (vLLM moves its
-count on only after ``build_connector_meta``). No vLLM import: the objects are
-read by attribute.
+running ones (a whole new list for one resumed after preemption), one list per
+KV cache group. The request itself says how many tokens were computed before
+the step (vLLM moves its count on only after ``build_connector_meta``). No vLLM
+import: the objects are read by attribute.
+
+A sliding-window group's blocks before the window of the prompt's last token
+are never read on the decode side (its vLLM gives them the null block), and the
+prefill side's vLLM may free them mid-prompt (``remove_skipped_blocks`` at each
+scheduling, for tokens before ``computed - window + 1``), when a write from them
+could still be in flight. So those positions go as ``UNWRITTEN``.
+Position ``(prompt - window) // block_size`` on is never freed before the
+finish, since the scheduling of the last chunk has computed ``prompt - 1``
+tokens at most.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsm.handoff.facts import STREAM_KEY, STREAM_MODE, StreamPreempted, StreamStep
+from kvsm.handoff.facts import STREAM_KEY, STREAM_MODE, UNWRITTEN, StreamPreempted, StreamStep
 
 # A join key is an id like a request's: printable, bounded.
 MAX_KEY_LENGTH = 256
@@ -25,14 +34,19 @@ MAX_KEY_LENGTH = 256
 class _Stream:
     key: str
     request: Any  # vLLM's Request (num_computed_tokens, num_prompt_tokens)
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # per KV cache group, by position
 
 
 class StreamSteps:
-    """The streamed prefill requests of one engine, from their arrival to their finish."""
+    """The streamed prefill requests of one engine, from their arrival to their finish.
 
-    def __init__(self) -> None:
+    ``windows``: per KV cache group, the sliding window in tokens (0: full
+    attention or MLA, every position is read); ``block_size``: the groups' one."""
+
+    def __init__(self, windows: tuple[int, ...] = (0,), block_size: int = 16) -> None:
         self._streams: dict[str, _Stream] = {}
+        self._windows = windows
+        self._block_size = block_size
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -67,13 +81,14 @@ class StreamSteps:
         for new in out.scheduled_new_reqs:
             s = self._streams.get(new.req_id)
             if s is not None:
-                s.blocks = list(new.block_ids[0])
+                s.blocks = [list(ids) for ids in new.block_ids]
         cached = out.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for req, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
             s = self._streams.get(req)
             if s is not None and ids is not None:
-                s.blocks = list(ids[0]) if req in resumed else s.blocks + list(ids[0])
+                s.blocks = ([list(g) for g in ids] if req in resumed or not s.blocks
+                            else [have + list(g) for have, g in zip(s.blocks, ids, strict=True)])
         facts = []
         for req, s in self._streams.items():
             n = scheduled.get(req, 0)
@@ -81,5 +96,14 @@ class StreamSteps:
             if n <= 0 or start >= prompt:
                 continue
             end = min(prompt, start + n)
-            facts.append(StreamStep(req=req, block_ids=tuple(s.blocks), start=start, end=end, last=end >= prompt))
+            facts.append(StreamStep(req=req, block_ids=self._written(s.blocks, prompt), start=start, end=end,
+                                    last=end >= prompt))
         return facts
+
+    def _written(self, blocks: list[list[int]], prompt: int) -> tuple[tuple[int, ...], ...]:
+        """Each group's blocks by position, ``UNWRITTEN`` before its window (see the module doc)."""
+        out = []
+        for ids, window in zip(blocks, self._windows, strict=True):
+            first = max(0, prompt - window) // self._block_size if window else 0
+            out.append((UNWRITTEN,) * min(first, len(ids)) + tuple(ids[first:]))
+        return tuple(out)

@@ -113,6 +113,11 @@ class Transport(ABC):
         """The layers of the registered pool, in order (None: a pool without layers)."""
         return None
 
+    def layer_groups(self) -> tuple[int, ...]:
+        """The KV cache group of each of ``layers()``, in that order: a streamed
+        write of a layer gives that group's blocks (one group: all 0)."""
+        return (0,) * len(self.layers() or ())
+
     def layers_read(self, peer: str) -> tuple[str, ...] | None:
         """Our layers a read from ``peer`` fills: all of ours, unless the peer is a
         pipeline parallel stage that holds other layers (None: a pool without layers)."""

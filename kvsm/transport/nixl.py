@@ -213,6 +213,10 @@ class NixlTransport(Transport):
     def layers(self) -> tuple[str, ...]:
         return self._layers
 
+    def layer_groups(self) -> tuple[int, ...]:
+        group_of = {r.layer: r.group for r in self.layout.regions}
+        return tuple(group_of[name] for name in self._layers)
+
     def layers_read(self, peer: str) -> tuple[str, ...]:
         """Our layers a read from ``peer`` fills (every one of ours unless its
         pipeline parallel stage holds other layers). Unknown peer: ``ConnectionError``."""
@@ -287,13 +291,13 @@ class NixlTransport(Transport):
     def post_layer_write(self, peer: str, layer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                          notif: bytes = b"", tag: str = "") -> NixlXferHandle:
         """One NIXL WRITE of ``layer``'s part of ``local_blocks`` into the peer's
-        ``remote_blocks`` (whole blocks, one KV cache group: the streamed write's
-        limits). Unknown peer or layer: as ``_post``."""
+        ``remote_blocks`` (whole blocks, of the layer's KV cache group: the streamed
+        write's limits). Unknown peer or layer: as ``_post``."""
         p = self._pair_check(peer, local_blocks, remote_blocks)
         mine = p.mine
-        if mine is None or p.block_tokens_differ or self.num_groups != 1:
-            raise ValueError(f"a layer-by-layer write to {peer!r} needs the same layers, one KV cache group and "
-                             f"blocks of one size on both sides")
+        if mine is None or p.block_tokens_differ:
+            raise ValueError(f"a layer-by-layer write to {peer!r} needs the same layers and blocks of one size "
+                             f"on both sides")
         local_idx = mine.layout.layer_desc_index_array(layer, local_blocks)
         remote_idx = p.layout.layer_desc_index_array(layer, remote_blocks)
         return self._launch(p, NixlXferHandle(peer, local_blocks, remote_blocks, notif, tag),

@@ -114,6 +114,7 @@ class KVGroup:
     kind: str  # full, sliding_window(w), chunked_local(c), mla, mamba(layout)
     block_size: int
     layers: tuple[str, ...]
+    window: int = 0  # a sliding window's tokens (0: another kind)
 
     def describe(self) -> str:
         return f"{self.kind}/{self.block_size}x{len(self.layers)}"
@@ -162,7 +163,8 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
             raise ValueError(f"KVSMConnector: KV cache group {g} is a {type(spec).__name__} (layers "
                              f"{list(group.layer_names)[:3]}...); kvsm moves full, sliding-window, chunked local "
                              f"and MLA attention groups and Mamba/GDN state without speculative slots only")
-        groups.append(KVGroup(kind, int(spec.block_size), tuple(group.layer_names)))
+        window = int(spec.sliding_window) if type(spec) is SlidingWindowSpec else 0
+        groups.append(KVGroup(kind, int(spec.block_size), tuple(group.layer_names), window))
     if getattr(kv_cache_config, "transfer_group_ids", tuple(range(len(groups)))) != tuple(range(len(groups))):
         raise ValueError(f"KVSMConnector: vLLM transfers only KV cache groups "
                          f"{kv_cache_config.transfer_group_ids} of {len(groups)}; kvsm moves every group")
@@ -208,7 +210,8 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                                             hold_back_tokens=int(any(g.kind.startswith("mamba")
                                                                      for g in self.kv_groups)),
                                             step_facts=KVSMConnectorMetadata,
-                                            stream_unsupported=_stream_unsupported(self.kv_groups, self.cfg))
+                                            stream_unsupported=_stream_unsupported(self.kv_groups, self.cfg),
+                                            stream_windows=tuple(g.window for g in self.kv_groups))
             # vLLM's engine core drains on SIGTERM while pins are live, and is killed
             # when its wait is over: the scheduler half closes the pins in time.
             drain_s = max(0.0, float(getattr(vllm_config, "shutdown_timeout", 0) or 0) - _DRAIN_MARGIN_S)
@@ -430,12 +433,15 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _stream_unsupported(groups: tuple[KVGroup, ...], cfg: KVSMConfig) -> str:
-    """Why this engine cannot stream (``""``: it can): streamed push writes one
-    attention group's blocks, layer by layer, rank to rank."""
-    if len(groups) > 1:
-        return f"this model has {len(groups)} KV cache groups; streamed push moves one"
-    if groups and groups[0].kind not in ("full", "mla"):
-        return f"its KV cache group is {groups[0].kind}; streamed push moves full attention and MLA only"
+    """Why this engine cannot stream (``""``: it can): streamed push writes the
+    attention groups' blocks by position, layer by layer, rank to rank."""
+    other = [g.kind for g in groups if g.kind not in ("full", "mla") and not g.window]
+    if other:
+        return (f"its KV cache groups include {other[0]}; streamed push moves full attention, MLA and "
+                f"sliding window groups only")
+    if len({g.block_size for g in groups}) > 1:
+        return (f"its KV cache groups' blocks hold {[g.block_size for g in groups]} tokens; streamed push "
+                f"writes groups of one block size")
     if cfg.pp_size > 1:
         return "pipeline parallel engines are not supported by streamed push"
     return ""

@@ -137,7 +137,8 @@ class WriteAsker:
         if start.stream:  # by position, as the prefill computes: whole blocks, rank to rank
             return WriteSpec(req=start.remote_req, dst_req=start.req, notif=landed_notif(start.req, link.index),
                              readers=link.readers, src_blocks=[], dst_blocks=list(start.local_block_ids),
-                             deadline_wall_ns=deadline_wall_ns, stream=True, dst_first=start.first_position)
+                             group_sizes=list(start.group_sizes), deadline_wall_ns=deadline_wall_ns, stream=True,
+                             dst_first=start.first_position, dst_firsts=list(start.group_firsts))
         here, there = start.block_sizes
         return WriteSpec(
             req=start.remote_req, dst_req=start.req, notif=landed_notif(start.req, link.index), readers=link.readers,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from kvsm.handoff.facts import SendStart, StreamPreempted, StreamStep
+from kvsm.handoff.facts import UNWRITTEN, SendStart, StreamPreempted, StreamStep
 from kvsm.handshake.messages import WriteAsk, WriteSpec
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.folds import LEASE_MARGIN_NS
@@ -55,11 +55,11 @@ class _Progress:
     """How far a streamed request's KV is computed here."""
 
     key: str
-    blocks: tuple[int, ...] = ()  # by position
+    blocks: tuple[tuple[int, ...], ...] = ()  # per KV cache group, by position
     done: int = 0  # tokens every layer holds
     start: int = 0  # the step under way computes tokens start..end
     end: int = 0
-    layers_done: int = 0  # of the step under way, in the forward pass's order
+    upto: list[int] = field(default_factory=list)  # per layer: tokens it holds (``end`` once saved)
     last: bool = False  # that step computes the prompt's last tokens
     steps: int = 0  # steps that computed some of it
     last_layer_ns: int = 0  # when the prompt's last layer was done (the handover's start)
@@ -73,6 +73,7 @@ class _Stream:
     spec: WriteSpec
     deadline_ns: int  # the loop's clock: nothing of it may be in flight after this
     written: list[int]  # per layer: tokens written so far (from the first)
+    dst_rows: tuple[tuple[int, tuple[int, ...]], ...]  # per KV cache group: the decode's first position, blocks
     handles: list[XferHandle] = field(default_factory=list)
     seen_over_ns: int = 0  # when a check last found one of ``handles`` over
     final: XferHandle | None = None  # the write carrying the notification
@@ -94,10 +95,12 @@ class Streamer:
         self.streams: dict[str, dict[str, _Stream]] = {}  # request -> decode rank -> its stream
         self._step_reqs: list[str] = []
         self._index: dict[str, int] | None = None
+        self._groups: tuple[int, ...] = ()  # per layer, its KV cache group
         # Model thread only: whether this step computes a streamed request (and the
-        # last tokens of one: ``_final``).
+        # last tokens of one: ``_final``), and how many of its layers were saved.
         self._stepping = False
         self._final = False
+        self._saved = 0
         self.effects: dict[str, Effect] = {"start_stream": self._start_stream, "pass_abandon": self._pass_abandon}
 
     def busy(self) -> bool:
@@ -109,18 +112,20 @@ class Streamer:
             transport = self.ctx.transport
             names = transport.layers() if transport is not None else None
             self._index = {name: i for i, name in enumerate(names or ())}
+            self._groups = transport.layer_groups() if transport is not None else ()
         return self._index
 
     # -- the model thread: posts only (the very last layer: waits for its post) --------------
 
     def stepping(self, on: bool, final: bool = False) -> None:
-        self._stepping, self._final = on, on and final
+        self._stepping, self._final, self._saved = on, on and final, 0
 
     def layer_saved(self, layer: str) -> None:
         if not self._stepping:
             return
         item = (layer, self.loop.now_ns())
-        if self._final and self.layers.get(layer) == len(self.layers) - 1:
+        self._saved += layer in self.layers
+        if self._final and self._saved == len(self.layers):  # (the forward pass's last, whatever its name)
             # The handover's tail starts now: let the loop post this write at once.
             posted = threading.Event()
             self.loop.post(partial(self._layer_then_set, item, posted), label="stream last layer")
@@ -163,7 +168,9 @@ class Streamer:
                 continue
             # Tokens before this step are computed: by an earlier step or the prefix cache.
             p.done = max(p.done, p.end, st.start)
-            p.blocks, p.start, p.end, p.layers_done, p.last = st.block_ids, st.start, st.end, 0, st.last
+            p.blocks, p.start, p.end, p.last = st.block_ids, st.start, st.end, st.last
+            p.upto = [max(u, p.done) for u in p.upto] if len(p.upto) == len(self.layers) else (
+                [p.done] * len(self.layers))
             p.steps += 1
             self._step_reqs.append(st.req)
 
@@ -176,7 +183,7 @@ class Streamer:
         p = self.progress.get(gone.req)
         if p is None:
             return
-        p.blocks, p.done, p.start, p.end, p.layers_done, p.last = (), 0, 0, 0, 0, False
+        p.blocks, p.done, p.start, p.end, p.upto, p.last = (), 0, 0, 0, [], False
         if gone.req in self._step_reqs:
             self._step_reqs.remove(gone.req)
         unsure = 0
@@ -199,8 +206,9 @@ class Streamer:
             p = self.progress.get(req)
             if p is None:
                 continue
-            p.layers_done = idx + 1
-            if p.last and p.layers_done == len(self.layers):
+            if idx < len(p.upto):
+                p.upto[idx] = p.end
+            if p.last and all(u >= p.end for u in p.upto):
                 p.last_layer_ns = at_ns
             for reader, w in list(self.streams.get(req, {}).items()):
                 self.ctx.guard(req, self._write_layer, (req, reader, w, idx, p.end))
@@ -210,7 +218,8 @@ class Streamer:
             p = self.progress.get(req)
             if p is None:
                 continue
-            p.done, p.layers_done = p.end, len(self.layers)
+            p.done = p.end
+            p.upto = [p.end] * len(self.layers)
             for reader, w in list(self.streams.get(req, {}).items()):
                 self.ctx.guard(req, self._catch_up, (req, reader, w))
         self._step_reqs = []
@@ -224,15 +233,17 @@ class Streamer:
         if req is None or req not in self.ctx.send:
             return ANSWER_UNKNOWN
         left = spec.deadline_wall_ns - LEASE_MARGIN_NS - wall
-        if left <= 0 or unreachable or not self.layers:
-            why = unreachable or ("this worker's KV pool has no layers to stream" if left > 0 else
-                                  f"its write ask came {-left / 1e9:.3f} s past its deadline")
+        rows = self._dst_rows(spec)
+        if left <= 0 or unreachable or not self.layers or isinstance(rows, str):
+            why = unreachable or (f"its write ask came {-left / 1e9:.3f} s past its deadline" if left <= 0 else
+                                  "this worker's KV pool has no layers to stream" if not self.layers else str(rows))
             self._apply_send(ev.RemoteAbandoned(req=req, reason=f"write ask of {ask.requester}: {why}"[:300],
                                                 reader=ask.requester, readers=spec.readers))
             return "expired"
         if ask.requester in self.streams.get(req, {}):
             return ANSWER_OK
-        w = _Stream(agent, spec, now + left, [0] * len(self.layers))
+        assert not isinstance(rows, str)
+        w = _Stream(agent, spec, now + left, [0] * len(self.layers), rows)
         self.streams.setdefault(req, {})[ask.requester] = w
         o = self._apply_send(ev.StreamAsked(req=req, reader=ask.requester, readers=spec.readers,
                                             num_blocks=len(spec.dst_blocks), deadline_wall_ns=spec.deadline_wall_ns))
@@ -240,6 +251,20 @@ class Streamer:
             self._drop(req, ask.requester)
             return ANSWER_UNKNOWN
         return ANSWER_OK
+
+    def _dst_rows(self, spec: WriteSpec) -> tuple[tuple[int, tuple[int, ...]], ...] | str:
+        """The decode's first position and blocks per KV cache group, or why they do not fit ours."""
+        groups = max(self._groups, default=0) + 1 if self.layers else 1
+        sizes = spec.group_sizes or [len(spec.dst_blocks)]
+        firsts = spec.dst_firsts if spec.group_sizes else [spec.dst_first]
+        if len(sizes) != groups or len(firsts) != groups or sum(sizes) != len(spec.dst_blocks):
+            return (f"its blocks come in {len(sizes)} KV cache group(s) ({list(sizes)}, {len(spec.dst_blocks)} "
+                    f"blocks, first positions {list(firsts)}) for a KV cache of {groups} group(s) here")
+        rows, at = [], 0
+        for first, n in zip(firsts, sizes, strict=True):
+            rows.append((first, tuple(spec.dst_blocks[at:at + n])))
+            at += n
+        return tuple(rows)
 
     def _pass_abandon(self, key: str, o: Outcome) -> None:
         """The decode side gave up by the key before it named a request here: that request hears it."""
@@ -266,7 +291,7 @@ class Streamer:
         for idx in range(len(w.written)):
             if self.streams.get(req, {}).get(reader) is not w:
                 return  # failed meanwhile
-            self._write_layer((req, reader, w, idx, p.end if idx < p.layers_done else p.done))
+            self._write_layer((req, reader, w, idx, p.upto[idx] if idx < len(p.upto) else p.done))
         self._maybe_final(req, reader, w)
 
     def _write_layer(self, item: tuple[str, str, _Stream, int, int]) -> None:
@@ -283,11 +308,13 @@ class Streamer:
         if p is None or upto <= have or self.streams.get(req, {}).get(reader) is not w:
             return
         spec = w.spec
-        first, count = spec.dst_first, len(spec.dst_blocks)
+        src, (first, dst) = self._pair_rows(p, w, idx)
         lo = max(have // size, first)
-        hi = min((upto - 1) // size, first + count - 1, len(p.blocks) - 1)
+        hi = min((upto - 1) // size, first + len(dst) - 1, len(src) - 1)
         w.written[idx] = upto
-        if lo > hi:
+        pairs = [(src[j], dst[j - first]) for j in range(lo, hi + 1) if src[j] != UNWRITTEN]
+        if not pairs:
+            self._maybe_final(req, reader, w)
             return
         if self.loop.now_ns() >= w.deadline_ns:
             self._fail(req, reader, w, "its deadline passed before the prefill computed it", at_deadline=True)
@@ -301,8 +328,7 @@ class Streamer:
         layer = self._layer_name(idx)
         posting_ns = self.loop.now_ns()
         try:
-            h = transport.post_layer_write(w.agent, layer, p.blocks[lo:hi + 1],
-                                           spec.dst_blocks[lo - first:hi - first + 1],
+            h = transport.post_layer_write(w.agent, layer, [a for a, _ in pairs], [b for _, b in pairs],
                                            spec.notif if final else b"", tag=spec.dst_req)
         except (ValueError, ConnectionError, NotImplementedError) as e:
             self._fail(req, reader, w, f"{type(e).__name__}: {e}")
@@ -315,6 +341,12 @@ class Streamer:
             w.final, w.final_posting_ns, w.final_posted_ns = h, posting_ns, self.loop.now_ns()
         else:
             w.handles.append(h)
+
+    def _pair_rows(self, p: _Progress, w: _Stream, idx: int) -> tuple[tuple[int, ...], tuple[int, tuple[int, ...]]]:
+        """Layer ``idx``'s blocks by position here (from the first), and on the decode
+        side its first position and blocks from there: those of its KV cache group."""
+        g = self._groups[idx] if idx < len(self._groups) else 0  # (known: the layers were read)
+        return (p.blocks[g] if g < len(p.blocks) else (), w.dst_rows[g] if g < len(w.dst_rows) else (0, ()))
 
     def _layer_name(self, idx: int) -> str:
         for name, i in self.layers.items():
@@ -349,20 +381,21 @@ class Streamer:
         if (w.final is not None or p is None or not self._complete(p, w)
                 or not self._settled(req, reader, w)):
             return
-        spec, size = w.spec, self.ctx.cfg.block_size
-        pos = min((p.end - 1) // size, spec.dst_first + len(spec.dst_blocks) - 1, len(p.blocks) - 1)
+        spec, size, last = w.spec, self.ctx.cfg.block_size, len(w.written) - 1
+        src, (first, dst) = self._pair_rows(p, w, last)
+        pos = min((p.end - 1) // size, first + len(dst) - 1, len(src) - 1)
         transport = self.ctx.transport
         assert transport is not None
         w.final_posting_ns = self.loop.now_ns()
         try:
-            if pos < spec.dst_first:  # nothing of ours wanted: the notification alone
+            if pos < first or src[pos] == UNWRITTEN:
+                # Nothing of ours wanted there: the notification alone (every write is over).
                 transport.send_notif(w.agent, spec.notif)
                 self._drop(req, reader)
                 self._apply_send(ev.WriteDone(req=req, reader=reader, readers=spec.readers))
                 return
-            w.final = transport.post_layer_write(w.agent, self._layer_name(len(w.written) - 1), [p.blocks[pos]],
-                                                 [spec.dst_blocks[pos - spec.dst_first]], spec.notif,
-                                                 tag=spec.dst_req)
+            w.final = transport.post_layer_write(w.agent, self._layer_name(last), [src[pos]],
+                                                 [dst[pos - first]], spec.notif, tag=spec.dst_req)
             w.writes += 1
             w.final_posted_ns = self.loop.now_ns()
         except (ValueError, ConnectionError, NotImplementedError) as e:

@@ -211,8 +211,9 @@ class ForwardPasses:
         facts = self.engine.take_facts()
         for s in reqs:
             end = s.ends[s.steps]
-            facts.stream_steps.append(StreamStep(req=s.req, block_ids=s.blocks[:-(-end // size)], start=s.done,
-                                                 end=end, last=end == s.num_tokens))
+            blocks = tuple(s.blocks[:-(-end // size)])
+            facts.stream_steps.append(StreamStep(req=s.req, block_ids=(blocks,), start=s.done, end=end,
+                                                 last=end == s.num_tokens))
         self.current = _Pass(facts, reqs, self.sim.rng.randint(*LAYER_NS))
         self.sim.at(self.current.layer_ns, functools.partial(self._layer, 0))
 
