@@ -1,10 +1,11 @@
 """Streamed push (transfer_mode "stream") for models of several KV cache groups.
 
-Gemma 2 (sliding window of 128 beside full attention: two groups) and Gemma 3
+Gemma 2 (sliding window of 128 beside full attention: two groups), Gemma 3
 (three sliding-window layers to one global one: four groups of one layer each,
-whose tensors overlay one buffer), tiny random-weight models, on two vLLM
-engines with KVSMConnector in two processes. The prefill engine computes in
-chunks of CHUNK tokens, so vLLM frees a sliding-window group's early blocks
+whose tensors overlay one buffer) and Llama 4 (three chunked local attention
+layers, chunks of 128, to one global one), tiny random-weight models, on two
+vLLM engines with KVSMConnector in two processes. The prefill engine computes
+in chunks of CHUNK tokens, so vLLM frees a windowed group's early blocks
 mid-prompt (``remove_skipped_blocks``): those positions are never written
 (``StreamStep``'s ``UNWRITTEN``), the decode side reads only the window.
 
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
 BLOCK = 128
 CHUNK = 64
-GROUPS = {"gemma2": 2, "gemma3": 4}
+GROUPS = {"gemma2": 2, "gemma3": 4, "llama4": 4}
 RNG = random.Random(20261207)
 
 

@@ -27,7 +27,7 @@ from test_connector_scheduler import drained, harness, log_records, meta_of, pen
 
 from kvsm.handoff.facts import PRODUCER_KEY, STREAM_KEY, UNWRITTEN
 from kvsm.handshake import PROTOCOL_VERSION
-from kvsm.scheduler.stream_steps import StreamSteps
+from kvsm.scheduler.stream_steps import GroupReach, StreamSteps
 
 KEY = "kvsm-stream-0123abcd"
 
@@ -165,6 +165,23 @@ def test_a_model_of_several_kv_cache_groups_streams_each_groups_blocks(tmp_path:
         drained(h)
     records = log_records(h, tmp_path)
     assert not [r for r in records if r["event"] in ("sched.params_ignored", "sched.stream_refused")]
+
+
+def test_positions_a_group_never_reads_are_not_written() -> None:
+    """A 100-token prompt in blocks of 16: full attention reads every position; a
+    sliding window of 32 reads from token 68 (block 4); chunks of 48, from token 96
+    (block 6). What lies before is UNWRITTEN at every step, whatever the step computes."""
+    streams = StreamSteps((GroupReach(), GroupReach(window=32), GroupReach(chunk=48)), block_size=16)
+    request = SimpleNamespace(request_id="p-r", num_computed_tokens=0, num_prompt_tokens=100)
+    streams.add(request, prefill_leg())
+    ids = ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27])
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    out = SimpleNamespace(num_scheduled_tokens={"p-r": 100}, preempted_req_ids=set(), scheduled_cached_reqs=cached,
+                          scheduled_new_reqs=[SimpleNamespace(req_id="p-r", block_ids=ids)])
+    (step,) = streams.steps(out)
+    u = UNWRITTEN
+    assert step.block_ids == ((1, 2, 3, 4, 5, 6, 7), (u, u, u, u, 15, 16, 17), (u, u, u, u, u, u, 27))
+    assert GroupReach(window=200).first_read(100) == 0 and GroupReach(chunk=128).first_read(128) == 0
 
 
 def test_a_preempted_streamed_prefill_is_told_to_the_workers() -> None:

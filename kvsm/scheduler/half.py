@@ -69,7 +69,7 @@ from kvsm.scheduler.params import (
 )
 from kvsm.scheduler.pin_handoff import PIN_VIA_STEP_ENV, PinHandoff
 from kvsm.scheduler.recv_start import plan_recv_start
-from kvsm.scheduler.stream_steps import StreamSteps
+from kvsm.scheduler.stream_steps import GroupReach, StreamSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -101,7 +101,7 @@ class SchedulerHalf:
     def __init__(self, cfg: KVSMConfig, event_log: EventLog | None = None, *, clock: Clock = SYSTEM_CLOCK,
                  group_block_sizes: tuple[int, ...] = (), hold_back_tokens: int = 0,
                  step_facts: Callable[[int], StepFacts] = StepFacts, stream_unsupported: str = "",
-                 stream_windows: tuple[int, ...] = ()) -> None:
+                 stream_reach: tuple[GroupReach, ...] = ()) -> None:
         self.cfg = cfg
         # Makes each step's facts: the vLLM adapter passes its KVSMConnectorMetadata
         # (StepFacts on vLLM's base class), so that this half never imports vLLM.
@@ -114,15 +114,15 @@ class SchedulerHalf:
         self._hold_back = hold_back_tokens
         # Why this engine cannot stream (transfer_mode "stream"), "" where it can; and
         # the streamed prefills it computes, whose steps the workers hear of (per KV
-        # cache group, its sliding window: 0 for full attention).
-        windows = stream_windows or (0,) * len(self._group_block_sizes)
+        # cache group, how far back it reads: all of it by default).
+        reach = stream_reach or (GroupReach(),) * len(self._group_block_sizes)
         self._stream_unsupported = stream_unsupported or (
-            "" if len(set(self._group_block_sizes)) == 1 and len(windows) == len(self._group_block_sizes) else
+            "" if len(set(self._group_block_sizes)) == 1 and len(reach) == len(self._group_block_sizes) else
             f"its KV cache groups' blocks hold {list(self._group_block_sizes)} tokens; streamed push writes "
             f"groups of one block size")
         if hold_back_tokens and not self._stream_unsupported:
             self._stream_unsupported = "Mamba/GDN state is not streamed (its last prompt token is held back)"
-        self._streams = StreamSteps(windows, self._group_block_sizes[0])
+        self._streams = StreamSteps(reach, self._group_block_sizes[0])
         self.requests = LifecycleTracker(SCHED, clock, listener=self._on_outcome)
         self._pins = PinHandoff(event_log)
         self._warned_late_flush = False

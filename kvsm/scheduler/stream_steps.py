@@ -8,14 +8,15 @@ KV cache group. The request itself says how many tokens were computed before
 the step (vLLM moves its count on only after ``build_connector_meta``). No vLLM
 import: the objects are read by attribute.
 
-A sliding-window group's blocks before the window of the prompt's last token
-are never read on the decode side (its vLLM gives them the null block), and the
-prefill side's vLLM may free them mid-prompt (``remove_skipped_blocks`` at each
-scheduling, for tokens before ``computed - window + 1``), when a write from them
-could still be in flight. So those positions go as ``UNWRITTEN``.
-Position ``(prompt - window) // block_size`` on is never freed before the
-finish, since the scheduling of the last chunk has computed ``prompt - 1``
-tokens at most.
+A sliding window or chunked local attention group's blocks before what the
+prompt's last token attends to are never read on the decode side (its vLLM
+gives them the null block), and the prefill side's vLLM may free them
+mid-prompt (``remove_skipped_blocks`` at each scheduling, for the tokens its
+``get_num_skipped_tokens(computed)`` says: before ``computed - window + 1``,
+before ``computed // chunk * chunk``), when a write from them could still be in
+flight. So those positions go as ``UNWRITTEN`` (``GroupReach``). The blocks
+from there on are never freed before the finish, since the scheduling of the
+prompt's last step has computed ``prompt - 1`` tokens at most.
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ from kvsm.handoff.facts import STREAM_KEY, STREAM_MODE, UNWRITTEN, StreamPreempt
 MAX_KEY_LENGTH = 256
 
 
+@dataclass(frozen=True)
+class GroupReach:
+    """How far back one KV cache group's attention reads: a sliding window's
+    tokens, a chunked local attention's chunk (both 0: every token, as full
+    attention and MLA)."""
+
+    window: int = 0
+    chunk: int = 0
+
+    def first_read(self, prompt: int) -> int:
+        """The first token the prompt's last one attends to (vLLM's skipped tokens
+        once ``prompt - 1`` are computed)."""
+        if self.window:
+            return max(0, prompt - self.window)
+        if self.chunk:
+            return (prompt - 1) // self.chunk * self.chunk
+        return 0
+
+
 @dataclass
 class _Stream:
     key: str
@@ -40,12 +60,12 @@ class _Stream:
 class StreamSteps:
     """The streamed prefill requests of one engine, from their arrival to their finish.
 
-    ``windows``: per KV cache group, the sliding window in tokens (0: full
-    attention or MLA, every position is read); ``block_size``: the groups' one."""
+    ``reach``: per KV cache group, how far back it reads; ``block_size``: the
+    groups' one."""
 
-    def __init__(self, windows: tuple[int, ...] = (0,), block_size: int = 16) -> None:
+    def __init__(self, reach: tuple[GroupReach, ...] = (GroupReach(),), block_size: int = 16) -> None:
         self._streams: dict[str, _Stream] = {}
-        self._windows = windows
+        self._reach = reach
         self._block_size = block_size
 
     def __len__(self) -> int:
@@ -101,9 +121,9 @@ class StreamSteps:
         return facts
 
     def _written(self, blocks: list[list[int]], prompt: int) -> tuple[tuple[int, ...], ...]:
-        """Each group's blocks by position, ``UNWRITTEN`` before its window (see the module doc)."""
+        """Each group's blocks by position, ``UNWRITTEN`` before what it reads (see the module doc)."""
         out = []
-        for ids, window in zip(blocks, self._windows, strict=True):
-            first = max(0, prompt - window) // self._block_size if window else 0
+        for ids, reach in zip(blocks, self._reach, strict=True):
+            first = reach.first_read(prompt) // self._block_size
             out.append((UNWRITTEN,) * min(first, len(ids)) + tuple(ids[first:]))
         return tuple(out)

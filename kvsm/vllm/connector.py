@@ -41,6 +41,7 @@ from kvsm.handoff.pins import PinTarget
 from kvsm.handshake import CompatInfo
 from kvsm.runtime.stop import on_stop_requested, stop_on_exit
 from kvsm.scheduler.half import SchedulerHalf
+from kvsm.scheduler.stream_steps import GroupReach
 from kvsm.vllm import stats as vllm_stats
 from kvsm.vllm.config import kvsm_config, unknown_extra_keys
 from kvsm.vllm.metadata import KVSMConnectorMetadata
@@ -115,6 +116,7 @@ class KVGroup:
     block_size: int
     layers: tuple[str, ...]
     window: int = 0  # a sliding window's tokens (0: another kind)
+    chunk: int = 0  # a chunked local attention's chunk (0: another kind)
 
     def describe(self) -> str:
         return f"{self.kind}/{self.block_size}x{len(self.layers)}"
@@ -164,7 +166,8 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
                              f"{list(group.layer_names)[:3]}...); kvsm moves full, sliding-window, chunked local "
                              f"and MLA attention groups and Mamba/GDN state without speculative slots only")
         window = int(spec.sliding_window) if type(spec) is SlidingWindowSpec else 0
-        groups.append(KVGroup(kind, int(spec.block_size), tuple(group.layer_names), window))
+        chunk = int(spec.attention_chunk_size) if type(spec) is ChunkedLocalAttentionSpec else 0
+        groups.append(KVGroup(kind, int(spec.block_size), tuple(group.layer_names), window, chunk))
     if getattr(kv_cache_config, "transfer_group_ids", tuple(range(len(groups)))) != tuple(range(len(groups))):
         raise ValueError(f"KVSMConnector: vLLM transfers only KV cache groups "
                          f"{kv_cache_config.transfer_group_ids} of {len(groups)}; kvsm moves every group")
@@ -211,7 +214,8 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
                                                                      for g in self.kv_groups)),
                                             step_facts=KVSMConnectorMetadata,
                                             stream_unsupported=_stream_unsupported(self.kv_groups, self.cfg),
-                                            stream_windows=tuple(g.window for g in self.kv_groups))
+                                            stream_reach=tuple(GroupReach(g.window, g.chunk)
+                                                               for g in self.kv_groups))
             # vLLM's engine core drains on SIGTERM while pins are live, and is killed
             # when its wait is over: the scheduler half closes the pins in time.
             drain_s = max(0.0, float(getattr(vllm_config, "shutdown_timeout", 0) or 0) - _DRAIN_MARGIN_S)
@@ -435,10 +439,10 @@ class KVSMConnector(KVConnectorBase_V1, SupportsHMA):
 def _stream_unsupported(groups: tuple[KVGroup, ...], cfg: KVSMConfig) -> str:
     """Why this engine cannot stream (``""``: it can): streamed push writes the
     attention groups' blocks by position, layer by layer, rank to rank."""
-    other = [g.kind for g in groups if g.kind not in ("full", "mla") and not g.window]
+    other = [g.kind for g in groups if g.kind not in ("full", "mla") and not g.window and not g.chunk]
     if other:
-        return (f"its KV cache groups include {other[0]}; streamed push moves full attention, MLA and "
-                f"sliding window groups only")
+        return (f"its KV cache groups include {other[0]}; streamed push moves full attention, MLA, "
+                f"sliding window and chunked local attention groups only")
     if len({g.block_size for g in groups}) > 1:
         return (f"its KV cache groups' blocks hold {[g.block_size for g in groups]} tokens; streamed push "
                 f"writes groups of one block size")
