@@ -51,6 +51,7 @@ SAMPLE_EVENTS: dict[str, ev.Event] = {
     "stream_asked": ev.StreamAsked(req="r", reader="d0", num_blocks=2),
     "stream_claimed": ev.StreamClaimed(req="r", reader="d0"),
     "stream_joined": ev.StreamJoined(req="r", joined="p"),
+    "stream_preempted": ev.StreamPreempted(req="r", at_ns=5, unsure=("d0",)),
     "write_done": ev.WriteDone(req="r", reader="d0", readers=2),
     "finished_ok": ev.FinishedOk(req="r", block_ids=(5, 6), expected_reads=2, lease_ns=1_000),
     "finished_abnormally": ev.FinishedAbnormally(req="r", reason="length"),

@@ -154,7 +154,8 @@ def test_the_workers_emit_every_effect_of_the_table() -> None:
         if o.lifecycle in seen:
             seen[o.lifecycle].update(o.effects)
 
-    sim = Simulation(SimConfig(seed=8, num_requests=600, faults=Faults.mixed(0.08), push=0.3, stream=0.2))
+    sim = Simulation(SimConfig(seed=8, num_requests=600, faults=Faults.mixed(0.08), push=0.3, stream=0.2,
+                               stream_preempt=0.2))
     sim.observers.append(spy)
     assert sim.run().violations == []
     short = Simulation(SHORT_LEASE)

@@ -208,3 +208,31 @@ def test_a_decode_leg_given_up_before_its_prefill_started_frees_the_prefill_at_i
     result = run_simulation(SimConfig(seed=0, num_requests=60, stream=1.0, faults=Faults(decode_abort=0.5)))
     assert result.violations == []
     assert "expired" not in result.count("send")
+
+
+def test_preempted_prefills_deliver_every_token_or_fail_visibly(tmp_path: Path) -> None:
+    """vLLM preempts half the streamed prefills between two of their steps: their
+    blocks go back to the pool (the next request may take them) and they are
+    computed again later into new ones. Each decode request is done with every
+    prompt token as computed, or, where a write was still reading the freed blocks
+    (the send table's ``[writes_unsure]``), fails; nothing leaks; the run repeats and
+    replays clean."""
+    n = 60
+    cfg = SimConfig(seed=3, num_requests=n, stream=1.0, stream_preempt=0.5, stream_max_steps=4,
+                    log_dir=tmp_path)
+    sim = Simulation(cfg)
+    seen = _watch(sim)
+    result = sim.run()
+    assert result.violations == [] and result.illegal_events == []
+    recv = result.count("recv")
+    assert set(recv) == {"done", "failed"} and recv["done"] > n // 2, recv
+    assert result.count("send") == {"released": n}
+    preempted = {req: steps for req, steps in seen.items() if any(t == "stream_preempted" for _, t, _ in steps)}
+    assert len(preempted) >= n // 4, len(preempted)
+    # Both ways: every write seen over before the free (the stream goes on), or not (it fails).
+    failed = [req for req, steps in preempted.items() if ("streaming", "write_done", "streamed") not in steps
+              and any(t == "write_done" for _, t, _ in steps)]
+    assert failed and len(failed) < len(preempted), (len(failed), len(preempted))
+    assert result.final_states == run_simulation(SimConfig(**{**cfg.__dict__, "log_dir": None})).final_states
+    report = analyse(result.log_paths)
+    assert report.exit_code == 0, [str(f) for f in report.findings]

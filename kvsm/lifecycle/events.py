@@ -249,6 +249,17 @@ class StreamJoined(Event, frozen=True, tag="stream_joined"):
     joined: str
 
 
+class StreamPreempted(Event, frozen=True, tag="stream_preempted"):
+    """Streamed push: vLLM preempted the prefill and freed its blocks (at ``at_ns``
+    at the latest, the loop's clock); it computes the request again later, into
+    other blocks. ``unsure``: the decode ranks with a write from the freed blocks
+    not seen over before then (the worker's transport check), whose bytes may be
+    another request's."""
+
+    at_ns: int = 0
+    unsure: tuple[str, ...] = ()
+
+
 class WriteDone(Event, frozen=True, tag="write_done"):
     """Push mode: the write to ``reader`` is over (``ok``: completed, its
     notification sent with it; else failed, ``detail`` says why, or cancelled at
@@ -376,6 +387,7 @@ AnyEvent = Union[  # noqa: UP007  (a runtime object: EVENT_TYPES reads its __arg
     StreamAsked,
     StreamClaimed,
     StreamJoined,
+    StreamPreempted,
     WriteDone,
     LeaseExpired,
     RemoteAbandoned,

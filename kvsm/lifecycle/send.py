@@ -81,6 +81,12 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "remote_abandoned", "source": "streaming", "dest": "abandoned_early",
      "after": ["abandon_writes", "arm_abandon_timer"]},
     {"trigger": "shutdown", "source": "streaming", "dest": "closed_at_shutdown", "after": "cancel_writes"},
+    # vLLM preempted the prefill and freed its blocks: it is computed again into new
+    # ones. A write still reading the old ones may carry another request's bytes.
+    {"trigger": "stream_preempted", "source": "streaming", "dest": "=", "conditions": "writes_unsure",
+     "after": ["fail_unsure_streams", "restart_stream"]},
+    {"trigger": "stream_preempted", "source": ["prefilling", "streaming", "abandoned_early"], "dest": "=",
+     "after": "restart_stream"},
     # The decode side gave up by the join key before this worker knew it (an early
     # abandon named by the key): once the key names a request here, that request
     # hears the abandon, so that its finish frees its blocks.
@@ -162,6 +168,8 @@ SEND_STALE: list[dict[str, Any]] = [
      "why": "a streamed request is claimed by its join key and written layer by layer, not read"},
     {"trigger": "remote_abandoned", "source": "streamed",
      "why": "every write is over: the finish frees the blocks"},
+    {"trigger": "stream_preempted", "source": "streamed",
+     "why": "every write was over before the preemption: nothing of it is in question"},
     {"trigger": "write_asked", "source": ["prefilling", "abandoned_early", "read_early", "releasing"],
      "why": "not pinned for a reader here (the finish has not come, or a hold is being released): the ask is "
             "answered unknown and nothing is written"},

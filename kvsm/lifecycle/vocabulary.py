@@ -51,6 +51,11 @@ EFFECTS: Mapping[str, str] = {
                      "one held until its claim or the prefill's finish)"),
     "pass_abandon": ("streamed push: the early abandon a join key's machine held goes to the prefill request "
                      "the key names (its finish then frees its blocks)"),
+    "restart_stream": ("streamed push, the prefill preempted (vLLM freed its blocks): what it computes again "
+                       "is written from its new blocks; the tokens written before stay (the same KV)"),
+    "fail_unsure_streams": ("streamed push, the prefill preempted: each decode rank whose write was still "
+                            "reading the freed blocks is told its write failed (the bytes may be another "
+                            "request's), and gives the request up rather than use them"),
     "start_stream": ("streamed push: write what is computed of the request already, then each layer as its "
                      "forward pass is done, the last write carrying the notification"),
     "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
@@ -146,6 +151,11 @@ def _is_push(m: RequestMachine, ev: Any) -> bool:
     return m.push
 
 
+def _writes_unsure(m: RequestMachine, ev: Any) -> bool:
+    """Some decode rank's write was still reading the blocks vLLM freed."""
+    return bool(ev.unsure)
+
+
 def _outdated(m: PeerMachine, ev: Any) -> bool:
     """Sent before the last news about the peer: part of an outage already
     handled, or older than an answer."""
@@ -165,6 +175,7 @@ CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "unclaimed": _unclaimed,
     "is_hold": _is_hold,
     "is_push": _is_push,
+    "writes_unsure": _writes_unsure,
 }
 
 

@@ -101,7 +101,9 @@ class Streamer:
         self._stepping = False
         self._final = False
         self._saved = 0
-        self.effects: dict[str, Effect] = {"start_stream": self._start_stream, "pass_abandon": self._pass_abandon}
+        self.effects: dict[str, Effect] = {"start_stream": self._start_stream, "pass_abandon": self._pass_abandon,
+                                           "restart_stream": self._restart_stream,
+                                           "fail_unsure_streams": self._fail_unsure_streams}
 
     def busy(self) -> bool:
         return bool(self.streams)
@@ -175,27 +177,42 @@ class Streamer:
             self._step_reqs.append(st.req)
 
     def _preempted(self, gone: StreamPreempted) -> None:
-        """vLLM preempted the request and freed its blocks: what they held is
-        computed again later, into other blocks. Tokens written before are kept
-        (the same KV); a write not seen over before the free may have read bytes
-        another request computed into them, so its stream fails (its decode rank
-        is told, and gives up the request rather than use the blocks)."""
-        p = self.progress.get(gone.req)
-        if p is None:
+        """vLLM preempted the request and freed its blocks: the send table decides
+        (``stream_preempted``), told which decode ranks had a write not seen over
+        before the free (it may have read bytes another request computed into them)."""
+        if gone.req not in self.progress:
             return
-        p.blocks, p.done, p.start, p.end, p.upto, p.last = (), 0, 0, 0, [], False
-        if gone.req in self._step_reqs:
-            self._step_reqs.remove(gone.req)
-        unsure = 0
+        unsure = []
         for reader, w in list(self.streams.get(gone.req, {}).items()):
             settled = self._settled(gone.req, reader, w)
             if self.streams.get(gone.req, {}).get(reader) is not w:
                 continue  # a write had failed: failed already
             if not settled or w.final is not None or w.seen_over_ns >= gone.at_ns:
-                unsure += 1
-                self._fail(gone.req, reader, w, "vLLM preempted the prefill and freed its blocks while a write "
-                                                 "from them was in flight: the bytes it carried are not sure")
-        self.ctx.note("worker.stream_preempted", gone.req, at_ns=gone.at_ns, failed=unsure)
+                unsure.append(reader)
+        if gone.req in self.ctx.send:
+            self._apply_send(ev.StreamPreempted(req=gone.req, at_ns=gone.at_ns, unsure=tuple(unsure)))
+        else:
+            self._restart(gone.req)
+
+    def _restart_stream(self, req: str, o: Outcome) -> None:
+        self._restart(req)
+
+    def _restart(self, req: str) -> None:
+        """What the request computes again goes from its new blocks; the tokens
+        written before stay (the same KV)."""
+        p = self.progress.get(req)
+        if p is not None:
+            p.blocks, p.done, p.start, p.end, p.upto, p.last = (), 0, 0, 0, [], False
+        if req in self._step_reqs:
+            self._step_reqs.remove(req)
+
+    def _fail_unsure_streams(self, req: str, o: Outcome) -> None:
+        assert isinstance(o.event, ev.StreamPreempted)
+        for reader in o.event.unsure:
+            w = self.streams.get(req, {}).get(reader)
+            if w is not None:
+                self._fail(req, reader, w, "vLLM preempted the prefill and freed its blocks while a write from "
+                                           "them was in flight: the bytes it carried are not sure")
 
     def _on_layer(self, item: tuple[str, int]) -> None:
         layer, at_ns = item

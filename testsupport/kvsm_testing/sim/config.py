@@ -82,6 +82,10 @@ class SimConfig:
     # this many times its wire latency longer (0: a request's writes land in order).
     # NIXL orders a write's notification after that write's bytes, none after another's.
     stream_reorder: float = 0.0
+    # The share of streamed requests vLLM preempts between two of their steps: it
+    # frees their blocks (others may take them at once) and computes them again from
+    # their first token, later, into new blocks (``StreamPreempted`` in the facts).
+    stream_preempt: float = 0.0
     arrival_gap_ns: int = 1 * MS
     lease_ns: int = 30 * S
     handshake_timeout_ns: int = 2 * S

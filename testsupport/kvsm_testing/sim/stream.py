@@ -25,6 +25,11 @@ the prefill's first step starts past them, or the decode leg asks only for the
 blocks after them (``first_position``). ``SimConfig.stream_reorder`` lets a
 request's layer writes land out of the order they were posted.
 
+``SimConfig.stream_preempt`` has vLLM preempt a request between two of its
+steps: its blocks go back to the pool at once (the next request may take
+them), the step's facts say so (``StreamPreempted``), and a later step
+computes it again from its first token into new blocks.
+
 ``ForwardPasses.compute_after_save`` plants an engine bug (for tests that
 show the check can fail): each layer is computed only after ``layer_saved``
 told the worker it was, once the worker's loop ran.
@@ -39,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvsm.handoff.facts import SendStart, StepFacts, StreamStep
+from kvsm.handoff.facts import SendStart, StepFacts, StreamPreempted, StreamStep
 from kvsm_testing.sim.config import MS
 
 
@@ -109,6 +114,8 @@ class Streamed:
     ends: list[int]  # where each of its steps ends (tokens); the last is num_tokens
     abort_in_ns: int | None = None  # the client goes away that long after it started
     error_after: int = 0  # it ends by error after that many steps (0: it does not)
+    preempt_after: int = 0  # vLLM preempts it after that many steps (0: it does not)
+    preempted: bool = False
     blocks: tuple[int, ...] = ()
     done: int = 0  # tokens every layer holds
     steps: int = 0  # steps over
@@ -165,6 +172,8 @@ class ForwardPasses:
             s.abort_in_ns = rng.randint(0, (steps + 3) * MS)
         elif sim.chance(f.prefill_abnormal):
             s.error_after = rng.randint(1, steps)
+        if steps > 1 and sim.chance(cfg.stream_preempt):
+            s.preempt_after = rng.randint(1, steps - 1)
         sim.route_stream(i, n, tokens)
         sim.at(rng.randint(0, LEG_SPREAD_NS), functools.partial(self._start, s))
 
@@ -207,8 +216,13 @@ class ForwardPasses:
         if self.current is not None or not self.live:
             return
         size = self.engine.block_tokens
-        reqs = list(self.live.values())
         facts = self.engine.take_facts()
+        reqs = [s for s in self.live.values() if self._schedule(s, facts)]
+        if not reqs:  # (every one preempted now: the facts go with no forward pass)
+            assert self.engine.worker is not None
+            self.engine.worker.submit(facts)
+            self._kick()
+            return
         for s in reqs:
             end = s.ends[s.steps]
             blocks = tuple(s.blocks[:-(-end // size)])
@@ -216,6 +230,22 @@ class ForwardPasses:
                                                  last=end == s.num_tokens))
         self.current = _Pass(facts, reqs, self.sim.rng.randint(*LAYER_NS))
         self.sim.at(self.current.layer_ns, functools.partial(self._layer, 0))
+
+    def _schedule(self, s: Streamed, facts: StepFacts) -> bool:
+        """vLLM's scheduling of ``s`` for this step: True, it is computed. Preempted
+        now, its blocks go back to the pool at once; resumed, it gets new ones and
+        is computed again from its first token."""
+        engine = self.engine
+        if s.preempt_after and s.steps == s.preempt_after and not s.preempted:
+            s.preempted = True
+            engine.pool.free(s.req, s.blocks)
+            s.blocks = engine.blocks[s.req] = ()
+            facts.stream_preempted.append(StreamPreempted(s.req, at_ns=self.sim.clock.monotonic_ns()))
+            return False
+        if not s.blocks:
+            s.blocks = engine.blocks[s.req] = engine.pool.allocate(s.req, s.num_blocks)
+            s.done = 0
+        return True
 
     def _layer(self, layer: int) -> None:
         """The forward pass is done with ``layer``: its KV of the step's tokens is in
