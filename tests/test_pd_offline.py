@@ -23,11 +23,8 @@ import json
 import random
 import subprocess
 import sys
-import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +34,11 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.handoff.facts import PRODUCER_KEY, PROMPT_FINGERPRINT_KEY, STREAM_KEY, prompt_fingerprint
+from kvsm.handoff.facts import PRODUCER_KEY, PROMPT_FINGERPRINT_KEY, prompt_fingerprint
 from kvsm.handshake.messages import PROTOCOL_VERSION
 from kvsm.replay import analyse
 from kvsm_testing import build_tiny_model
-from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
+from kvsm_testing.pd_pair import PDEngine, matched_tokens, started, stream_pairs
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
 
@@ -135,20 +132,9 @@ class Pair:
 
     def stream(self, prompts: list[list[int]], *, decode_first_s: float = 0.0,
                cache_salt: str | None = None) -> tuple[list[str], list[dict[str, Any]]]:
-        """Both legs of each prompt at once, as kvsm's router sends a streamed pair (a
-        join key in both); ``decode_first_s``: the decode legs that much ahead (a busy
-        prefill engine). The join keys and the decode outputs."""
-        keys = [f"kvsm-stream-{uuid.uuid4().hex}" for _ in prompts]
-        prefill_legs = [{"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "stream",
-                         STREAM_KEY: k} for k in keys]
-        decode_legs = [{"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "stream",
-                        STREAM_KEY: k, "remote_request_id": k, "remote_block_ids": [[]], **self.prefill_coordinates}
-                       for k in keys]
-        with ThreadPoolExecutor(1) as pool:
-            decoded = pool.submit(self.decode.generate, prompts, MAX_TOKENS, decode_legs, cache_salt=cache_salt)
-            time.sleep(decode_first_s)
-            self.prefill.generate(prompts, 1, prefill_legs)
-            return keys, decoded.result(timeout=120)
+        """Both legs of each prompt at once, as kvsm's router sends a streamed pair."""
+        return stream_pairs(self.prefill, self.decode, prompts, MAX_TOKENS, self.prefill_coordinates,
+                            decode_first_s=decode_first_s, cache_salt=cache_salt)
 
     def close(self) -> None:
         if not self.closed:
@@ -351,11 +337,13 @@ def test_stream_mode_writes_each_layer_while_the_prefill_computes(pair: Pair) ->
     assert out["num_cached_tokens"] == len(STREAM_A)
     assert _matched_tokens(pair.logs, keys)[keys[0]] == len(STREAM_A)
     steps, note = _stream_story(pair, keys[0])
-    # Asked while the prefill was computing, written over its chunks (2 layers each, and
-    # more blocks than one per write), done before or after the finish pinned the blocks.
+    # Asked while the prefill was computing, written over its chunks: each of the 2 layers
+    # at least twice (what was computed at the ask, then the rest as computed; one write per
+    # whole block when the ask comes within the first block's 4 steps, as it mostly does),
+    # done before or after the finish pinned the blocks.
     assert ("stream_asked", "streaming") in steps, steps
     assert steps[-1] in (("finished_ok", "released"), ("write_done", "released")), steps
-    assert note["steps"] == 15 and note["writes"] >= 2 * 4, note
+    assert note["steps"] == 15 and note["writes"] >= 2 * 2, note
     assert note["last_layer_ns"] > 0 and note["done_ns"] >= note["last_layer_ns"], note
     wait_until(lambda: not pair.prefill.request({"op": "state"})["worker"]["send"], 5, "nothing pinned")
     records = [json.loads(line) for f in pair.logs.glob("decode-pd.worker.*.jsonl")

@@ -17,12 +17,8 @@ nothing is held afterwards and the replay of both engines is clean.
 
 from __future__ import annotations
 
-import json
 import random
-import time
-import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +28,10 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.handoff.facts import PRODUCER_KEY, STREAM_KEY
+from kvsm.handoff.facts import PRODUCER_KEY
 from kvsm.handshake.messages import PROTOCOL_VERSION
 from kvsm.replay import analyse
-from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
+from kvsm_testing.pd_pair import PDEngine, engine_records, matched_tokens, started, stream_pairs
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
 from kvsm_testing.tiny_model import build_tiny_model, vllm_args
@@ -84,23 +80,11 @@ class StreamPair:
 
     def stream(self, prompts: list[list[int]], *, decode_first_s: float = 0.0,
                cache_salt: str | None = None) -> tuple[list[str], list[dict[str, Any]]]:
-        """Both legs of each prompt, as kvsm's router sends a streamed pair (the decode
-        legs ``decode_first_s`` ahead); the join keys and the decode outputs."""
-        keys = [f"kvsm-stream-{uuid.uuid4().hex}" for _ in prompts]
-        prefill_legs = [{"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "stream",
-                         STREAM_KEY: k} for k in keys]
-        decode_legs = [{"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "stream",
-                        STREAM_KEY: k, "remote_request_id": k, "remote_block_ids": [[]] * GROUPS[self.kind],
-                        **self.coordinates} for k in keys]
-        with ThreadPoolExecutor(1) as pool:
-            decoded = pool.submit(self.decode.generate, prompts, MAX_TOKENS, decode_legs, cache_salt=cache_salt)
-            time.sleep(decode_first_s)
-            self.prefill.generate(prompts, 1, prefill_legs)
-            return keys, decoded.result(timeout=120)
+        return stream_pairs(self.prefill, self.decode, prompts, MAX_TOKENS, self.coordinates,
+                            groups=GROUPS[self.kind], decode_first_s=decode_first_s, cache_salt=cache_salt)
 
     def records(self, engine: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for f in self.logs.glob(f"{engine}-{self.kind}.*.jsonl")
-                for line in f.read_text().splitlines() if line.strip()]
+        return engine_records(self.logs, f"{engine}-{self.kind}")
 
     def close(self) -> None:
         self.prefill.close()

@@ -23,12 +23,8 @@ timing; the test asserts a preemption happened and that the outcome matches it.
 
 from __future__ import annotations
 
-import json
 import random
-import time
-import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +34,11 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.handoff.facts import PRODUCER_KEY, STREAM_KEY
+from kvsm.handoff.facts import PRODUCER_KEY
 from kvsm.handshake.messages import PROTOCOL_VERSION
 from kvsm.replay import analyse
 from kvsm_testing import build_tiny_model
-from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
+from kvsm_testing.pd_pair import PDEngine, engine_records, matched_tokens, started, stream_pairs
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
 
@@ -74,23 +70,11 @@ class Pair:
                             "tp_size": 1, "pp_size": 1, PRODUCER_KEY: PROTOCOL_VERSION, "remote_block_size": BLOCK}
 
     def stream(self, prompts: list[list[int]]) -> tuple[list[str], list[dict[str, Any]]]:
-        """Both legs of each prompt, the decode legs a little ahead (as kvsm's router
-        sends a streamed pair to a busy prefill engine)."""
-        keys = [f"kvsm-stream-{uuid.uuid4().hex}" for _ in prompts]
-        prefill_legs = [{"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "stream",
-                         STREAM_KEY: k} for k in keys]
-        decode_legs = [{"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "stream",
-                        STREAM_KEY: k, "remote_request_id": k, "remote_block_ids": [[]], **self.coordinates}
-                       for k in keys]
-        with ThreadPoolExecutor(1) as pool:
-            decoded = pool.submit(self.decode.generate, prompts, MAX_TOKENS, decode_legs)
-            time.sleep(0.3)
-            self.prefill.generate(prompts, 1, prefill_legs)
-            return keys, decoded.result(timeout=120)
+        """The decode legs a little ahead (a busy prefill engine)."""
+        return stream_pairs(self.prefill, self.decode, prompts, MAX_TOKENS, self.coordinates, decode_first_s=0.3)
 
     def records(self, engine: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for f in self.logs.glob(f"{engine}.*.jsonl")
-                for line in f.read_text().splitlines() if line.strip()]
+        return engine_records(self.logs, engine)
 
     def close(self) -> None:
         self.prefill.close()

@@ -394,6 +394,38 @@ def started(*engines: PDEngine) -> tuple[PDEngine, ...]:
         raise
 
 
+def stream_pairs(prefill: PDEngine, decode: PDEngine, prompts: list[list[int]], max_tokens: int,
+                 coordinates: dict[str, Any], *, groups: int = 1, decode_first_s: float = 0.0,
+                 cache_salt: str | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+    """Both legs of each prompt, as kvsm's router sends a streamed pair (one join key
+    in both; ``coordinates``: the prefill engine's, as its answers would give them):
+    the decode legs ``decode_first_s`` ahead (a busy prefill engine), the prefill legs
+    computing one token. The join keys and the decode outputs."""
+    import time
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvsm.handoff.facts import STREAM_KEY
+
+    keys = [f"kvsm-stream-{uuid.uuid4().hex}" for _ in prompts]
+    prefill_legs = [{"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "stream",
+                     STREAM_KEY: k} for k in keys]
+    decode_legs = [{"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "stream",
+                    STREAM_KEY: k, "remote_request_id": k, "remote_block_ids": [[] for _ in range(groups)],
+                    **coordinates} for k in keys]
+    with ThreadPoolExecutor(1) as pool:
+        decoded = pool.submit(decode.generate, prompts, max_tokens, decode_legs, cache_salt=cache_salt)
+        time.sleep(decode_first_s)
+        prefill.generate(prompts, 1, prefill_legs)
+        return keys, decoded.result(timeout=120)
+
+
+def engine_records(logs: Path, engine_id: str) -> list[dict[str, Any]]:
+    """Every record of engine ``engine_id``'s event logs in ``logs`` (as flushed so far)."""
+    return [json.loads(line) for f in logs.glob(f"{engine_id}.*.jsonl")
+            for line in f.read_text().splitlines() if line.strip()]
+
+
 def matched_tokens(logs: Path, engine_id: str, remote_reqs: Sequence[str], timeout: float = 10.0) -> dict[str, int]:
     """remote (prefill) request -> tokens its decode request read remotely, from
     decode engine ``engine_id``'s worker event logs in ``logs``, once they hold
