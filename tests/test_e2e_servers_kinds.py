@@ -27,8 +27,10 @@ For each pair:
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -40,7 +42,7 @@ from conftest import require
 
 require("vllm")
 
-from kvsm_testing.reliability import replay_when_settled
+from kvsm_testing.reliability import metric, read_records, replay_when_settled, wait_until
 from kvsm_testing.servers import RouterProcess, VLLMServer, pd_specs
 from kvsm_testing.tiny_model import build_tiny_model
 
@@ -171,6 +173,39 @@ def test_an_honest_transfer_equals_and_swapped_blocks_are_caught(pair: KindPair)
     swapped = [pair.complete(pair.decode, p, MAX_TOKENS, k) for p, k in zip((c, d), kv, strict=True)]
     assert swapped[0] != reference[tuple(c)] and swapped[1] != reference[tuple(d)], \
         "a misdirected transfer went unnoticed"
+
+
+def test_streamed_through_kvsms_router(pair: KindPair, tmp_path: Path) -> None:
+    """kvsm's router with ``--transfer-mode stream``: its first request learns the
+    prefill server's side channel (sequential), the next two go streamed, both legs
+    at once, each layer written into the decode server's blocks as the prefill
+    server computes it, every KV cache group's (Gemma 3: four). The answers equal
+    the prefill server's own, and the logs show both written by their join keys."""
+    rng = random.Random(20261207)
+    prompts = [[rng.randrange(10, 1100) for _ in range(n)] for n in (90, PROMPT_LEN, 200)]
+    references = [pair.complete(pair.prefill, p, MAX_TOKENS) for p in prompts]
+    with RouterProcess([pair.prefill.url], [pair.decode.url], tmp_path, timeout_s=60,
+                       extra_args=("--transfer-mode", "stream")) as router:
+        router.start()
+        for prompt, reference in zip(prompts, references, strict=True):
+            body = {"model": pair.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            out = json.loads(urllib.request.urlopen(urllib.request.Request(
+                router.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}),
+                timeout=120).read())
+            assert out["choices"][0]["token_ids"] == reference, (pair.kind, len(prompt))
+        with urllib.request.urlopen(router.url + "/metrics", timeout=10) as r:
+            assert metric(r.read().decode(), "kvsm_router_stream_pairs_total") == 2
+
+    def written() -> list[dict[str, Any]] | None:
+        records = read_records(sorted(pair.logs.glob("*.jsonl")))
+        keys = {r["input"]["remote_req"] for r in records if r.get("event") == "matched"
+                and str(r["input"].get("remote_req", "")).startswith("kvsm-stream-")}
+        notes = [r for r in records if r.get("event") == "worker.stream_written" and r.get("key") in keys]
+        return notes if len(keys) == len(notes) == 2 else None
+
+    notes = wait_until(written, 20, "two streamed requests written in the prefill server's log")
+    assert all(n["writes"] >= 2 for n in notes), notes
 
 
 def test_replay_of_both_servers_is_clean(pair: KindPair) -> None:
