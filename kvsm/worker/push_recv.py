@@ -17,7 +17,6 @@ the bound: a prefill worker that goes silent costs a request at most
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from functools import partial
 
@@ -33,50 +32,14 @@ from kvsm.handshake.messages import (
 from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.folds import LEASE_MARGIN_NS
 from kvsm.lifecycle.machine import Outcome
-from kvsm.runtime.loop import EventLoop
 from kvsm.worker.context import Link, RecvIO, S, WorkerContext
 from kvsm.worker.peers import PeersAndClaims
 from kvsm.worker.push_notif import FAILED, LANDED, WriteNotif, landed_notif, parse_write_notif
 from kvsm.worker.runner import Effect
+from kvsm.worker.ticker import STREAM_POLL_S, PollTicker
 
 # How a link's write may stand; the settled ones can no longer land anything.
 SETTLED = frozenset({LANDED, FAILED, "refused", "gone"})
-# While a streamed request's writes are awaited, NIXL's notifications are polled
-# this often, so that the last write's landing is seen soon after it lands: the
-# loop's own timers wake in whole milliseconds (zmq's poll), so a thread of its
-# own ticks and posts the poll (docs/benchmarks.md section 11).
-STREAM_POLL_S = 0.00025
-
-
-class PollTicker:
-    """Posts ``tick`` to the loop every ``interval_s`` until stopped; one post
-    at a time (a tick not run yet is not posted again)."""
-
-    def __init__(self, loop: EventLoop, tick: Callable[[], None], interval_s: float) -> None:
-        self._loop, self._tick, self._interval_s = loop, tick, interval_s
-        self._stop = threading.Event()
-        self._posted = False
-        self._thread = threading.Thread(target=self._run, name=f"{loop.name}-stream-poll", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            if self._posted:
-                continue
-            self._posted = True
-            if not self._loop.post(self._run_tick, label="stream poll"):
-                return  # the loop is stopped
-
-    def _run_tick(self) -> None:
-        self._posted = False
-        if not self._stop.is_set():
-            self._tick()
-
-    def stop(self) -> None:
-        """Stop ticking (the thread ends at its next wake, within ``interval_s``)."""
-        self._stop.set()
-
-
 class WriteAsker:
     """The decode side of push mode (the receiving part's writes)."""
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -37,10 +36,12 @@ from kvsm.lifecycle import events as ev
 from kvsm.lifecycle.folds import LEASE_MARGIN_NS
 from kvsm.lifecycle.machine import Outcome
 from kvsm.lifecycle.table import ANSWER_OK, ANSWER_UNKNOWN
-from kvsm.transport.base import TransferState, XferHandle
+from kvsm.transport.base import TransferState
 from kvsm.worker.context import WorkerContext
 from kvsm.worker.push_notif import Drains
 from kvsm.worker.runner import Effect
+from kvsm.worker.stream_state import Progress, Stream, complete, dst_rows, pair_rows
+from kvsm.worker.ticker import STREAM_POLL_S, PollTicker
 
 # The model thread hands the loop the last layer of a streamed prompt's last step
 # and waits, this long at most, for the loop to have posted that layer's write.
@@ -48,38 +49,6 @@ from kvsm.worker.runner import Effect
 # the write went out 0.4-1.9 ms after the layer on the prefill engine's busy core,
 # 0.41-0.56 ms with the hand-off (docs/benchmarks.md section 11).
 LAST_LAYER_HANDOFF_S = 0.005
-
-
-@dataclass(slots=True)
-class _Progress:
-    """How far a streamed request's KV is computed here."""
-
-    key: str
-    blocks: tuple[tuple[int, ...], ...] = ()  # per KV cache group, by position
-    done: int = 0  # tokens every layer holds
-    start: int = 0  # the step under way computes tokens start..end
-    end: int = 0
-    upto: list[int] = field(default_factory=list)  # per layer: tokens it holds (``end`` once saved)
-    last: bool = False  # that step computes the prompt's last tokens
-    steps: int = 0  # steps that computed some of it
-    last_layer_ns: int = 0  # when the prompt's last layer was done (the handover's start)
-
-
-@dataclass(slots=True)
-class _Stream:
-    """One decode rank's streamed write of one request."""
-
-    agent: str
-    spec: WriteSpec
-    deadline_ns: int  # the loop's clock: nothing of it may be in flight after this
-    written: list[int]  # per layer: tokens written so far (from the first)
-    dst_rows: tuple[tuple[int, tuple[int, ...]], ...]  # per KV cache group: the decode's first position, blocks
-    handles: list[XferHandle] = field(default_factory=list)
-    seen_over_ns: int = 0  # when a check last found one of ``handles`` over
-    final: XferHandle | None = None  # the write carrying the notification
-    writes: int = 0  # posted so far
-    final_posting_ns: int = 0  # when the last write's post began (NIXL may send some of it in the call)
-    final_posted_ns: int = 0  # ... and returned
 
 
 class Streamer:
@@ -91,8 +60,8 @@ class Streamer:
         self.loop = ctx.loop
         self._apply_send = ctx.apply_send
         self.keys: dict[str, str] = {}  # join key -> our request
-        self.progress: dict[str, _Progress] = {}
-        self.streams: dict[str, dict[str, _Stream]] = {}  # request -> decode rank -> its stream
+        self.progress: dict[str, Progress] = {}
+        self.streams: dict[str, dict[str, Stream]] = {}  # request -> decode rank -> its stream
         self._step_reqs: list[str] = []
         self._index: dict[str, int] | None = None
         self._groups: tuple[int, ...] = ()  # per layer, its KV cache group
@@ -101,6 +70,10 @@ class Streamer:
         self._stepping = False
         self._final = False
         self._saved = 0
+        # Streams whose every layer is posted but whose notification waits for the earlier
+        # writes to be over: checked every STREAM_POLL_S by a ticker while there are any.
+        self._finals_due: set[tuple[str, str]] = set()
+        self._ticker: PollTicker | None = None
         self.effects: dict[str, Effect] = {"start_stream": self._start_stream, "pass_abandon": self._pass_abandon,
                                            "restart_stream": self._restart_stream,
                                            "fail_unsure_streams": self._fail_unsure_streams}
@@ -158,7 +131,7 @@ class Streamer:
         for s in starts:
             if s.stream:
                 self.keys[s.stream] = s.req
-                self.progress.setdefault(s.req, _Progress(s.stream))
+                self.progress.setdefault(s.req, Progress(s.stream))
                 self.ctx.note("worker.stream_key", s.req, key=s.stream)  # (replay joins the two sides by it)
                 if s.stream in self.ctx.send:  # an input by the key came before the key was known here
                     self._apply_send(ev.StreamJoined(req=s.stream, joined=s.req))
@@ -250,7 +223,7 @@ class Streamer:
         if req is None or req not in self.ctx.send:
             return ANSWER_UNKNOWN
         left = spec.deadline_wall_ns - LEASE_MARGIN_NS - wall
-        rows = self._dst_rows(spec)
+        rows = dst_rows(spec, max(self._groups, default=0) + 1 if self.layers else 1)
         if left <= 0 or unreachable or not self.layers or isinstance(rows, str):
             why = unreachable or (f"its write ask came {-left / 1e9:.3f} s past its deadline" if left <= 0 else
                                   "this worker's KV pool has no layers to stream" if not self.layers else str(rows))
@@ -260,7 +233,7 @@ class Streamer:
         if ask.requester in self.streams.get(req, {}):
             return ANSWER_OK
         assert not isinstance(rows, str)
-        w = _Stream(agent, spec, now + left, [0] * len(self.layers), rows)
+        w = Stream(agent, spec, now + left, [0] * len(self.layers), rows)
         self.streams.setdefault(req, {})[ask.requester] = w
         o = self._apply_send(ev.StreamAsked(req=req, reader=ask.requester, readers=spec.readers,
                                             num_blocks=len(spec.dst_blocks), deadline_wall_ns=spec.deadline_wall_ns))
@@ -268,20 +241,6 @@ class Streamer:
             self._drop(req, ask.requester)
             return ANSWER_UNKNOWN
         return ANSWER_OK
-
-    def _dst_rows(self, spec: WriteSpec) -> tuple[tuple[int, tuple[int, ...]], ...] | str:
-        """The decode's first position and blocks per KV cache group, or why they do not fit ours."""
-        groups = max(self._groups, default=0) + 1 if self.layers else 1
-        sizes = spec.group_sizes or [len(spec.dst_blocks)]
-        firsts = spec.dst_firsts if spec.group_sizes else [spec.dst_first]
-        if len(sizes) != groups or len(firsts) != groups or sum(sizes) != len(spec.dst_blocks):
-            return (f"its blocks come in {len(sizes)} KV cache group(s) ({list(sizes)}, {len(spec.dst_blocks)} "
-                    f"blocks, first positions {list(firsts)}) for a KV cache of {groups} group(s) here")
-        rows, at = [], 0
-        for first, n in zip(firsts, sizes, strict=True):
-            rows.append((first, tuple(spec.dst_blocks[at:at + n])))
-            at += n
-        return tuple(rows)
 
     def _pass_abandon(self, key: str, o: Outcome) -> None:
         """The decode side gave up by the key before it named a request here: that request hears it."""
@@ -299,7 +258,7 @@ class Streamer:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def _catch_up(self, item: tuple[str, str, _Stream]) -> None:
+    def _catch_up(self, item: tuple[str, str, Stream]) -> None:
         req, reader, w = item
         p = self.progress.get(req)
         if p is None:
@@ -311,7 +270,7 @@ class Streamer:
             self._write_layer((req, reader, w, idx, p.upto[idx] if idx < len(p.upto) else p.done))
         self._maybe_final(req, reader, w)
 
-    def _write_layer(self, item: tuple[str, str, _Stream, int, int]) -> None:
+    def _write_layer(self, item: tuple[str, str, Stream, int, int]) -> None:
         """Write layer ``idx`` of the blocks holding tokens not written yet, up to ``upto``."""
         req, reader, w, idx, upto = item
         p = self.progress.get(req)
@@ -337,7 +296,7 @@ class Streamer:
             self._fail(req, reader, w, "its deadline passed before the prefill computed it", at_deadline=True)
             return
         # The last write of all carries the notification, once every other one is over.
-        final = self._complete(p, w) and self._settled(req, reader, w)
+        final = complete(p, w) and self._settled(req, reader, w)
         if self.streams.get(req, {}).get(reader) is not w:
             return
         transport = self.ctx.transport
@@ -358,12 +317,11 @@ class Streamer:
             w.final, w.final_posting_ns, w.final_posted_ns = h, posting_ns, self.loop.now_ns()
         else:
             w.handles.append(h)
+            if complete(p, w):
+                self._final_due(req, reader)
 
-    def _pair_rows(self, p: _Progress, w: _Stream, idx: int) -> tuple[tuple[int, ...], tuple[int, tuple[int, ...]]]:
-        """Layer ``idx``'s blocks by position here (from the first), and on the decode
-        side its first position and blocks from there: those of its KV cache group."""
-        g = self._groups[idx] if idx < len(self._groups) else 0  # (known: the layers were read)
-        return (p.blocks[g] if g < len(p.blocks) else (), w.dst_rows[g] if g < len(w.dst_rows) else (0, ()))
+    def _pair_rows(self, p: Progress, w: Stream, idx: int) -> tuple[tuple[int, ...], tuple[int, tuple[int, ...]]]:
+        return pair_rows(p, w, self._groups[idx] if idx < len(self._groups) else 0)  # (known: the layers were read)
 
     def _layer_name(self, idx: int) -> str:
         for name, i in self.layers.items():
@@ -371,12 +329,7 @@ class Streamer:
                 return name
         raise ValueError(f"no layer {idx}")
 
-    @staticmethod
-    def _complete(p: _Progress, w: _Stream) -> bool:
-        """Every layer of the whole prompt is written (or being written)."""
-        return p.last and all(x >= p.end for x in w.written)
-
-    def _settled(self, req: str, reader: str, w: _Stream) -> bool:
+    def _settled(self, req: str, reader: str, w: Stream) -> bool:
         """Every write posted so far is over (one that failed fails the stream: False)."""
         transport = self.ctx.transport
         assert transport is not None
@@ -391,13 +344,32 @@ class Streamer:
                 return False
         return not w.handles
 
-    def _maybe_final(self, req: str, reader: str, w: _Stream) -> None:
+    def _final_due(self, req: str, reader: str) -> None:
+        """The last write went out while others were in flight: its notification waits
+        until they are over, seen within a tick (not at the loop's next millisecond)."""
+        self._finals_due.add((req, reader))
+        if self._ticker is None and self.loop.thread is not None:  # (not on a driven loop)
+            self._ticker = PollTicker(self.loop, self._check_finals_due, STREAM_POLL_S)
+
+    def _check_finals_due(self) -> None:
+        for req, reader in list(self._finals_due):
+            w = self.streams.get(req, {}).get(reader)
+            if w is None or w.final is not None:
+                self._finals_due.discard((req, reader))
+            else:
+                self.ctx.guard(req, self._check, (req, reader, w))
+        if not self._finals_due and self._ticker is not None:
+            self._ticker.stop()
+            self._ticker = None
+
+    def _maybe_final(self, req: str, reader: str, w: Stream) -> None:
         """Every layer written and over, but no write carried the notification yet (the
         last one went out while others were in flight): one small write carries it."""
         p = self.progress.get(req)
-        if (w.final is not None or p is None or not self._complete(p, w)
+        if (w.final is not None or p is None or not complete(p, w)
                 or not self._settled(req, reader, w)):
             return
+        self._finals_due.discard((req, reader))
         spec, size, last = w.spec, self.ctx.cfg.block_size, len(w.written) - 1
         src, (first, dst) = self._pair_rows(p, w, last)
         pos = min((p.end - 1) // size, first + len(dst) - 1, len(src) - 1)
@@ -425,7 +397,7 @@ class Streamer:
             for reader, w in list(by_reader.items()):
                 self.ctx.guard(req, self._check, (req, reader, w))
 
-    def _check(self, item: tuple[str, str, _Stream]) -> None:
+    def _check(self, item: tuple[str, str, Stream]) -> None:
         req, reader, w = item
         transport = self.ctx.transport
         assert transport is not None
@@ -458,7 +430,7 @@ class Streamer:
 
     # -- endings --------------------------------------------------------------------------------
 
-    def _stop(self, w: _Stream, at_deadline: bool = False, given_up: bool = False) -> bool:
+    def _stop(self, w: Stream, at_deadline: bool = False, given_up: bool = False) -> bool:
         """Stop every write of ``w`` and tell its decode rank how it ended, now or
         once none is in flight (``Drains``); True when some were in flight."""
         in_flight = self.drains.stop(w.agent, w.spec.notif, [*w.handles, *([w.final] if w.final else [])],
@@ -467,7 +439,7 @@ class Streamer:
         w.final = None
         return in_flight
 
-    def _fail(self, req: str, reader: str, w: _Stream, detail: str, at_deadline: bool = False) -> None:
+    def _fail(self, req: str, reader: str, w: Stream, detail: str, at_deadline: bool = False) -> None:
         if self.streams.get(req, {}).get(reader) is not w:
             return
         in_flight = self._stop(w, at_deadline)
