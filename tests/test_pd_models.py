@@ -64,9 +64,8 @@ from conftest import require
 
 require("vllm")
 
-from kvsm.replay import analyse
 from kvsm_testing.engine import run_engine_subprocess, wait_engine_subprocess
-from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
+from kvsm_testing.pd_pair import PDEngine, matched_tokens, replay_stopped_pair, started
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
 from kvsm_testing.tiny_families import FAMILIES
@@ -292,13 +291,6 @@ def test_a_prefill_leg_of_several_tokens_hands_over_its_prompt(pair: KindPair) -
 
 
 def test_replay_of_both_engines_is_clean(pair: KindPair) -> None:
-    def settled() -> bool:
-        return (pair.prefill.request({"op": "state"})["worker"]["send"] == {}
-                and pair.decode.request({"op": "state"})["worker"]["recv"] == {})
-
-    wait_until(settled, 10, "no live machine on either side")
-    pair.close()
-    report = analyse(sorted(pair.logs.glob("*.jsonl")))
-    assert not report.findings, [str(f) for f in report.findings]
+    report = replay_stopped_pair(pair.prefill, pair.decode, pair.logs)
     recv = {m.final_state for m in report.machines if m.lifecycle == "recv"}
     assert recv == {"done"}

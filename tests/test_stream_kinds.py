@@ -30,8 +30,7 @@ require("vllm")
 
 from kvsm.handoff.facts import PRODUCER_KEY
 from kvsm.handshake.messages import PROTOCOL_VERSION
-from kvsm.replay import analyse
-from kvsm_testing.pd_pair import PDEngine, engine_records, matched_tokens, started, stream_pairs
+from kvsm_testing.pd_pair import PDEngine, engine_records, matched_tokens, replay_stopped_pair, started, stream_pairs
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
 from kvsm_testing.tiny_model import build_tiny_model, vllm_args
@@ -136,12 +135,5 @@ def test_a_corrupted_streamed_write_changes_the_output(pair: StreamPair) -> None
 
 
 def test_nothing_is_held_and_the_replay_is_clean(pair: StreamPair) -> None:
-    def settled() -> bool:
-        return (pair.prefill.request({"op": "state"})["worker"]["send"] == {}
-                and pair.decode.request({"op": "state"})["worker"]["recv"] == {})
-
-    wait_until(settled, 10, "no live machine on either side")
-    pair.close()
-    report = analyse(sorted(pair.logs.glob("*.jsonl")))
-    assert not report.findings, [str(f) for f in report.findings]
+    report = replay_stopped_pair(pair.prefill, pair.decode, pair.logs)
     assert {m.final_state for m in report.machines if m.lifecycle == "recv"} == {"done"}

@@ -36,9 +36,8 @@ require("vllm")
 
 from kvsm.handoff.facts import PRODUCER_KEY
 from kvsm.handshake.messages import PROTOCOL_VERSION
-from kvsm.replay import analyse
 from kvsm_testing import build_tiny_model
-from kvsm_testing.pd_pair import PDEngine, engine_records, matched_tokens, started, stream_pairs
+from kvsm_testing.pd_pair import PDEngine, engine_records, matched_tokens, replay_stopped_pair, started, stream_pairs
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
 
@@ -133,11 +132,4 @@ def test_a_prefill_preempted_mid_stream_ends_right_either_way(pair: Pair) -> Non
 
 
 def test_nothing_is_held_and_the_replay_is_clean(pair: Pair) -> None:
-    def settled() -> bool:
-        return (pair.prefill.request({"op": "state"})["worker"]["send"] == {}
-                and pair.decode.request({"op": "state"})["worker"]["recv"] == {})
-
-    wait_until(settled, 10, "no live machine on either side")
-    pair.close()
-    report = analyse(sorted(pair.logs.glob("*.jsonl")))
-    assert not report.findings, [str(f) for f in report.findings]
+    replay_stopped_pair(pair.prefill, pair.decode, pair.logs)

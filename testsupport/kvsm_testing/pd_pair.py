@@ -420,6 +420,25 @@ def stream_pairs(prefill: PDEngine, decode: PDEngine, prompts: list[list[int]], 
         return keys, decoded.result(timeout=120)
 
 
+def replay_stopped_pair(prefill: PDEngine, decode: PDEngine, logs: Path) -> Any:
+    """Once neither engine's worker holds a live machine, stop both (their event logs
+    are flushed and closed) and replay every log in ``logs``: the report, checked to
+    have no findings."""
+    from kvsm.replay import analyse
+    from kvsm_testing.reliability import wait_until
+
+    def settled() -> bool:
+        return (prefill.request({"op": "state"})["worker"]["send"] == {}
+                and decode.request({"op": "state"})["worker"]["recv"] == {})
+
+    wait_until(settled, 10, "no live machine on either side")
+    prefill.close()
+    decode.close()
+    report = analyse(sorted(logs.glob("*.jsonl")))
+    assert not report.findings, [str(f) for f in report.findings]
+    return report
+
+
 def engine_records(logs: Path, engine_id: str) -> list[dict[str, Any]]:
     """Every record of engine ``engine_id``'s event logs in ``logs`` (as flushed so far)."""
     return [json.loads(line) for f in logs.glob(f"{engine_id}.*.jsonl")
