@@ -184,6 +184,24 @@ def test_positions_a_group_never_reads_are_not_written() -> None:
     assert GroupReach(window=200).first_read(100) == 0 and GroupReach(chunk=128).first_read(128) == 0
 
 
+def test_groups_of_different_block_sizes_are_refused_naming_them() -> None:
+    """Streamed push writes every group's blocks by position: groups whose blocks hold
+    different numbers of tokens are refused (the one place this is checked), and a
+    reach that names another number of groups than the block sizes is a plain error."""
+    from worker_peer import config_fields
+
+    from kvsm.config import KVSMConfig
+    from kvsm.scheduler.half import SchedulerHalf
+
+    cfg = KVSMConfig(**config_fields("p-e", "kv_producer", 5600))
+    half = SchedulerHalf(cfg, group_block_sizes=(16, 32), stream_reach=(GroupReach(), GroupReach(window=64)))
+    assert half._stream_unsupported == ("its KV cache groups' blocks hold [16, 32] tokens; streamed push writes "
+                                        "groups of one block size")
+    assert SchedulerHalf(cfg, group_block_sizes=(16, 16))._stream_unsupported == ""
+    with pytest.raises(ValueError, match="stream_reach names 1 KV cache groups"):
+        SchedulerHalf(cfg, group_block_sizes=(16, 16), stream_reach=(GroupReach(),))
+
+
 def test_a_preempted_streamed_prefill_is_told_to_the_workers() -> None:
     """A step whose scheduling preempted a streamed prefill (vLLM's
     ``preempted_req_ids``: it freed the blocks) says so to the workers, timed no

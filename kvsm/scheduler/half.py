@@ -116,10 +116,12 @@ class SchedulerHalf:
         # the streamed prefills it computes, whose steps the workers hear of (per KV
         # cache group, how far back it reads: all of it by default).
         reach = stream_reach or (GroupReach(),) * len(self._group_block_sizes)
-        self._stream_unsupported = stream_unsupported or (
-            "" if len(set(self._group_block_sizes)) == 1 and len(reach) == len(self._group_block_sizes) else
+        if len(reach) != len(self._group_block_sizes):
+            raise ValueError(f"stream_reach names {len(reach)} KV cache groups, group_block_sizes "
+                             f"{len(self._group_block_sizes)}")
+        self._stream_unsupported = stream_unsupported or ("" if len(set(self._group_block_sizes)) == 1 else (
             f"its KV cache groups' blocks hold {list(self._group_block_sizes)} tokens; streamed push writes "
-            f"groups of one block size")
+            f"groups of one block size"))
         if hold_back_tokens and not self._stream_unsupported:
             self._stream_unsupported = "Mamba/GDN state is not streamed (its last prompt token is held back)"
         self._streams = StreamSteps(reach, self._group_block_sizes[0])

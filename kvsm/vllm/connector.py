@@ -443,9 +443,6 @@ def _stream_unsupported(groups: tuple[KVGroup, ...], cfg: KVSMConfig) -> str:
     if other:
         return (f"its KV cache groups include {other[0]}; streamed push moves full attention, MLA, "
                 f"sliding window and chunked local attention groups only")
-    if len({g.block_size for g in groups}) > 1:
-        return (f"its KV cache groups' blocks hold {[g.block_size for g in groups]} tokens; streamed push "
-                f"writes groups of one block size")
     if cfg.pp_size > 1:
         return "pipeline parallel engines are not supported by streamed push"
     return ""

@@ -40,6 +40,8 @@ from kvsm.worker.ticker import STREAM_POLL_S, PollTicker
 
 # How a link's write may stand; the settled ones can no longer land anything.
 SETTLED = frozenset({LANDED, FAILED, "refused", "gone"})
+
+
 class WriteAsker:
     """The decode side of push mode (the receiving part's writes)."""
 

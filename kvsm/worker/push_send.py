@@ -24,7 +24,7 @@ from kvsm.lifecycle.table import ANSWER_OK, ANSWER_UNKNOWN, CLAIM_ANSWERS
 from kvsm.transport.base import TransferState, XferHandle
 from kvsm.transport.regions import Segments
 from kvsm.worker.context import WorkerContext
-from kvsm.worker.push_notif import Drains, tell
+from kvsm.worker.push_notif import FAILED, Drains, tell
 from kvsm.worker.push_stream import Streamer
 from kvsm.worker.runner import Effect
 
@@ -193,7 +193,7 @@ class Writer:
         if transport is not None:
             if w.handle is not None:
                 transport.release(w.handle, force=True)
-            tell(transport, w.agent, w.spec.notif, "failed")
+            tell(transport, w.agent, w.spec.notif, FAILED)
         self._drop(req, reader)
         self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers, ok=False, detail=detail[:300]))
 
