@@ -7,6 +7,7 @@ token of every layer is checked against what the prefill computed."""
 from __future__ import annotations
 
 import collections
+import json
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,21 @@ def test_layer_writes_landing_out_of_order_still_deliver_every_token() -> None:
     block is written once it is whole (the prompt's last block at the last step)."""
     result = run_simulation(SimConfig(seed=0, num_requests=40, stream=1.0, stream_reorder=2.0))
     assert result.violations == []
+
+
+def test_a_last_write_posted_under_others_is_followed_by_the_notification_alone(tmp_path: Path) -> None:
+    """On virtual time a step's layers are all saved at one instant, so the last write
+    always goes out while earlier ones are in flight: NIXL would order a notification
+    it carried after its own bytes only. It goes without; the notification follows
+    alone once every write is over (the prefill worker notes ``notif_alone``), and
+    every prompt token arrives as computed (sent before, the run fails: corrupt or
+    early deliveries)."""
+    result = run_simulation(SimConfig(seed=21, num_requests=30, stream=1.0, log_dir=tmp_path))
+    assert result.violations == [] and result.count("recv") == {"done": 30}
+    notes = [json.loads(line) for path in result.log_paths if "prefill" in path.name
+             for line in path.read_text().splitlines() if '"worker.stream_written"' in line]
+    assert len(notes) == 30 and all(n["notif_alone"] for n in notes)
+    assert all(n["final_posting_ns"] <= n["done_ns"] for n in notes)
 
 
 def test_a_decode_leg_given_up_before_its_prefill_started_frees_the_prefill_at_its_finish() -> None:

@@ -70,7 +70,11 @@ What each row measures:
   worker's check that found it over (the goal: a tail of at most the last
   layer's write plus 1 ms). Beside it: from the last layer's save_kv_layer to
   that post call, and the call's own time. (Before 2026-12-07 the last write
-  was timed from the call's return.)
+  was timed from the call's return.) A last write posted while an earlier one
+  was in flight carries no notification (``notif_alone`` in the record): it
+  ends at the check that found every write over and sent the notification
+  alone (earlier code wrote one block again to carry it, and the row timed
+  that write).
 * **client TTFT**: from the client's first leg sent to the first token (the
   prefill leg's round trip plus the decode TTFT; streamed, both legs at once:
   the decode TTFT itself).

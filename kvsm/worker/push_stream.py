@@ -17,7 +17,9 @@ what is computed already.
 The decode worker hears of the end by the notification the last write
 carries: posted only once every earlier write is over (NIXL orders a write's
 notification after that write's bytes, not after other writes'), so when the
-last layer of the last step is done, only its own write is left. A write that
+last layer of the last step is done, only its own write is left. A last write
+that had to go out while others were in flight goes without; the notification
+follows alone once every write is over (a ticker looks every 250 µs). A write that
 fails, a deadline that passes, blocks freed under the writes: the decode rank
 is told (``failed``: nothing in flight; ``cancelled``: bytes may still land,
 so it waits for its deadline), as for push mode's whole write.
@@ -313,11 +315,14 @@ class Streamer:
             self._fail(req, reader, w, getattr(h, "error", "") or "the write ended in error")
             return
         w.writes += 1
+        last = complete(p, w)
+        if last:  # (the last write of all: the handover's last write, timed)
+            w.final_posting_ns, w.final_posted_ns = posting_ns, self.loop.now_ns()
         if final:
-            w.final, w.final_posting_ns, w.final_posted_ns = h, posting_ns, self.loop.now_ns()
+            w.final = h
         else:
             w.handles.append(h)
-            if complete(p, w):
+            if last:
                 self._final_due(req, reader)
 
     def _pair_rows(self, p: Progress, w: Stream, idx: int) -> tuple[tuple[int, ...], tuple[int, tuple[int, ...]]]:
@@ -363,32 +368,39 @@ class Streamer:
             self._ticker = None
 
     def _maybe_final(self, req: str, reader: str, w: Stream) -> None:
-        """Every layer written and over, but no write carried the notification yet (the
-        last one went out while others were in flight): one small write carries it."""
+        """Every layer written and over, but no write carried the notification (the
+        last went out while others were in flight, or nothing of ours was wanted in
+        the last layer): it goes alone. NIXL itself sends a write's notification at
+        the check that finds the write's bytes flushed to the peer; every write is
+        so here, hence the same order, with no bytes written twice."""
         p = self.progress.get(req)
         if (w.final is not None or p is None or not complete(p, w)
                 or not self._settled(req, reader, w)):
             return
         self._finals_due.discard((req, reader))
-        spec, size, last = w.spec, self.ctx.cfg.block_size, len(w.written) - 1
-        src, (first, dst) = self._pair_rows(p, w, last)
-        pos = min((p.end - 1) // size, first + len(dst) - 1, len(src) - 1)
         transport = self.ctx.transport
         assert transport is not None
-        w.final_posting_ns = self.loop.now_ns()
+        if not w.final_posting_ns:
+            w.final_posting_ns = w.final_posted_ns = self.loop.now_ns()
         try:
-            if pos < first or src[pos] == UNWRITTEN:
-                # Nothing of ours wanted there: the notification alone (every write is over).
-                transport.send_notif(w.agent, spec.notif)
-                self._drop(req, reader)
-                self._apply_send(ev.WriteDone(req=req, reader=reader, readers=spec.readers))
-                return
-            w.final = transport.post_layer_write(w.agent, self._layer_name(last), [src[pos]],
-                                                 [dst[pos - first]], spec.notif, tag=spec.dst_req)
-            w.writes += 1
-            w.final_posted_ns = self.loop.now_ns()
-        except (ValueError, ConnectionError, NotImplementedError) as e:
-            self._fail(req, reader, w, f"{type(e).__name__}: {e}")
+            sent = transport.send_notif(w.agent, w.spec.notif)
+        except ConnectionError as e:
+            self._fail(req, reader, w, f"ConnectionError: {e}")
+            return
+        if not sent:
+            self._fail(req, reader, w, "every write is over, but the notification saying so could not be sent")
+            return
+        self._written(req, reader, w, p, alone=True)
+
+    def _written(self, req: str, reader: str, w: Stream, p: Progress | None, alone: bool = False) -> None:
+        """The decode rank is told: every byte is there."""
+        self._drop(req, reader)
+        # The handover's tail starts when the prompt's last layer was done here.
+        self.ctx.note("worker.stream_written", req, key=p.key if p else "", reader=reader, writes=w.writes,
+                      steps=p.steps if p else 0, last_layer_ns=p.last_layer_ns if p else 0,
+                      final_posting_ns=w.final_posting_ns, final_posted_ns=w.final_posted_ns,
+                      done_ns=self.loop.now_ns(), notif_alone=alone)
+        self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers))
 
     # -- the poll ------------------------------------------------------------------------------
 
@@ -409,14 +421,7 @@ class Streamer:
             state = transport.check(w.final)
             if state is TransferState.DONE:
                 transport.release(w.final)
-                self._drop(req, reader)
-                p = self.progress.get(req)
-                # The handover's tail starts when the prompt's last layer was done here.
-                self.ctx.note("worker.stream_written", req, key=p.key if p else "", reader=reader, writes=w.writes,
-                              steps=p.steps if p else 0, last_layer_ns=p.last_layer_ns if p else 0,
-                              final_posting_ns=w.final_posting_ns, final_posted_ns=w.final_posted_ns,
-                              done_ns=self.loop.now_ns())
-                self._apply_send(ev.WriteDone(req=req, reader=reader, readers=w.spec.readers))
+                self._written(req, reader, w, self.progress.get(req))
                 return
             if state is TransferState.ERROR:
                 self._fail(req, reader, w, getattr(w.final, "error", "") or "the last write ended in error")
