@@ -217,6 +217,30 @@ def test_a_last_write_posted_under_others_is_followed_by_the_notification_alone(
     assert all(n["final_posting_ns"] <= n["done_ns"] for n in notes)
 
 
+def test_a_notification_that_cannot_be_sent_fails_the_stream_visibly(tmp_path: Path) -> None:
+    """Every write over, the notification alone refused (NIXL's genNotif to a peer it
+    takes for gone): the prefill's stream ends ``write_done`` not ok, naming why, its
+    blocks free at once; the decode request is told ``failed`` (or waits for its
+    deadline) and fails, never done; nothing held anywhere."""
+    sim = Simulation(SimConfig(seed=21, num_requests=30, stream=1.0, log_dir=tmp_path))
+    real, calls = sim.prefill.agent.send_notif, [0]
+
+    def every_third_refused(peer: str, msg: bytes) -> bool:
+        calls[0] += 1
+        return calls[0] % 3 != 0 and real(peer, msg)
+
+    sim.prefill.agent.send_notif = every_third_refused  # type: ignore[method-assign]
+    result = sim.run()
+    assert result.violations == [] and result.illegal_events == []
+    assert result.count("send") == {"released": 30}
+    refused = {json.loads(line)["req"] for path in result.log_paths if "prefill" in path.name
+               for line in path.read_text().splitlines()
+               if '"write_done"' in line and "the notification saying so could not be sent" in line}
+    failed = {req for (_, lc, req), state in result.final_states.items() if lc == "recv" and state == "failed"}
+    assert len(refused) >= 5 and len(failed) == len(refused), (refused, failed)
+    assert {r.replace("p-", "d-") for r in refused} == failed
+
+
 def test_a_decode_leg_given_up_before_its_prefill_started_frees_the_prefill_at_its_finish() -> None:
     """Found by this simulation: an abandon by join key that came before the prefill worker
     knew the key made a machine of the key's name, and the prefill request itself then
