@@ -36,9 +36,11 @@ from conftest import require
 
 require("vllm")
 
+from kvsm.handoff.facts import PRODUCER_KEY
+from kvsm.handshake import PROTOCOL_VERSION
 from kvsm.replay import analyse
 from kvsm_testing.both_ways import DIRECTIONS, BothWays
-from kvsm_testing.pd_pair import PDEngine, matched_tokens, started
+from kvsm_testing.pd_pair import PDEngine, matched_tokens, started, stream_pairs
 from kvsm_testing.ports import free_port_run
 from kvsm_testing.reliability import wait_until
 from kvsm_testing.tiny_model import build_tiny_model, vllm_args
@@ -79,6 +81,14 @@ class TPPairOffline(BothWays):
                      workdir=tmp, wait=False, **_engine_args(tp, i, e_kw))
             for i, (name, tp, e_kw) in enumerate((("a", a_tp, a_kw), ("b", b_tp, b_kw))))), blocks, ids, logs)
         self.reference: dict[tuple[int, ...], list[int]] = {}
+        self.ports = (base, base + 2)  # each engine's side channel
+
+    def coordinates(self, direction: str) -> dict[str, Any]:
+        """The prefill engine's, as its answers give them to kvsm's router."""
+        p, _ = self.way(direction)
+        return {"remote_engine_id": self.ids[p], "remote_host": "127.0.0.1", "remote_port": self.ports[p],
+                "tp_size": self.tps[p], "pp_size": 1, "dcp_size": 1, PRODUCER_KEY: PROTOCOL_VERSION,
+                "remote_block_size": self.blocks[p]}
 
     def tp(self, direction: str) -> tuple[int, int]:
         p, d = self.way(direction)
@@ -169,6 +179,50 @@ def test_a_corrupted_transfer_changes_the_output(pair: TPPairOffline, direction:
     assert out["token_ids"] != pair.reference[tuple(sensitive)], "a corrupted transfer went unnoticed"
 
 
+STREAMED = {d: [RNG.randrange(10, 1100) for _ in range(150)] for d in DIRECTIONS}
+KEYS: list[str] = []  # the streamed pairs' join keys
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_stream_between_tensor_parallel_sizes_runs_on_the_decode_engine_and_frees_the_prefill_at_once(
+        pair: TPPairOffline, direction: str) -> None:
+    """Both legs at once, as kvsm's router sends a streamed pair: streamed push writes
+    blocks rank to rank, so the decode engine refuses it, naming why, and computes
+    the prompt itself (the output is its own, nothing came by transfer). It tells
+    the prefill side at once, by the join key: every prefill rank frees the
+    request's blocks at its finish (``remote_abandoned``), not at its lease's end."""
+    prompt = STREAMED[direction]
+    (reference,) = pair.decode(direction).generate([prompt], MAX_TOKENS, cache_salt=f"stream-ref-{direction}")
+    groups = 2 if pair.kind == "gemma2" else 1
+    (key,), (out,) = stream_pairs(pair.prefill(direction), pair.decode(direction), [prompt], MAX_TOKENS,
+                                  pair.coordinates(direction), groups=groups)
+    KEYS.append(key)
+    assert out["token_ids"] == reference["token_ids"] and out["num_cached_tokens"] == 0
+    decode_id, p_tp = pair.decode_id(direction), pair.tp(direction)[0]
+    wait_until(lambda: [r for r in pair.records(f"{decode_id}.scheduler.*.jsonl")  # (its log flushes every 50 ms)
+                        if r.get("event") == "sched.params_ignored"
+                        and "tensor parallel sizes differ" in r.get("reason", "")], 5,
+               "the decode scheduler's record of why it refused the stream")
+    prefill_id = pair.ids[pair.way(direction)[0]]
+
+    def ended_on_every_rank() -> list[list[tuple[str, str]]] | None:
+        ends = []
+        for rank in range(p_tp):
+            records = pair.records(f"{prefill_id}.worker.rank{rank}.*.jsonl")
+            reqs = {r["req"] for r in records if r.get("event") == "worker.stream_key" and r.get("key") == key}
+            moves = [(r["event"], r["dst"]) for r in records if r.get("kind") == "transition"
+                     and r.get("lifecycle") == "send" and r.get("req") in reqs]
+            if not moves or moves[-1][1] != "released":
+                return None
+            ends.append(moves)
+        return ends
+
+    ends = wait_until(ended_on_every_rank, 10, f"the streamed request freed on each of the {p_tp} prefill rank(s)")
+    for moves in ends:
+        assert ("remote_abandoned", "abandoned_early") in moves or moves[-1][0] == "remote_abandoned", moves
+        assert "lease_expired" not in {e for e, _ in moves}, moves
+
+
 def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPPairOffline) -> None:
     pair.close()
     logs = sorted(pair.logs.glob("*.jsonl"))
@@ -176,8 +230,15 @@ def test_replay_of_every_rank_is_clean_and_nothing_is_left_on_any_rank(pair: TPP
     assert len(workers) == sum(pair.tps), [f.name for f in logs]
     report = analyse(logs)
     assert not report.findings, [str(f) for f in report.findings]
-    assert {m.final_state for m in report.machines if m.lifecycle == "recv"} == {"done"}
-    assert {m.final_state for m in report.machines if m.lifecycle == "send"} == {"released"}
+    # Aborted: the streamed legs a decode engine refused, told to the prefill side by an
+    # abandon (by the join key; one that came before the prefill worker knew the key waited
+    # in a machine of the key's name, which hands it on and ends ``forgotten``).
+    recv_ends = {m.final_state for m in report.machines if m.lifecycle == "recv"}
+    assert recv_ends <= {"done", "aborted"}, recv_ends
+    sends = {m.req: m.final_state for m in report.machines if m.lifecycle == "send"}
+    keys = {req for req in sends if req in KEYS}
+    assert {sends[k] for k in keys} <= {"forgotten"}, sends
+    assert {state for req, state in sends.items() if req not in keys} == {"released"}, sends
     # Each worker's clean stop shows nothing live. (vLLM's executor may kill a TP worker
     # process before its log's last record is written: then the replay above, which found
     # every machine of every process terminal, is what says nothing was left.)

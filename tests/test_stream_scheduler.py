@@ -104,21 +104,27 @@ def test_a_local_prefix_hit_is_not_asked_for() -> None:
         drained(h)
 
 
-@pytest.mark.parametrize(("overrides", "needle"), [
-    ({"remote_block_size": 32}, "blocks hold 32 tokens, this engine's 16"),
-    ({"tp_size": 2}, "tensor parallel sizes differ"),
-    ({"pp_size": 2}, "pipeline parallel"),
-    ({STREAM_KEY: "another-key"}, "must be the join key"),
-    ({"remote_block_ids": [[3, 4]]}, "remote_block_ids must be empty"),
-    ({PRODUCER_KEY: None}, "only a kvsm prefill engine streams"),
-    ({"transfer_mode": "streamed"}, "transfer_mode 'streamed'"),
+@pytest.mark.parametrize(("overrides", "needle", "told"), [
+    ({"remote_block_size": 32}, "blocks hold 32 tokens, this engine's 16", True),
+    ({"tp_size": 2}, "tensor parallel sizes differ", True),
+    ({"pp_size": 2}, "pipeline parallel", True),
+    ({STREAM_KEY: "another-key"}, "must be the join key", False),
+    ({"remote_block_ids": [[3, 4]]}, "remote_block_ids must be empty", False),
+    ({PRODUCER_KEY: None}, "only a kvsm prefill engine streams", False),
+    ({"transfer_mode": "streamed"}, "transfer_mode 'streamed'", False),
 ])
 def test_what_cannot_be_streamed_runs_locally_and_says_why(tmp_path: Path, overrides: dict[str, Any],
-                                                           needle: str) -> None:
+                                                           needle: str, told: bool) -> None:
+    """Refused with the reason logged; the request runs locally. A kvsm prefill
+    engine's stream this engine cannot take (``told``) is abandoned at once by the
+    join key, so that the prefill side frees its blocks at its finish, not at its
+    lease's end; params that are not a kvsm streamed pair's tell nobody."""
     with harness("kv_consumer", tmp_path) as h:
         h.add_request(40, kv_transfer_params=decode_leg(**overrides), max_tokens=2, request_id="d-x")
         s = h.step()
         assert not meta_of(s).recv_start and "d-x" in s.scheduled
+        abandons = [(a.req, a.remote_req, a.remote_engine, a.remote_port) for a in meta_of(s).recv_abandon]
+        assert abandons == ([("d-x", KEY, "prefill-engine", 5600)] if told else []), abandons
         assert pending(h)["ignored"] == 1
         h.run_until_idle()
         drained(h)

@@ -34,6 +34,16 @@ class ParamsIgnored(Event, frozen=True, tag="params_ignored"):
     reason: str
 
 
+class StreamRefused(ParamsIgnored, frozen=True, tag="stream_refused"):
+    """A streamed decode leg from a kvsm prefill engine that this engine cannot
+    serve (another block size, tensor parallel size, a state it cannot stream):
+    it runs as a local request, and the prefill side is told at once, by the join
+    key (``remote_req``), that nothing will be asked of it."""
+
+    remote_engine: str = ""
+    remote_req: str = ""
+
+
 class _RemoteRead(Event, frozen=True):
     """Where a request reads blocks from (the engine and request that hold them,
     its side channel, its parallel sizes), and ``reader``: the request of this
@@ -124,7 +134,7 @@ class SchedulerStopped(Event, frozen=True, tag="scheduler_stopped"):
     """The scheduler half shuts down while the request is live: it ends here."""
 
 
-SCHED_EVENTS: tuple[type[Event], ...] = (ParamsIgnored, ParamsRead, RemoteTokensCounted, BlocksAllocated,
+SCHED_EVENTS: tuple[type[Event], ...] = (ParamsIgnored, StreamRefused, ParamsRead, RemoteTokensCounted, BlocksAllocated,
                                          LoadReported, RequestFinished, PrefillFinished, SchedulerStopped,
                                          HoldOffered, ReleaseDecided, HoldEnded)
 
@@ -294,6 +304,8 @@ SCHED_EFFECTS: Mapping[str, str] = {
     "start_load": "relay the read (RecvStart, awaited: vLLM waits for finished_recving) to the workers",
     "start_notify_only": "relay a start with nothing to read (a full local prefix hit): the prefill side unpins",
     "abandon_remote": "tell the prefill side to unpin: finished before vLLM allocated anything (RecvAbandon)",
+    "abandon_stream": "tell the prefill side by the join key that its stream will not be asked for: it frees "
+                      "its blocks at its finish, not at its lease's end (RecvAbandon)",
     "abort_load": "relay an abort of a load under way (RecvAbort, awaited): the worker reports it once settled",
     "start_send": "relay the prefill request's start to the workers (SendStart)",
     "queue_pin": "pin its blocks: hand the finish to the workers with the step's batch, return the params",
@@ -360,6 +372,8 @@ SCHED_TRANSITIONS: list[dict[str, Any]] = [
     # -- decode: judging the params (on_new_request)
     {"trigger": "params_ignored", "source": "new", "dest": "ignored", "prepare": "note_ignored",
      "after": "warn_ignored"},
+    {"trigger": "stream_refused", "source": "new", "dest": "ignored", "prepare": "note_ignored",
+     "after": ["warn_ignored", "abandon_stream"]},
     # vLLM's stand-in for a rejected request is aborted at once: nothing is read. The
     # prefill side is told at its finish, unless a live request of this engine reads it.
     {"trigger": "params_read", "source": "new", "dest": "left_to_reader", "prepare": "note_params",

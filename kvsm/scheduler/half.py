@@ -36,6 +36,7 @@ from kvsm.handoff.facts import (
     HeartbeatTarget,
     RecvAbandon,
     RecvAbort,
+    RemoteParams,
     SendFinish,
     SendStart,
     StepFacts,
@@ -146,7 +147,8 @@ class SchedulerHalf:
             "start_heartbeat": self._start_heartbeat, "stop_heartbeat": self._stop_heartbeat,
             "keep_params": self._keep_params, "recompute_locally": self._recompute_locally,
             "start_load": self._start_load, "start_notify_only": self._start_notify_only,
-            "abandon_remote": self._abandon_remote, "abort_load": self._abort_load,
+            "abandon_remote": self._abandon_remote, "abandon_stream": self._abandon_stream,
+            "abort_load": self._abort_load,
             "start_send": self._start_send, "queue_pin": self._queue_pin, "refuse_pin": self._refuse_pin,
             "hold_blocks": self._hold_blocks, "make_room": self._make_room, "release_hold": self._release_hold,
             "note_not_held": self._note_not_held, "forget_hold": self._forget_hold,
@@ -369,11 +371,17 @@ class SchedulerHalf:
     def _abandon_remote(self, m: SchedMachine, ev: Any, context: Any) -> None:
         """Finished before vLLM allocated anything: free the prefill side's blocks now."""
         remote, m.remote = m.remote, None
+        self._queue_abandon(m.req, remote)
+        self._note("sched.finished_unallocated", m.req, status=ev.status)
+
+    def _abandon_stream(self, m: SchedMachine, ev: Any, remote: RemoteParams) -> None:
+        self._queue_abandon(m.req, remote)
+
+    def _queue_abandon(self, req: str, remote: RemoteParams) -> None:
         self._meta.recv_abandon.append(RecvAbandon(
-            req=m.req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
+            req=req, remote_engine=remote.remote_engine, remote_req=remote.remote_req,
             remote_host=remote.remote_host, remote_port=remote.remote_port,
             remote_tp_size=remote.remote_tp_size, remote_pp_size=remote.remote_pp_size))
-        self._note("sched.finished_unallocated", m.req, status=ev.status)
 
     def _abort_load(self, m: SchedMachine, ev: Any, context: Any) -> None:
         """Finished while its blocks were still being loaded (vLLM keeps them until a

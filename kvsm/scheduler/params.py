@@ -1,5 +1,6 @@
 """``kv_transfer_params`` in and out of the scheduler half: a decode request's
-judged into the event its machine takes (``ParamsRead`` or ``ParamsIgnored``),
+judged into the event its machine takes (``ParamsRead``, ``ParamsIgnored`` or
+``StreamRefused``),
 and a finished prefill's written for the decode side. Pure functions of the
 params, the request and the config: what the request's machine then does is
 the ``sched`` lifecycle's decision (``kvsm.lifecycle.sched``)."""
@@ -27,7 +28,7 @@ from kvsm.handoff.facts import (
 )
 from kvsm.handshake.messages import PROTOCOL_VERSION
 from kvsm.lifecycle.events import Event
-from kvsm.lifecycle.sched import ParamsIgnored, ParamsRead
+from kvsm.lifecycle.sched import ParamsIgnored, ParamsRead, StreamRefused
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
@@ -81,9 +82,13 @@ def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMCo
     if mode == "push":
         remote = msgspec.structs.replace(remote, push=True)
     elif mode == STREAM_MODE:
-        why = stream_problem(params, remote, cfg, group_block_sizes, stream_unsupported)
+        why = stream_params_problem(params, remote)
         if why:
             return Judged(ParamsIgnored(req=req, reason=f"transfer_mode 'stream': {why}"))
+        why = stream_geometry_problem(remote, cfg, group_block_sizes, stream_unsupported)
+        if why:  # a kvsm prefill engine that will compute the prompt all the same
+            return Judged(StreamRefused(req=req, reason=f"transfer_mode 'stream': {why}",
+                                        remote_engine=remote.remote_engine, remote_req=remote.remote_req), remote)
         remote = msgspec.structs.replace(remote, push=True, stream=True)
     if len(remote.remote_block_ids) != len(group_block_sizes):
         return Judged(ParamsIgnored(req=req, reason=(
@@ -109,20 +114,25 @@ def judge_decode_params(request: Request, params: Mapping[str, Any], cfg: KVSMCo
                              reader=readers.get(source, ""), rejected=rejected), remote, foreign)
 
 
-def stream_problem(params: Mapping[str, Any], remote: RemoteParams, cfg: KVSMConfig,
-                   group_block_sizes: tuple[int, ...], unsupported: str) -> str:
-    """Why a decode leg's streamed push cannot be served ("": it can). The prefill
-    worker writes each layer's blocks by position as it computes them, so both
-    engines must hold the same blocks the same way: one KV cache group of one
-    block size, the same tensor parallel size, no pipeline stages."""
-    if unsupported:
-        return unsupported
+def stream_params_problem(params: Mapping[str, Any], remote: RemoteParams) -> str:
+    """Why a decode leg's params are not a kvsm streamed pair's ("": they are)."""
     if PRODUCER_KEY not in params:
         return "the params lack kvsm_protocol: only a kvsm prefill engine streams"
     if params.get(STREAM_KEY) != remote.remote_req:
         return f"{STREAM_KEY} must be the join key, the same as remote_request_id"
     if any(remote.remote_block_ids):
         return "remote_block_ids must be empty (the prefill engine has not allocated yet)"
+    return ""
+
+
+def stream_geometry_problem(remote: RemoteParams, cfg: KVSMConfig, group_block_sizes: tuple[int, ...],
+                            unsupported: str) -> str:
+    """Why this engine cannot be streamed into from that prefill engine ("": it can).
+    The prefill worker writes each layer's blocks by position as it computes them,
+    so both engines must hold the same blocks the same way: KV cache groups of one
+    block size, the same tensor parallel size, no pipeline stages."""
+    if unsupported:
+        return unsupported
     theirs = remote.remote_block_size
     if theirs is not None and theirs != group_block_sizes[0]:
         return (f"the prefill engine's blocks hold {theirs} tokens, this engine's {group_block_sizes[0]}: streamed "

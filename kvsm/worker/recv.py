@@ -406,9 +406,11 @@ class Receiver:
         """Tell every prefill rank we read nothing (more) from that it may unpin its
         share; a rank whose read completed and whose claim was granted was told by
         the read's notification (one whose claim was not is holding it: an abandon
-        counts us through there)."""
+        counts us through there). A rank nobody reads (``source`` None) is told at
+        the handshake's start; ended before it (an abort while vLLM had not
+        allocated), it is told here too, or it would hold its share for its lease."""
         for link in io.links:
-            if link.source is not None and not link.told and not (link.done and io.granted(link)):
+            if not link.told and not (link.source is not None and link.done and io.granted(link)):
                 link.told = True
                 self.peers.tell_abandon(link.peer, [io.start.remote_req], link.readers)
 
