@@ -16,7 +16,8 @@ from kvsm.lifecycle.clock import VirtualClock
 from kvsm.lifecycle.machine import Outcome
 from kvsm.replay import analyse
 from kvsm.transport.base import TransferState
-from kvsm.transport.memory import Fault, InMemoryAgent, InMemoryFabric
+from kvsm.transport.memory import POISON, Fault, InMemoryAgent, InMemoryFabric
+from kvsm.worker.push_stream import Streamer
 from kvsm_testing.sim import Faults, SimConfig, Simulation, run_simulation
 
 # -- the transport ----------------------------------------------------------------------------
@@ -66,6 +67,20 @@ def test_a_layer_write_moves_that_layer_only_as_it_was_when_posted() -> None:
     assert all(b.read_block(x) == b"\xee" * 16 for x in (1, 2, 3, 4, 6, 7))
     assert b.get_notifs() == [("a", b"landed")]
     assert a.release(h) and a.resources()["handles"] == 0
+
+
+def test_a_layer_write_from_a_block_freed_in_flight_lands_bytes_that_are_not_the_requests() -> None:
+    """As an RDMA write may read its source after vLLM freed (and reused) it."""
+    fabric, a, b = _pair()
+    a.memory[:] = bytes(range(128))
+    h = a.post_layer_write("b", "layer.0", [1, 3], [5, 0], b"", tag="d-1")
+    a.freed([3])
+    _land(fabric)
+    assert a.check(h) is TransferState.DONE
+    assert b.read_block(5)[:4] == bytes(range(16, 20)) and b.read_block(0)[:4] == POISON * 4
+    h = a.post_layer_write("b", "layer.0", [3], [0], b"", tag="d-1")  # posted after the free: as it is
+    _land(fabric)
+    assert b.read_block(0)[:4] == bytes(range(48, 52))
 
 
 def test_a_layer_write_goes_through_the_fabric_faults() -> None:
@@ -276,3 +291,16 @@ def test_preempted_prefills_deliver_every_token_or_fail_visibly(tmp_path: Path) 
     assert result.final_states == run_simulation(SimConfig(**{**cfg.__dict__, "log_dir": None})).final_states
     report = analyse(result.log_paths)
     assert report.exit_code == 0, [str(f) for f in report.findings]
+
+
+def test_a_preempted_stream_not_failed_under_its_writes_delivers_poisoned_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: a worker that lets a stream whose write was still reading
+    the freed blocks go on (``fail_unsure_streams`` a no-op) delivers the bytes such
+    a write carried (the fabric poisons them, ``InMemoryAgent.freed``), and the run
+    says so; the same run with the real worker fails those streams instead."""
+    cfg = SimConfig(seed=3, num_requests=60, stream=1.0, stream_preempt=0.5, stream_max_steps=4)
+    assert run_simulation(cfg).violations == []
+    monkeypatch.setattr(Streamer, "_fail_unsure_streams", lambda self, req, o: None)
+    kinds = collections.Counter(v.kind for v in run_simulation(cfg).violations)
+    assert kinds["corrupt_delivery"] >= 3, kinds

@@ -57,12 +57,14 @@ class Fault(enum.Enum):
 
 
 DISCONNECT_ERROR = "nixlRemoteDisconnectError: the peer's agent disconnected"
+# What a layer write carries of a source block freed while it was in flight (``InMemoryAgent.freed``).
+POISON = b"\xee"
 
 
 class MemoryXferHandle(XferHandle):
     """A posted in-memory read; ``error`` says why it ended in ERROR."""
 
-    __slots__ = ("error", "local_heads", "remote_heads", "runs", "write", "span", "sent")
+    __slots__ = ("error", "local_heads", "remote_heads", "runs", "write", "span", "sent", "frees")
 
     def __init__(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
                  notif: bytes, tag: str = "", local_heads: Heads | None = None,
@@ -78,6 +80,7 @@ class MemoryXferHandle(XferHandle):
         # the source bytes of each block's slice as they were when it was posted.
         self.span: tuple[int, int] | None = None
         self.sent: list[bytes] | None = None
+        self.frees: tuple[int, ...] = ()  # each source block's free count when it was posted
 
 
 @dataclass(eq=False)
@@ -155,7 +158,10 @@ class InMemoryFabric:
             for k, (db, sb) in enumerate(zip(dst_blocks, src_blocks)):
                 to = db * dst.block_bytes + at
                 frm = sb * src.block_bytes + at
-                dst.memory[to:to + n] = h.sent[k] if h.sent is not None else src.memory[frm:frm + n]
+                if h.frees and src.frees.get(sb, 0) != h.frees[k]:  # freed under the write
+                    dst.memory[to:to + n] = POISON * n
+                else:
+                    dst.memory[to:to + n] = h.sent[k] if h.sent is not None else src.memory[frm:frm + n]
         elif h.runs is not None:
             for local_at, remote_at, n in h.runs:
                 at, frm = (remote_at, local_at) if h.write else (local_at, remote_at)
@@ -279,6 +285,7 @@ class InMemoryAgent(Transport):
         self.on_write: Callable[[Sequence[int], str], None] | None = None
         self.on_read: Callable[[Sequence[int], str], None] | None = None
         self.closed = False
+        self.frees: dict[int, int] = {}  # block -> how often its owner freed it (``freed``)
         fabric.agents[name] = self
 
     # -- memory ---------------------------------------------------------------
@@ -292,6 +299,13 @@ class InMemoryAgent(Transport):
             raise ValueError(f"block {block}: {len(data)} bytes, expected {self.block_bytes}")
         off = block * self.block_bytes
         self.memory[off:off + self.block_bytes] = data
+
+    def freed(self, blocks: Sequence[int]) -> None:
+        """The engine freed ``blocks`` (vLLM preempted their request): a layer write
+        from them that lands later read them after the free, as RDMA may, and
+        carries bytes that are no longer the request's (``POISON``)."""
+        for b in blocks:
+            self.frees[b] = self.frees.get(b, 0) + 1
 
     # -- Transport ------------------------------------------------------------
 
@@ -366,6 +380,7 @@ class InMemoryAgent(Transport):
         handle.span = (at, n)
         mem = self.memory
         handle.sent = [bytes(mem[b * self.block_bytes + at:b * self.block_bytes + at + n]) for b in local_blocks]
+        handle.frees = tuple(self.frees.get(b, 0) for b in local_blocks)
         self.fabric._post(self.name, handle)
         return handle
 

@@ -27,8 +27,10 @@ request's layer writes land out of the order they were posted.
 
 ``SimConfig.stream_preempt`` has vLLM preempt a request between two of its
 steps: its blocks go back to the pool at once (the next request may take
-them), the step's facts say so (``StreamPreempted``), and a later step
-computes it again from its first token into new blocks.
+them; a layer write still in flight from them lands poisoned bytes, as an
+RDMA read after the free may: ``InMemoryAgent.freed``), the step's facts say
+so (``StreamPreempted``), and a later step computes it again from its first
+token into new blocks.
 
 ``ForwardPasses.compute_after_save`` plants an engine bug (for tests that
 show the check can fail): each layer is computed only after ``layer_saved``
@@ -239,6 +241,7 @@ class ForwardPasses:
         if s.preempt_after and s.steps == s.preempt_after and not s.preempted:
             s.preempted = True
             engine.pool.free(s.req, s.blocks)
+            engine.agent.freed(s.blocks)  # (a write still reading them carries bytes no longer its)
             s.blocks = engine.blocks[s.req] = ()
             facts.stream_preempted.append(StreamPreempted(s.req, at_ns=self.sim.clock.monotonic_ns()))
             return False
