@@ -98,6 +98,24 @@ def test_lifecycles_of_design() -> None:
     assert (out.dst, out.effects) == ("released", ("cancel_lease", "count_served", "free_blocks"))
 
 
+def test_a_preempted_stream_is_written_again_where_unsure_and_failed_where_notified() -> None:
+    """The send table's three answers to a preemption while streaming: every write
+    seen over (restart from the new blocks), a write unsure (that rank written again
+    whole once it is over), and an unsure write that carried the landed notification
+    (that rank failed first: it may hold the bytes already)."""
+    answers = []
+    for unsure, notified in (((), ()), (("d0",), ()), (("d0", "d1"), ("d1",))):
+        s = LifecycleTracker(SEND, VirtualClock(), policy=IllegalEventPolicy.RAISE)
+        s.create("r")
+        s.apply(SAMPLE_EVENTS["stream_claimed"])
+        assert s.apply(SAMPLE_EVENTS["stream_asked"]).dst == "streaming"
+        out = s.apply(ev.StreamPreempted(req="r", at_ns=5, unsure=unsure, notified=notified))
+        answers.append((out.dst, out.effects))
+    assert answers == [("streaming", ("restart_stream",)),
+                       ("streaming", ("rewrite_unsure_streams", "restart_stream")),
+                       ("streaming", ("fail_notified_streams", "rewrite_unsure_streams", "restart_stream"))]
+
+
 def test_reads_posted_with_their_claims() -> None:
     """A decode worker that knows every prefill worker posts the reads right behind
     the claims; reads that complete first wait for the grants, and are served

@@ -172,6 +172,9 @@ def test_the_workers_emit_every_effect_of_the_table() -> None:
     # The simulation runs no decode engine's holds for next turns: the real worker's
     # hold endings are in tests/test_holds.py.
     beyond_the_bound.add("count_hold_ended")
+    # A stream is notified only once its prompt is complete, and the simulation's prefill
+    # legs then finish at once, never preempted: the table's choice is in test_lifecycle.py.
+    beyond_the_bound.add("fail_notified_streams")
     for spec in (RECV, SEND):
         declared = {e for rules in spec.rules.values() for r in rules for e in r.effects} - beyond_the_bound
         assert seen[spec.name] == declared, declared ^ seen[spec.name]

@@ -254,10 +254,12 @@ class StreamPreempted(Event, frozen=True, tag="stream_preempted"):
     at the latest, the loop's clock); it computes the request again later, into
     other blocks. ``unsure``: the decode ranks with a write from the freed blocks
     not seen over before then (the worker's transport check), whose bytes may be
-    another request's."""
+    another request's; ``notified``: those of them whose write in question carried
+    the landed notification (the rank may take the bytes for its KV already)."""
 
     at_ns: int = 0
     unsure: tuple[str, ...] = ()
+    notified: tuple[str, ...] = ()
 
 
 class WriteDone(Event, frozen=True, tag="write_done"):

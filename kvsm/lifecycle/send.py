@@ -82,9 +82,13 @@ SEND_TRANSITIONS: list[dict[str, Any]] = [
      "after": ["abandon_writes", "arm_abandon_timer"]},
     {"trigger": "shutdown", "source": "streaming", "dest": "closed_at_shutdown", "after": "cancel_writes"},
     # vLLM preempted the prefill and freed its blocks: it is computed again into new
-    # ones. A write still reading the old ones may carry another request's bytes.
+    # ones. A write still reading the old ones may carry another request's bytes:
+    # those ranks are written again whole, from the new blocks, once such writes are
+    # over; one told by that write's notification may hold them as its KV: it fails.
+    {"trigger": "stream_preempted", "source": "streaming", "dest": "=", "conditions": "notified_unsure",
+     "after": ["fail_notified_streams", "rewrite_unsure_streams", "restart_stream"]},
     {"trigger": "stream_preempted", "source": "streaming", "dest": "=", "conditions": "writes_unsure",
-     "after": ["fail_unsure_streams", "restart_stream"]},
+     "after": ["rewrite_unsure_streams", "restart_stream"]},
     {"trigger": "stream_preempted", "source": ["prefilling", "streaming", "abandoned_early"], "dest": "=",
      "after": "restart_stream"},
     # The decode side gave up by the join key before this worker knew it (an early

@@ -53,9 +53,12 @@ EFFECTS: Mapping[str, str] = {
                      "the key names (its finish then frees its blocks)"),
     "restart_stream": ("streamed push, the prefill preempted (vLLM freed its blocks): what it computes again "
                        "is written from its new blocks; the tokens written before stay (the same KV)"),
-    "fail_unsure_streams": ("streamed push, the prefill preempted: each decode rank whose write was still "
-                            "reading the freed blocks is told its write failed (the bytes may be another "
-                            "request's), and gives the request up rather than use them"),
+    "rewrite_unsure_streams": ("streamed push, the prefill preempted: each decode rank whose write was still "
+                               "reading the freed blocks (the bytes may be another request's) is written again "
+                               "whole from the new blocks, nothing of it posted before those writes are over"),
+    "fail_notified_streams": ("streamed push, the prefill preempted: each decode rank whose write in question "
+                              "carried the landed notification is told its write failed, and gives the "
+                              "request up rather than use the bytes"),
     "start_stream": ("streamed push: write what is computed of the request already, then each layer as its "
                      "forward pass is done, the last write carrying the notification"),
     "pin_blocks": "keep the request's blocks out of the free pool (delay the free)",
@@ -156,6 +159,11 @@ def _writes_unsure(m: RequestMachine, ev: Any) -> bool:
     return bool(ev.unsure)
 
 
+def _notified_unsure(m: RequestMachine, ev: Any) -> bool:
+    """... and one of those writes carried the landed notification."""
+    return bool(ev.notified)
+
+
 def _outdated(m: PeerMachine, ev: Any) -> bool:
     """Sent before the last news about the peer: part of an outage already
     handled, or older than an answer."""
@@ -176,6 +184,7 @@ CONDITIONS: Mapping[str, Callable[[Any, Any], bool]] = {
     "is_hold": _is_hold,
     "is_push": _is_push,
     "writes_unsure": _writes_unsure,
+    "notified_unsure": _notified_unsure,
 }
 
 

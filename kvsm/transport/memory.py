@@ -149,8 +149,12 @@ class InMemoryFabric:
         dst, src = (peer, poster) if h.write else (poster, peer)
         dst_blocks, src_blocks = (h.remote_blocks, h.local_blocks) if h.write else (h.local_blocks, h.remote_blocks)
         dst_heads, src_heads = (h.remote_heads, h.local_heads) if h.write else (h.local_heads, h.remote_heads)
-        if src.on_read is not None:
-            src.on_read(src_blocks, h.tag)
+        # A layer write's source blocks freed under it (``freed``): it lands POISON there,
+        # which the receiver's content check judges; the read itself is no one's fault.
+        poisoned = {k for k, sb in enumerate(src_blocks) if h.frees and src.frees.get(sb, 0) != h.frees[k]}
+        read = [sb for k, sb in enumerate(src_blocks) if k not in poisoned]
+        if src.on_read is not None and (read or not src_blocks):
+            src.on_read(read, h.tag)
         if dst.on_write is not None:
             dst.on_write(dst_blocks, h.tag)
         if h.span is not None:
@@ -158,7 +162,7 @@ class InMemoryFabric:
             for k, (db, sb) in enumerate(zip(dst_blocks, src_blocks)):
                 to = db * dst.block_bytes + at
                 frm = sb * src.block_bytes + at
-                if h.frees and src.frees.get(sb, 0) != h.frees[k]:  # freed under the write
+                if k in poisoned:
                     dst.memory[to:to + n] = POISON * n
                 else:
                     dst.memory[to:to + n] = h.sent[k] if h.sent is not None else src.memory[frm:frm + n]

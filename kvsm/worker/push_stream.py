@@ -78,7 +78,8 @@ class Streamer:
         self._ticker: PollTicker | None = None
         self.effects: dict[str, Effect] = {"start_stream": self._start_stream, "pass_abandon": self._pass_abandon,
                                            "restart_stream": self._restart_stream,
-                                           "fail_unsure_streams": self._fail_unsure_streams}
+                                           "rewrite_unsure_streams": self._rewrite_unsure_streams,
+                                           "fail_notified_streams": self._fail_notified_streams}
 
     def busy(self) -> bool:
         return bool(self.streams)
@@ -157,15 +158,18 @@ class Streamer:
         before the free (it may have read bytes another request computed into them)."""
         if gone.req not in self.progress:
             return
-        unsure = []
+        unsure, notified = [], []
         for reader, w in list(self.streams.get(gone.req, {}).items()):
             settled = self._settled(gone.req, reader, w)
             if self.streams.get(gone.req, {}).get(reader) is not w:
                 continue  # a write had failed: failed already
             if not settled or w.final is not None or w.seen_over_ns >= gone.at_ns:
                 unsure.append(reader)
+                if w.final is not None:
+                    notified.append(reader)
         if gone.req in self.ctx.send:
-            self._apply_send(ev.StreamPreempted(req=gone.req, at_ns=gone.at_ns, unsure=tuple(unsure)))
+            self._apply_send(ev.StreamPreempted(req=gone.req, at_ns=gone.at_ns, unsure=tuple(unsure),
+                                                notified=tuple(notified)))
         else:
             self._restart(gone.req)
 
@@ -180,14 +184,27 @@ class Streamer:
             p.blocks, p.done, p.start, p.end, p.upto, p.last = (), 0, 0, 0, [], False
         if req in self._step_reqs:
             self._step_reqs.remove(req)
+        self._finals_due -= {(r, reader) for r, reader in self._finals_due if r == req}
 
-    def _fail_unsure_streams(self, req: str, o: Outcome) -> None:
+    def _rewrite_unsure_streams(self, req: str, o: Outcome) -> None:
+        """Every token of these ranks is written again from the new blocks; nothing is
+        posted before the writes that may carry another request's bytes are over, since
+        NIXL does not order two writes into one block (``_check`` resumes it)."""
         assert isinstance(o.event, ev.StreamPreempted)
         for reader in o.event.unsure:
             w = self.streams.get(req, {}).get(reader)
             if w is not None:
-                self._fail(req, reader, w, "vLLM preempted the prefill and freed its blocks while a write from "
-                                           "them was in flight: the bytes it carried are not sure")
+                w.written, w.rewrite = [0] * len(w.written), True
+                self.ctx.note("worker.stream_rewrite", req, reader=reader, in_flight=len(w.handles))
+
+    def _fail_notified_streams(self, req: str, o: Outcome) -> None:
+        assert isinstance(o.event, ev.StreamPreempted)
+        for reader in o.event.notified:
+            w = self.streams.get(req, {}).get(reader)
+            if w is not None:
+                self._fail(req, reader, w, "vLLM preempted the prefill and freed its blocks while the write "
+                                           "carrying the landed notification was in flight: the bytes it "
+                                           "carried are not sure")
 
     def _on_layer(self, item: tuple[str, int]) -> None:
         layer, at_ns = item
@@ -275,6 +292,8 @@ class Streamer:
     def _write_layer(self, item: tuple[str, str, Stream, int, int]) -> None:
         """Write layer ``idx`` of the blocks holding tokens not written yet, up to ``upto``."""
         req, reader, w, idx, upto = item
+        if w.rewrite:
+            return  # (written again once the writes in question are over: ``_check``)
         p = self.progress.get(req)
         size = self.ctx.cfg.block_size
         if p is not None and not (p.last and upto >= p.end):
@@ -417,6 +436,11 @@ class Streamer:
         settled = self._settled(req, reader, w)
         if self.streams.get(req, {}).get(reader) is not w:
             return  # a write had failed
+        if w.rewrite and settled:  # the writes in question are over: write it again
+            w.rewrite = False
+            self._catch_up((req, reader, w))
+            if self.streams.get(req, {}).get(reader) is not w:
+                return
         if w.final is not None and settled:
             state = transport.check(w.final)
             if state is TransferState.DONE:

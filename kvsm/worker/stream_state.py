@@ -41,6 +41,7 @@ class Stream:
     writes: int = 0  # posted so far
     final_posting_ns: int = 0  # when the last write's post began (NIXL may send some of it in the call)
     final_posted_ns: int = 0  # ... and returned
+    rewrite: bool = False  # preempted under a write: written again whole once ``handles`` are over
 
 
 def complete(p: Progress, w: Stream) -> bool:
