@@ -70,6 +70,7 @@ from kvsm.vllm.metadata import (
 from kvsm.worker import WorkerHalf
 from kvsm_testing.peer_process import PeerProcess
 from kvsm_testing.ports import free_port
+from kvsm_testing.reliability import stop_process
 
 PEER_SCRIPT = Path(__file__).with_name("worker_peer.py")
 REPO = PEER_SCRIPT.parent.parent
@@ -467,7 +468,7 @@ def test_a_known_peer_is_read_right_behind_the_claim(peers: Peers, decode) -> No
     blocks = pick(rng, 3)
     peers.main.finish("A", {"p-s1e": blocks})
     s1 = d.start("s1e", peers.coords("A"), "p-s1e", blocks)
-    os.kill(peers.main.proc.pid, signal.SIGSTOP)
+    stop_process(peers.main.proc.pid)
     try:
         d.submit(recv_start=[s1])
         d.quiet(0.3)

@@ -43,6 +43,25 @@ def wait_until(probe: Callable[[], T | None], timeout: float, what: str, interva
         time.sleep(interval)
 
 
+def stop_process(pid: int, timeout: float = 2.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (``T`` in
+    /proc): ``kill`` returns before a busy machine has stopped them all, and a
+    thread still running may yet answer what the test sends next."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool | None:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            with contextlib.suppress(OSError):
+                states.append(stat.read_text().rpartition(")")[2].split()[0])
+        return bool(states) and all(s in ("T", "t") for s in states) or None
+
+    wait_until(stopped, timeout, f"every thread of process {pid} stopped", interval=0.001)
+
+
 def replay_when_settled(files: Callable[[], Iterable[Path]], timeout: float = 5.0) -> Any:
     """``kvsm.replay.analyse`` of ``files()`` once it finds nothing, or after
     ``timeout`` s (the caller asserts on what it found). A request's last records
