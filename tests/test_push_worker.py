@@ -82,6 +82,7 @@ from kvsm.handshake.messages import WriteAsk
 from kvsm.replay import analyse
 from kvsm.vllm.metadata import RecvAbort, RecvStart
 from kvsm_testing.peer_process import PeerProcess
+from kvsm_testing.reliability import stop_process
 
 SEEDS = {"P": 501, "H": 502, "T": 503, "G": 504}
 ENGINES = {w: f"prefill-{w}" for w in SEEDS}
@@ -368,7 +369,7 @@ def test_silent_prefill_gives_the_blocks_back_at_the_deadline(peers: Peers, deco
     peers.stop.call("flush")
     deadline_s = d.cfg.transfer_timeout_s + MARGIN_S
     with _stopped(peers.stop):
-        seen = _on_ask(d, victim.req, before=lambda: os.kill(peers.stop.proc.pid, signal.SIGSTOP))
+        seen = _on_ask(d, victim.req, before=lambda: stop_process(peers.stop.proc.pid))
         d.submit(recv_start=[victim, healthy])
         d.wait([healthy.req], timeout=1.0)
         assert healthy.req not in d.failed and d.holds(healthy.local_block_ids, healthy.remote_block_ids, SEEDS["P"])
@@ -514,7 +515,7 @@ def _decode_dies_with_its_write_asked(peers: Peers, log_dir: Path, name: str, *,
         assert dec.call("wait_asking", timeout=5.0)["asking"], "the decode worker never asked for the write"
         peers.stop.call("flush")
         with _stopped(peers.stop):
-            os.kill(peers.stop.proc.pid, signal.SIGSTOP)
+            stop_process(peers.stop.proc.pid)
             assert dec.call("ask")["asked"]  # on the wire to G, which cannot take it yet
             time.sleep(0.2)
             dec.call("flush")
@@ -575,7 +576,7 @@ def test_a_late_write_ask_frees_the_prefill_at_once(peers: Peers, decode) -> Non
     pid = peers.stop.proc.pid
 
     def stall() -> None:
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         threading.Timer(0.7, os.kill, args=(pid, signal.SIGCONT)).start()
 
     with _stopped(peers.stop):

@@ -65,7 +65,6 @@ kills, and, in scenario 5, one decode process.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import signal
 import threading
@@ -100,6 +99,7 @@ from worker_peer import GEOMETRY
 
 from kvsm.replay import analyse
 from kvsm.vllm.metadata import RecvAbort, RecvStart
+from kvsm_testing.reliability import stop_process
 
 GEOM = {"layers": 4}  # every worker but G (and the decode workers of this process)
 SEEDS = {"P": 601, "T": 602, "G": 603}  # each prefill cache's bytes before any step
@@ -466,7 +466,7 @@ def test_prefill_stopped_mid_step_gives_the_blocks_back_at_the_deadline(peers: P
     with _stopped(peers.stop):
         s.step(wait=False, delay=0.05)
         time.sleep(0.07)  # a layer or two into the step
-        os.kill(peers.stop.proc.pid, signal.SIGSTOP)
+        stop_process(peers.stop.proc.pid)
         d.wait([start.req], timeout=deadline_s + 2 * SLACK_S)
         took = d.recving[start.req] - seen["t"]
         print(f"stopped prefill: blocks back {took:.3f} s after the ask (deadline {deadline_s} s)")
