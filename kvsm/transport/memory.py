@@ -153,7 +153,7 @@ class InMemoryFabric:
         # which the receiver's content check judges; the read itself is no one's fault.
         poisoned = {k for k, sb in enumerate(src_blocks) if h.frees and src.frees.get(sb, 0) != h.frees[k]}
         read = [sb for k, sb in enumerate(src_blocks) if k not in poisoned]
-        if src.on_read is not None and (read or not src_blocks):
+        if src.on_read is not None and (read or not poisoned):
             src.on_read(read, h.tag)
         if dst.on_write is not None:
             dst.on_write(dst_blocks, h.tag)

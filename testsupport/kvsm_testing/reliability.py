@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -47,9 +49,6 @@ def stop_process(pid: int, timeout: float = 2.0) -> None:
     """SIGSTOP ``pid`` and return once every thread of it is stopped (``T`` in
     /proc): ``kill`` returns before a busy machine has stopped them all, and a
     thread still running may yet answer what the test sends next."""
-    import os
-    import signal
-
     os.kill(pid, signal.SIGSTOP)
 
     def stopped() -> bool | None:
